@@ -1,0 +1,181 @@
+"""A job: one instance run through init -> run -> eval, and what handlers see of it.
+
+Handlers read ``job.instance`` / ``job.sampling_params``, keep stage-to-stage state in ``job.state``,
+write their outcome to ``job.reward``, ``job.resolved``, ``job.messages``, ``job.trajectories`` and
+``job.extra``, and ask for resources through the job (``await job.backend()``, ``await job.open_sandbox()``)
+so the pipeline releases them when the job ends, is cancelled or times out.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+
+from prorl_server.types import CriticalError, JobResult, JobState, Timing, Trajectory
+
+if TYPE_CHECKING:
+    from handlers.base import AgentHandler
+    from prorl_server.balancer import Backend, BackendPool
+
+
+class PausableTimer:
+    """Wall-clock stopwatch that only counts while running (seconds, ``time.monotonic``).
+
+    The pipeline resumes it when a stage starts and pauses it when the stage ends, so queue waits are not
+    charged against a job's timeout.
+    """
+
+    __slots__ = ("_started", "_elapsed")
+
+    def __init__(self) -> None:
+        self._started: Optional[float] = None
+        self._elapsed = 0.0
+
+    def resume(self) -> None:
+        if self._started is None:
+            self._started = time.monotonic()
+
+    def pause(self) -> float:
+        """Stop counting; returns the seconds counted since the last resume."""
+        if self._started is None:
+            return 0.0
+        dt = time.monotonic() - self._started
+        self._elapsed += dt
+        self._started = None
+        return dt
+
+    @property
+    def running(self) -> bool:
+        return self._started is not None
+
+    @property
+    def elapsed(self) -> float:
+        extra = time.monotonic() - self._started if self._started is not None else 0.0
+        return self._elapsed + extra
+
+
+Closer = Callable[[], Awaitable[None]]
+
+
+class Job:
+    """Runtime state of one job. Created by the pipeline; handlers get it in every callback."""
+
+    def __init__(self, *, job_id: Optional[str], instance: dict[str, Any], sampling_params: dict[str, Any],
+                 handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
+                 pool: Optional["BackendPool"] = None, sandbox_opener=None,
+                 backend_wait_s: float = 0.0) -> None:
+        self.job_id = job_id or uuid.uuid4().hex
+        self.trajectory_id = uuid.uuid4().hex
+        self.instance = instance
+        self.sampling_params = sampling_params
+        self.handler = handler
+        self.handler_name = handler_name
+        self.timeout_s = timeout_s
+        self.status = JobState.queued_init
+        self.timer = PausableTimer()
+        self.timing = Timing()
+        self.enqueued_at = time.monotonic()
+        self.created_at = time.time()
+
+        # handler-owned outcome
+        self.state: dict[str, Any] = {}
+        self.reward: float = 0.0
+        self.resolved: bool = False
+        self.filter: bool = False
+        self.messages: list[dict[str, Any]] = []
+        self.trajectories: list[Trajectory] = []
+        self.extra: dict[str, Any] = {}
+
+        # pipeline-owned outcome
+        self.critical_error: Optional[CriticalError] = None
+        self.error: Optional[str] = None
+        self.traceback: Optional[str] = None
+        self.result: Optional[JobResult] = None
+        self.done = asyncio.get_running_loop().create_future()
+        self.task: Optional[asyncio.Task] = None  # the stage task now running, if any
+        self.cancel_requested = False
+
+        self._pool = pool
+        self._backend_wait_s = backend_wait_s
+        self._backend_address: Optional[str] = None
+        self._weight_version: Optional[int] = None
+        self._sandbox_opener = sandbox_opener
+        self._closers: list[tuple[str, Closer]] = []  # (scope, closer); scope "run" or "job"
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def instance_id(self) -> Optional[str]:
+        v = self.instance.get("instance_id", self.instance.get("id"))
+        return None if v is None else str(v)
+
+    @property
+    def finished(self) -> bool:
+        return self.done.done()
+
+    # ------------------------------------------------------------------ resources
+    async def backend(self, exclude: frozenset[str] = frozenset()) -> "Backend":
+        """The job's sticky LLM backend (assigned on first call; least-loaded healthy one).
+
+        ``exclude`` names backends that failed for this job: a new one is assigned instead.
+
+        Raises:
+            prorl_server.balancer.NoBackendError: none registered within the server's backend wait.
+        """
+        if self._pool is None:
+            from prorl_server.balancer import NoBackendError
+
+            raise NoBackendError("this server has no backend pool")
+        b = await self._pool.acquire(self.job_id, wait_s=self._backend_wait_s, exclude=exclude)
+        self._backend_address = b.address
+        self._weight_version = b.weight_version
+        return b
+
+    def add_closer(self, closer: Closer, scope: str = "run") -> None:
+        """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the DESIGN rule: the run
+        sandbox is released as soon as run ends); ``scope="job"``: runs when the job ends. Every closer runs
+        at the latest when the job ends, whatever the outcome."""
+        self._closers.append((scope, closer))
+
+    async def open_sandbox(self, spec: Any = None, **kwargs: Any) -> Any:
+        """Start a sandbox from the server's configured runtime; it is closed for the handler when the run
+        stage ends (if opened in init/run) or when the job ends (if opened in eval).
+
+        Raises:
+            RuntimeError: the server has no sandbox runtime configured.
+        """
+        if self._sandbox_opener is None:
+            raise RuntimeError("this server has no sandbox runtime configured")
+        handle = await self._sandbox_opener(spec, **kwargs)
+        scope = "job" if self.status == JobState.eval else "run"
+        self.add_closer(handle.close, scope)
+        return handle
+
+    async def close_resources(self, scope: Optional[str] = None) -> list[BaseException]:
+        """Run closers of ``scope`` (all if None), newest first. Returns the errors they raised; never raises
+        except for cancellation of the caller."""
+        errors: list[BaseException] = []
+        keep: list[tuple[str, Closer]] = []
+        for sc, closer in reversed(self._closers):
+            if scope is not None and sc != scope:
+                keep.append((sc, closer))
+                continue
+            try:
+                await closer()
+            except Exception as e:  # a failing close must not stop the others
+                errors.append(e)
+        self._closers = list(reversed(keep))
+        return errors
+
+    # ------------------------------------------------------------------ result
+    def build_result(self) -> JobResult:
+        """The default result from the job's fields (handlers may override ``final_result``)."""
+        self.timing.counted_s = self.timer.elapsed
+        return JobResult(
+            job_id=self.job_id, instance_id=self.instance_id, trajectory_id=self.trajectory_id,
+            handler=self.handler_name, reward=float(self.reward), resolved=bool(self.resolved),
+            critical_error=self.critical_error, error=self.error, traceback=self.traceback,
+            filter=bool(self.filter), messages=self.messages, trajectories=self.trajectories,
+            timing=self.timing, backend=self._backend_address, weight_version=self._weight_version,
+            extra=self.extra,
+        )
