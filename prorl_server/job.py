@@ -95,6 +95,7 @@ class Job:
         self.done = asyncio.get_running_loop().create_future()
         self.task: Optional[asyncio.Task] = None  # the stage task now running, if any
         self.cancel_requested = False
+        self.finishing = False  # set once the pipeline starts ending the job
 
         self._pool = pool
         self._backend_wait_s = backend_wait_s
@@ -154,17 +155,15 @@ class Job:
     async def close_resources(self, scope: Optional[str] = None) -> list[BaseException]:
         """Run closers of ``scope`` (all if None), newest first. Returns the errors they raised; never raises
         except for cancellation of the caller."""
+        # Detach the closers before awaiting any, so a concurrent call never runs one twice.
+        take = [(sc, c) for sc, c in self._closers if scope is None or sc == scope]
+        self._closers = [(sc, c) for sc, c in self._closers if not (scope is None or sc == scope)]
         errors: list[BaseException] = []
-        keep: list[tuple[str, Closer]] = []
-        for sc, closer in reversed(self._closers):
-            if scope is not None and sc != scope:
-                keep.append((sc, closer))
-                continue
+        for _, closer in reversed(take):
             try:
                 await closer()
             except Exception as e:  # a failing close must not stop the others
                 errors.append(e)
-        self._closers = list(reversed(keep))
         return errors
 
     # ------------------------------------------------------------------ result

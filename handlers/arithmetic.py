@@ -1,0 +1,77 @@
+"""``arithmetic``: a tiny built-in handler that does real work without an LLM, for smoke tests and docs.
+
+Instance: ``{"data_source": "arithmetic", "expression": "2 * (3 + 4)", "answer": 14}``. ``run`` evaluates
+the expression with a safe AST walker (numbers, + - * / // % **, unary +/-, parentheses; nothing else);
+``eval`` gives reward 1.0 when the value equals ``answer`` (within 1e-9 relative), else 0.0. Without
+``answer`` the reward is 0.0 and the value is reported in ``extra["value"]``.
+
+Raises (inside ``run``): ``ValueError`` for anything that is not a plain arithmetic expression; the pipeline
+turns it into a result with ``critical_error="run"``.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import operator
+
+from handlers.base import AgentHandler
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 1000
+MAX_EXPONENT = 1000
+
+
+def evaluate(expression: str) -> float:
+    """Value of a plain arithmetic expression. Raises ValueError for anything else (names, calls, huge
+    exponents, over-long input) and ZeroDivisionError for division by zero."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+
+    def walk(node: ast.AST):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent larger than {MAX_EXPONENT}")
+            return _BINOPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](walk(node.operand))
+        raise ValueError(f"unsupported syntax in arithmetic expression: {type(node).__name__}")
+
+    return walk(tree)
+
+
+class ArithmeticHandler(AgentHandler):
+    name = "arithmetic"
+    aliases = ("calc",)
+    needs_llm = False
+
+    async def init(self, job) -> None:
+        expr = job.instance.get("expression")
+        if not isinstance(expr, str):
+            raise ValueError("instance.expression must be a string")
+        job.messages = [{"role": "user", "content": expr}]
+
+    async def run(self, job) -> None:
+        value = evaluate(job.instance["expression"])
+        job.state["value"] = value
+        job.extra["value"] = value
+        job.messages.append({"role": "assistant", "content": repr(value)})
+
+    async def eval(self, job) -> None:
+        expected = job.instance.get("answer")
+        if expected is None:
+            job.reward = 0.0
+            return
+        value = job.state["value"]
+        job.resolved = math.isclose(float(value), float(expected), rel_tol=1e-9, abs_tol=1e-12)
+        job.reward = 1.0 if job.resolved else 0.0

@@ -1,0 +1,81 @@
+"""Server settings: defaults < config file (YAML or TOML) < environment (``PRORL_TOKEN``) < command-line flags."""
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ServerSettings(BaseModel):
+    """Every setting of ``prorl-server``. Units: seconds for ``*_s``, MiB for ``max_body_mb``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535, description="0 picks a free port (see ready_file)")
+    init_workers: int = Field(default=32, ge=1)
+    run_workers: int = Field(default=32, ge=1)
+    eval_workers: int = Field(default=32, ge=1)
+    default_timeout_s: Optional[float] = Field(default=3600.0, gt=0,
+                                               description="counted-time limit of a job that sets none")
+    token: Optional[str] = Field(default=None, description="bearer token for every endpoint but /health")
+    backends: list[str] = Field(default_factory=list, description="LLM backend URLs registered at start")
+    backend_wait_s: float = Field(default=60.0, ge=0,
+                                  description="how long a job waits for a backend before its stage fails")
+    health_interval_s: float = Field(default=10.0, gt=0, description="backend health probe period")
+    keep_finished: int = Field(default=10000, ge=0, description="finished jobs kept for GET /jobs/{id}")
+    max_body_mb: float = Field(default=64.0, gt=0)
+    sandbox_runtime: Optional[str] = Field(default=None,
+                                           description="bubblewrap | singularity | local | None (no sandboxes)")
+    sandbox_options: dict[str, Any] = Field(default_factory=dict)
+    ready_file: Optional[str] = Field(default=None,
+                                      description="write {host, port, pid, url} here once listening")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    def workers(self) -> dict[str, int]:
+        return {"init": self.init_workers, "run": self.run_workers, "eval": self.eval_workers}
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) settings file into a dict.
+
+    Raises:
+        ValueError: unknown extension, or the file does not hold a mapping.
+        OSError: the file cannot be read.
+    """
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif p.suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config file {p} must end in .yaml, .yml or .toml")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a mapping of settings")
+    return data
+
+
+def build_settings(file: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> ServerSettings:
+    """Merge the layers: defaults, then ``file``, then ``PRORL_TOKEN``, then ``overrides`` (flags; None
+    values are ignored so an unset flag never hides the file's value).
+
+    Raises:
+        pydantic.ValidationError: a setting has the wrong type or range, or is unknown.
+    """
+    data: dict[str, Any] = load_config_file(file) if file else {}
+    if os.environ.get("PRORL_TOKEN"):
+        data["token"] = os.environ["PRORL_TOKEN"]
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            data[k] = v
+    return ServerSettings.model_validate(data)

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one server (prometheus-client, one registry per app: no process globals)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class Metrics:
+    """The server's metrics. ``render()`` gives the Prometheus text exposition format (bytes)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.jobs_total = Counter("prorl_jobs_total", "Jobs finished, by handler and outcome "
+                                  "(ok or the critical_error: init/run/eval/timeout/cancelled)",
+                                  ["handler", "outcome"], registry=r)
+        self.jobs_in_flight = Gauge("prorl_jobs_in_flight", "Jobs accepted and not yet finished", registry=r)
+        self.queue_depth = Gauge("prorl_stage_queue_depth", "Jobs waiting for a worker, per stage",
+                                 ["stage"], registry=r)
+        self.active = Gauge("prorl_stage_active", "Jobs being worked on, per stage", ["stage"], registry=r)
+        self.stage_latency = Histogram("prorl_stage_latency_seconds", "Wall time of one stage of one job",
+                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.reward = Histogram("prorl_job_reward", "Reward of finished jobs", ["handler"],
+                                buckets=(0.0, 0.25, 0.5, 0.75, 1.0), registry=r)
+        self.backend_in_flight = Gauge("prorl_backend_in_flight", "Jobs assigned to an LLM backend",
+                                       ["backend"], registry=r)
+        self.backend_healthy = Gauge("prorl_backend_healthy", "1 if the backend is in rotation",
+                                     ["backend"], registry=r)
+        self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
+                                         "Malformed tool calls turned into error observations",
+                                         ["handler"], registry=r)
+        for stage in ("init", "run", "eval"):
+            self.queue_depth.labels(stage).set(0)
+            self.active.labels(stage).set(0)
+
+    def backend_changed(self, backend) -> None:
+        self.backend_in_flight.labels(backend.address).set(backend.in_flight)
+        self.backend_healthy.labels(backend.address).set(1 if backend.healthy else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

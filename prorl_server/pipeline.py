@@ -1,0 +1,302 @@
+"""The three-stage init -> run -> eval pipeline and the job lifecycle.
+
+Each stage is a pool of N asyncio workers pulling from its own queue (sizes set separately; no threads).
+A worker runs one job's stage as a child task, so a job can be cancelled or timed out without touching the
+worker. A job's :class:`~prorl_server.job.PausableTimer` runs only inside stages; the per-job timeout is
+charged against that counted time, never against queue waits.
+
+Outcomes: every path (success, stage exception, timeout, cancel, stop) goes through :meth:`_finish`, which
+closes the job's resources, releases its backend, builds the result and completes the waiter exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from typing import Any, Optional
+
+from handlers.registry import HandlerRegistry
+from prorl_server.balancer import BackendPool, NoBackendError
+from prorl_server.job import Job
+from prorl_server.metrics import Metrics
+from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
+
+log = logging.getLogger(__name__)
+
+_QUEUED = {"init": JobState.queued_init, "run": JobState.queued_run, "eval": JobState.queued_eval}
+_ACTIVE = {"init": JobState.init, "run": JobState.run, "eval": JobState.eval}
+_NEXT: dict[str, Optional[Stage]] = {"init": "run", "run": "eval", "eval": None}
+
+
+class ServerStoppedError(RuntimeError):
+    """The pipeline is stopped (``POST /stop``); ``POST /start`` resumes it."""
+
+
+class DuplicateJobError(ValueError):
+    """A job with this id is still in flight."""
+
+
+class Pipeline:
+    """Owns the stage queues, their workers and every live job.
+
+    Args:
+        registry: handlers to dispatch ``instance["data_source"]`` to.
+        pool: LLM backend pool (sticky per job).
+        workers: number of workers per stage, e.g. ``{"init": 64, "run": 64, "eval": 64}``.
+        default_timeout_s: counted-time limit for jobs that do not set ``timeout_s`` (None = no limit).
+        backend_wait_s: how long a job waits for a backend to be registered before failing its stage.
+        keep_finished: how many finished jobs stay queryable through ``GET /jobs/{id}``.
+        sandbox_opener: ``async (spec, **kw) -> handle`` from the configured sandbox runtime, or None.
+    """
+
+    def __init__(self, registry: HandlerRegistry, pool: BackendPool, metrics: Metrics,
+                 workers: dict[str, int], default_timeout_s: Optional[float] = None,
+                 backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.metrics = metrics
+        self.workers = {s: max(1, int(workers.get(s, 1))) for s in STAGES}
+        self.default_timeout_s = default_timeout_s
+        self.backend_wait_s = backend_wait_s
+        self.keep_finished = keep_finished
+        self.sandbox_opener = sandbox_opener
+        self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
+        self.active: dict[str, int] = {s: 0 for s in STAGES}
+        self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones (insertion order)
+        self.in_flight = 0
+        self.accepting = True
+        self._worker_tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_workers(self) -> None:
+        for stage in STAGES:
+            for i in range(self.workers[stage]):
+                self._worker_tasks.append(asyncio.create_task(self._worker(stage), name=f"{stage}-worker-{i}"))
+
+    async def shutdown(self) -> None:
+        """Refuse new jobs, cancel every live job (closing its sandboxes), then stop the workers."""
+        self.accepting = False
+        await self.cancel_all("server shutting down")
+        for t in self._worker_tasks:
+            t.cancel()
+        await asyncio.gather(*self._worker_tasks, return_exceptions=True)
+        self._worker_tasks.clear()
+
+    def resume(self) -> None:
+        """``POST /start``: accept jobs again."""
+        self.accepting = True
+
+    async def stop(self) -> int:
+        """``POST /stop``: refuse new jobs and cancel every in-flight one (results say ``cancelled``).
+        HTTP keeps serving so ``/start`` can resume. Returns how many jobs were cancelled."""
+        self.accepting = False
+        return await self.cancel_all("server stopped (POST /stop)")
+
+    async def cancel_all(self, reason: str) -> int:
+        live = [j for j in self.jobs.values() if not j.finished]
+        results = await asyncio.gather(*(self.cancel(j.job_id, reason) for j in live))
+        return sum(1 for cancelled, _ in results if cancelled)
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, req: ProcessRequest) -> Job:
+        """Create a job and queue it for init.
+
+        Raises:
+            ServerStoppedError: the server is stopped.
+            handlers.registry.UnknownHandlerError: ``data_source`` names no handler.
+            NoBackendError: the handler needs an LLM and no healthy backend is registered.
+            DuplicateJobError: ``job_id`` is already in flight.
+        """
+        if not self.accepting:
+            raise ServerStoppedError("server is stopped; POST /start to accept jobs again")
+        name, handler = self.registry.resolve(req.instance["data_source"])
+        if handler.needs_llm and len(self.pool) == 0:
+            raise NoBackendError(f"handler {name!r} needs an LLM backend and none is registered; "
+                                 "register one with POST /add_llm_server")
+        if req.job_id is not None:
+            old = self.jobs.get(req.job_id)
+            if old is not None and not old.finished:
+                raise DuplicateJobError(f"job {req.job_id!r} is already in flight")
+        job = Job(job_id=req.job_id, instance=req.instance, sampling_params=req.sampling_params,
+                  handler=handler, handler_name=name,
+                  timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
+                  pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s)
+        self.jobs.pop(job.job_id, None)
+        self.jobs[job.job_id] = job
+        self.in_flight += 1
+        self.metrics.jobs_in_flight.set(self.in_flight)
+        self._enqueue(job, "init")
+        self._trim_finished()
+        return job
+
+    def get(self, job_id: str) -> Optional[Job]:
+        return self.jobs.get(job_id)
+
+    def _enqueue(self, job: Job, stage: Stage) -> None:
+        job.status = _QUEUED[stage]
+        job.enqueued_at = time.monotonic()
+        self.queues[stage].put_nowait(job)
+        self.metrics.queue_depth.labels(stage).set(self.queues[stage].qsize())
+
+    def _trim_finished(self) -> None:
+        excess = len(self.jobs) - self.in_flight - self.keep_finished
+        if excess <= 0:
+            return
+        for jid in [jid for jid, j in self.jobs.items() if j.finished][:excess]:
+            del self.jobs[jid]
+
+    # ------------------------------------------------------------------ cancellation
+    async def cancel(self, job_id: str, reason: str = "cancelled by request") -> tuple[bool, JobState]:
+        """Cancel a job wherever it is. Idempotent: a finished job is left as it is.
+
+        Returns ``(cancelled_now, state)``. Raises KeyError for an unknown id.
+        """
+        job = self.jobs[job_id]
+        if job.finished:
+            return False, job.status
+        if job.finishing:  # already ending (e.g. closing sandboxes): wait for it
+            await asyncio.shield(job.done)
+            return False, job.status
+        job.cancel_requested = True
+        job.error = reason
+        if job.task is not None and not job.task.done():
+            # The worker sees the cancelled child task and finishes the job (closing its sandboxes).
+            job.task.cancel()
+            await asyncio.shield(job.done)
+        else:
+            # Queued: it stays in its queue and the worker that pops it skips it.
+            await self._finish(job, "cancelled", reason)
+        return True, job.status
+
+    # ------------------------------------------------------------------ workers
+    async def _worker(self, stage: Stage) -> None:
+        queue = self.queues[stage]
+        while True:
+            job = await queue.get()
+            self.metrics.queue_depth.labels(stage).set(queue.qsize())
+            if job.finished:
+                continue
+            job.timing.queue_s += time.monotonic() - job.enqueued_at
+            self.active[stage] += 1
+            self.metrics.active.labels(stage).set(self.active[stage])
+            try:
+                await self._run_stage(job, stage)
+            except asyncio.CancelledError:
+                # The worker itself is being cancelled (shutdown): end the job, then stop.
+                if not job.finished:
+                    await asyncio.shield(self._finish(job, "cancelled", "server shutting down"))
+                raise
+            except Exception:  # never let one job kill a worker
+                log.exception("internal error in %s worker for job %s", stage, job.job_id)
+                if not job.finished:
+                    await self._finish(job, stage, "internal error", traceback.format_exc())
+            finally:
+                self.active[stage] -= 1
+                self.metrics.active.labels(stage).set(self.active[stage])
+
+    async def _run_stage(self, job: Job, stage: Stage) -> None:
+        handler = job.handler
+        remaining = None if job.timeout_s is None else job.timeout_s - job.timer.elapsed
+        job.status = _ACTIVE[stage]
+        t0 = time.monotonic()
+        job.timer.resume()
+        job.task = asyncio.create_task(self._guarded(getattr(handler, stage)(job), remaining),
+                                       name=f"{stage}:{job.job_id}")
+        try:
+            await asyncio.wait({job.task})
+        except asyncio.CancelledError:
+            job.task.cancel()  # the worker is being cancelled: do not leave the stage running
+            raise
+        finally:
+            dt = job.timer.pause()
+            setattr(job.timing, f"{stage}_s", getattr(job.timing, f"{stage}_s") + dt)
+            self.metrics.stage_latency.labels(stage).observe(time.monotonic() - t0)
+        task, job.task = job.task, None
+        if stage == "run":
+            await job.close_resources("run")
+
+        if task.cancelled() or job.cancel_requested:
+            await self._finish(job, "cancelled", job.error or "cancelled")
+            return
+        exc = task.exception()
+        if exc is None:
+            nxt = _NEXT[stage]
+            if nxt is None:
+                await self._finish(job, None)
+            else:
+                self._enqueue(job, nxt)
+            return
+        if isinstance(exc, _JobTimeout):
+            job.timing.timeout_triggered = True
+            await self._finish(job, "timeout", f"job exceeded its timeout of {job.timeout_s:g} s in {stage}")
+            return
+        # A stage exception: tell the handler, then end the job with critical_error=<stage>.
+        tb = "".join(traceback.format_exception(exc))
+        msg = f"{stage} failed: {type(exc).__name__}: {exc}"
+        if isinstance(exc, NoBackendError):
+            msg = f"{stage} failed: {exc}"
+        try:
+            await getattr(handler, f"{stage}_exception")(job, exc)
+        except Exception as cb_exc:
+            log.exception("%s_exception callback of handler %s raised", stage, job.handler_name)
+            msg += f" (and {stage}_exception raised {type(cb_exc).__name__}: {cb_exc})"
+        await self._finish(job, stage, msg, tb)
+
+    @staticmethod
+    async def _guarded(coro, remaining: Optional[float]) -> Any:
+        if remaining is None:
+            return await coro
+        if remaining <= 0:
+            coro.close()
+            raise _JobTimeout()
+        try:
+            async with asyncio.timeout(remaining) as deadline:
+                return await coro
+        except TimeoutError as e:
+            # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
+            if deadline.expired():
+                raise _JobTimeout() from e
+            raise
+
+    # ------------------------------------------------------------------ completion
+    async def _finish(self, job: Job, critical_error: Optional[str], error: Optional[str] = None,
+                      tb: Optional[str] = None) -> None:
+        if job.finished or job.finishing:
+            return
+        job.finishing = True
+        if critical_error is not None:
+            job.critical_error = critical_error  # type: ignore[assignment]
+            job.error = error
+            job.traceback = tb
+            job.reward = 0.0 if critical_error != "eval" else float(job.reward or 0.0)
+            job.resolved = False
+        close_errors = await job.close_resources()
+        for e in close_errors:
+            log.warning("closing a resource of job %s failed: %s", job.job_id, e)
+        self.pool.release(job.job_id)
+        try:
+            result = await job.handler.final_result(job)
+            if not isinstance(result, JobResult):
+                raise TypeError(f"final_result returned {type(result).__name__}, not JobResult")
+        except Exception as e:
+            log.exception("final_result of handler %s raised", job.handler_name)
+            if job.error is None:
+                job.error = f"final_result failed: {type(e).__name__}: {e}"
+            result = job.build_result()
+        job.result = result
+        job.status = JobState.done
+        self.in_flight -= 1
+        self.metrics.jobs_in_flight.set(self.in_flight)
+        self.metrics.jobs_total.labels(job.handler_name, critical_error or "ok").inc()
+        self.metrics.reward.labels(job.handler_name).observe(result.reward)
+        job.done.set_result(result)
+
+    # ------------------------------------------------------------------ status
+    def stage_status(self) -> dict[str, StageStatus]:
+        return {s: StageStatus(queued=self.queues[s].qsize(), active=self.active[s], workers=self.workers[s])
+                for s in STAGES}
+
+
+class _JobTimeout(Exception):
+    """Internal: the job's counted-time budget ran out inside a stage."""
