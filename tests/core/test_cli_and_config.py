@@ -1,0 +1,91 @@
+"""Settings layering, handler registration, and the real `prorl-server` process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+from pydantic import ValidationError
+
+from handlers.base import AgentHandler
+from handlers.registry import HandlerRegistry, UnknownHandlerError
+from prorl_server.cli import settings_from_args
+from prorl_server.config import build_settings
+
+
+def test_config_file_yaml_and_toml_with_flags_winning(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRORL_TOKEN", raising=False)
+    y = tmp_path / "s.yaml"
+    y.write_text("port: 9000\nrun_workers: 7\nbackends: ['http://127.0.0.1:8000']\n")
+    s = settings_from_args(["--config", str(y), "--port", "9100"])
+    assert (s.port, s.run_workers, s.init_workers, s.backends) == (9100, 7, 32, ["http://127.0.0.1:8000"])
+    t = tmp_path / "s.toml"
+    t.write_text('host = "0.0.0.0"\neval_workers = 3\nlog_level = "debug"\n')
+    s = build_settings(str(t))
+    assert (s.host, s.eval_workers, s.log_level) == ("0.0.0.0", 3, "DEBUG")
+    assert build_settings().host == "127.0.0.1"  # safe default bind
+
+
+def test_token_from_environment_and_flag_overrides_it(monkeypatch):
+    monkeypatch.setenv("PRORL_TOKEN", "from-env")
+    assert settings_from_args([]).token == "from-env"
+    assert settings_from_args(["--token", "from-flag"]).token == "from-flag"
+
+
+def test_bad_setting_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_workers: 0\n")
+    with pytest.raises(ValidationError):
+        build_settings(str(bad))
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("wrokers: 3\n")
+    with pytest.raises(ValidationError, match="wrokers"):
+        build_settings(str(unknown))
+    with pytest.raises(SystemExit):
+        settings_from_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_registry_resolves_aliases_and_entry_points():
+    class Echo(AgentHandler):
+        name = "echo"
+        aliases = ("repeat",)
+
+    r = HandlerRegistry()
+    r.register(Echo, aliases=["say"])
+    assert r.resolve("repeat")[0] == "echo" and r.resolve("say")[0] == "echo"
+    with pytest.raises(UnknownHandlerError) as e:
+        r.resolve("missing")
+    assert "echo" in str(e.value)
+    assert "arithmetic" in r.load_entry_points()  # declared in setup.cfg's entry points
+
+
+@pytest.mark.real
+def test_server_process_serves_and_exits_cleanly_on_sigterm(tmp_path):
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file", str(ready),
+                             "--token", "t0k", "--log-level", "warning"])
+    try:
+        for _ in range(200):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        assert info["pid"] == proc.pid and info["host"] == "127.0.0.1"
+        req = urllib.request.Request(info["url"] + "/process", method="POST", headers={
+            "Authorization": "Bearer t0k", "Content-Type": "application/json"},
+            data=json.dumps({"instance": {"data_source": "arithmetic", "expression": "6*7", "answer": 42}}).encode())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.load(r)["reward"] == 1.0
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
