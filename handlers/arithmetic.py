@@ -75,3 +75,18 @@ class ArithmeticHandler(AgentHandler):
         value = job.state["value"]
         job.resolved = math.isclose(float(value), float(expected), rel_tol=1e-9, abs_tol=1e-12)
         job.reward = 1.0 if job.resolved else 0.0
+
+
+def load_dataset(arg=None, limit=None, seed: int = 0) -> list[dict]:
+    """A seeded sample of arithmetic instances (``limit`` of them, default 16) with their true answers."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(limit or 16):
+        a, b, c = rng.randint(1, 99), rng.randint(1, 99), rng.randint(1, 9)
+        op = rng.choice(["+", "-", "*"])
+        expr = f"({a} {op} {b}) * {c}"
+        out.append({"data_source": "arithmetic", "instance_id": f"arith-{seed}-{i}", "expression": expr,
+                    "answer": evaluate(expr)})
+    return out

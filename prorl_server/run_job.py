@@ -1,0 +1,199 @@
+"""``prorl-run``: the main job. Roll out a dataset through a rollout server and report.
+
+Loads a dataset (see :mod:`prorl_server.datasets`), starts a rollout server in this process (or uses one given
+by ``--server URL``), registers LLM backends (``--backend URL``), submits N instances x n samples with bounded
+concurrency, shows a progress bar with live throughput and mean reward, and writes ``trajectories.jsonl`` (one
+job result per line, token ids included) and ``summary.json`` to ``--out``, then prints a summary table.
+Ctrl-C (SIGINT) or SIGTERM cancels the outstanding jobs on the server and still writes what finished.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import aiohttp
+from tqdm import tqdm
+
+from prorl_server.datasets import DatasetError, load_dataset
+
+log = logging.getLogger("prorl_run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prorl-run", description="Roll out a dataset through a ProRL rollout server.")
+    p.add_argument("--dataset", default="arithmetic",
+                   help="arithmetic | humaneval | reasoning-gym:<task> | path/to/instances.jsonl "
+                        "(default: arithmetic, the built-in LLM-free sample)")
+    p.add_argument("--limit", type=int, default=None, help="first N instances (default: all)")
+    p.add_argument("--samples", "-n", type=int, default=1, help="samples per instance (a group), default 1")
+    p.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once, default 8")
+    p.add_argument("--server", help="URL of a running rollout server (default: start one in this process)")
+    p.add_argument("--token", help="bearer token of --server (or PRORL_TOKEN)")
+    p.add_argument("--backend", action="append", default=[], metavar="URL", help="LLM backend (repeatable)")
+    p.add_argument("--sandbox-runtime", default=None, help="runtime of the in-process server (bubblewrap|local)")
+    p.add_argument("--timeout-s", type=float, default=None, help="per-job timeout in seconds")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per turn")
+    p.add_argument("--seed", type=int, default=0, help="dataset seed (generated datasets)")
+    p.add_argument("--out", default="out", help="output directory (default ./out)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+class Summary:
+    """Aggregates job results into the printed table and summary.json."""
+
+    def __init__(self) -> None:
+        self.results: list[dict[str, Any]] = []
+
+    def add(self, r: dict[str, Any]) -> None:
+        self.results.append(r)
+
+    @property
+    def mean_reward(self) -> float:
+        return statistics.fmean(r["reward"] for r in self.results) if self.results else 0.0
+
+    def to_dict(self, wall_s: float, submitted: int) -> dict[str, Any]:
+        rs = self.results
+        failures: dict[str, int] = {}
+        for r in rs:
+            if r.get("critical_error"):
+                failures[r["critical_error"]] = failures.get(r["critical_error"], 0) + 1
+        phases = {}
+        for ph in ("queue_s", "init_s", "run_s", "eval_s", "counted_s"):
+            xs = sorted(r["timing"][ph] for r in rs)
+            phases[ph] = {"p50": _pct(xs, 0.5), "p95": _pct(xs, 0.95)}
+        return {"jobs_submitted": submitted, "jobs_finished": len(rs), "mean_reward": self.mean_reward,
+                "resolved_rate": (sum(bool(r["resolved"]) for r in rs) / len(rs)) if rs else 0.0,
+                "failures_by_phase": failures, "phase_seconds": phases, "wall_s": wall_s,
+                "rollouts_per_s": len(rs) / wall_s if wall_s > 0 else 0.0}
+
+    @staticmethod
+    def table(s: dict[str, Any]) -> str:
+        lines = [f"jobs            {s['jobs_finished']}/{s['jobs_submitted']} finished",
+                 f"mean reward     {s['mean_reward']:.3f}",
+                 f"resolved rate   {s['resolved_rate']:.3f}",
+                 f"failures        {json.dumps(s['failures_by_phase']) if s['failures_by_phase'] else 'none'}",
+                 f"rollouts/s      {s['rollouts_per_s']:.2f}  (wall {s['wall_s']:.1f} s)",
+                 "phase           p50 s      p95 s"]
+        for ph, v in s["phase_seconds"].items():
+            lines.append(f"  {ph:<13}{v['p50']:<11.4f}{v['p95']:.4f}")
+        return "\n".join(lines)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    instances = load_dataset(args.dataset, limit=args.limit, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = None
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    if args.server:
+        url = args.server.rstrip("/")
+    else:
+        from aiohttp import web
+
+        from prorl_server.app import create_app
+        from prorl_server.config import ServerSettings
+
+        settings = ServerSettings(port=0, backends=args.backend, sandbox_runtime=args.sandbox_runtime,
+                                  init_workers=args.concurrency, run_workers=args.concurrency,
+                                  eval_workers=args.concurrency)
+        runner = web.AppRunner(create_app(settings), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        headers = {}
+    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    jobs = [(inst, k) for inst in instances for k in range(args.samples)]
+    summary = Summary()
+    outstanding: set[str] = set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    t0 = time.monotonic()
+    bar = tqdm(total=len(jobs), unit="rollout", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+    try:
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            if args.server:
+                for b in args.backend:
+                    async with http.post(f"{url}/add_llm_server", json={"address": b}) as r:
+                        r.raise_for_status()
+            queue = iter(jobs)
+            with (out / "trajectories.jsonl").open("w") as sink:
+                async def worker() -> None:
+                    for inst, k in queue:
+                        if stop.is_set():
+                            return
+                        job_id = f"{inst.get('instance_id', 'job')}-s{k}-{uuid.uuid4().hex[:8]}"
+                        body = {"instance": inst, "sampling_params": sampling, "job_id": job_id}
+                        if args.timeout_s:
+                            body["timeout_s"] = args.timeout_s
+                        outstanding.add(job_id)
+                        try:
+                            async with http.post(f"{url}/process", json=body) as r:
+                                result = await r.json()
+                                if r.status != 200:
+                                    raise RuntimeError(f"server refused job {job_id}: {result}")
+                        finally:
+                            outstanding.discard(job_id)
+                        summary.add(result)
+                        sink.write(json.dumps(result) + "\n")
+                        bar.update(1)
+                        bar.set_postfix(mean_reward=f"{summary.mean_reward:.3f}",
+                                        rps=f"{len(summary.results) / (time.monotonic() - t0):.2f}")
+
+                workers = [asyncio.create_task(worker()) for _ in range(max(1, args.concurrency))]
+                stopper = asyncio.create_task(stop.wait())
+                done, _ = await asyncio.wait([stopper, asyncio.gather(*workers)],
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
+                    print(f"\ninterrupted: cancelling {len(outstanding)} outstanding job(s)", file=sys.stderr)
+                    await asyncio.gather(*(http.post(f"{url}/cancel", json={"job_id": j}) for j in
+                                           list(outstanding)), return_exceptions=True)
+                    await asyncio.wait(workers, timeout=30)
+                    for w in workers:
+                        w.cancel()
+                else:
+                    stopper.cancel()
+                    for d in done:
+                        d.result()  # re-raise a worker error
+    finally:
+        bar.close()
+        if runner is not None:
+            await runner.cleanup()
+    s = summary.to_dict(time.monotonic() - t0, len(jobs))
+    s.update({"dataset": args.dataset, "samples": args.samples, "interrupted": stop.is_set()})
+    (out / "summary.json").write_text(json.dumps(s, indent=2))
+    print(Summary.table(s))
+    print(f"wrote {out / 'trajectories.jsonl'} and {out / 'summary.json'}")
+    return s
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        s = asyncio.run(run(args))
+    except DatasetError as e:
+        print(f"prorl-run: {e}", file=sys.stderr)
+        return 2
+    return 130 if s["interrupted"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The main job (`prorl-run`): outputs, summary, dataset errors, and Ctrl-C cancelling on the server."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+
+import pytest
+
+from prorl_server.datasets import DatasetError, load_dataset
+from prorl_server.run_job import build_parser, run
+
+
+async def test_main_job_writes_results_and_summary(tmp_path, capsys):
+    args = build_parser().parse_args(["--dataset", "arithmetic", "--limit", "5", "--samples", "3",
+                                      "--out", str(tmp_path)])
+    summary = await run(args)
+    lines = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 15
+    assert {r["instance_id"] for r in lines} == {f"arith-0-{i}" for i in range(5)}
+    assert all(r["reward"] == 1.0 for r in lines)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["jobs_finished"] == 15 and saved["mean_reward"] == 1.0 and saved["failures_by_phase"] == {}
+    assert saved == json.loads(json.dumps(summary))
+    assert "mean reward     1.000" in capsys.readouterr().out
+
+
+def test_jsonl_dataset_and_clear_errors(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"data_source": "arithmetic", "expression": "1+1"}\n\n{"data_source": "calc", "expression": "2"}\n')
+    insts = load_dataset(str(f))
+    assert [i["instance_id"] for i in insts] == ["d-1", "d-3"]
+    (tmp_path / "bad.jsonl").write_text('{"expression": "1"}\n')
+    with pytest.raises(DatasetError, match="bad.jsonl:1"):
+        load_dataset(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_dataset("no-such-dataset")
+
+
+@pytest.mark.real
+async def test_ctrl_c_cancels_outstanding_jobs_on_server_and_keeps_finished(aiohttp_server, registry, tmp_path):
+    from prorl_server.app import PIPELINE, create_app
+    from prorl_server.config import ServerSettings
+
+    server = await aiohttp_server(create_app(ServerSettings(health_interval_s=3600), registry=registry))
+    data = tmp_path / "slow.jsonl"
+    with data.open("w") as f:
+        f.write(json.dumps({"data_source": "scripted", "instance_id": "fast"}) + "\n")
+        for i in range(3):
+            f.write(json.dumps({"data_source": "scripted", "instance_id": f"slow{i}", "sleep": {"run": 60}}) + "\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prorl_server.run_job", "--dataset", str(data), "--server",
+        str(server.make_url("/")), "--concurrency", "4", "--out", str(tmp_path / "out"))
+    pipeline = server.app[PIPELINE]
+    for _ in range(500):
+        if sum(1 for j in pipeline.jobs.values() if j.status.value == "run") == 3:
+            break
+        await asyncio.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(proc.wait(), 30) == 130
+    results = [json.loads(x) for x in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
+    by_id = {r["instance_id"]: r for r in results}
+    assert by_id["fast"]["reward"] == 1.0
+    assert all(by_id[f"slow{i}"]["critical_error"] == "cancelled" for i in range(3))
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["interrupted"] is True
+    assert pipeline.in_flight == 0
