@@ -1,0 +1,98 @@
+"""Fixtures of the cluster tier: a REAL single-node Slurm (slurmctld + slurmd + munged on this machine).
+
+The cluster is started once per session by ``.ci/slurm/cluster.sh start`` (idempotent: daemons left running
+by an earlier session are reused) and stopped at the end only if this session started it. When the Slurm
+commands are missing, the fixture runs ``.ci/install-slurm.sh``; it skips, printing why, only when the
+packages cannot be installed (not root, no apt). Once installed, a cluster that does not come up is a
+failure, not a skip.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO / ".ci" / "slurm" / "cluster.sh"
+INSTALL_SH = REPO / ".ci" / "install-slurm.sh"
+SLURM_COMMANDS = ("sbatch", "srun", "scancel", "squeue", "sinfo", "scontrol", "slurmctld", "slurmd", "munged")
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running single-node cluster. ``env`` is ``os.environ`` plus ``SLURM_CONF`` for client commands."""
+
+    state_dir: Path
+    conf: Path
+    node: str
+    env: dict
+
+    def run(self, *argv: str, timeout: float = 30, check: bool = True, env: dict | None = None):
+        return subprocess.run(list(argv), env=env or self.env, capture_output=True, text=True,
+                              timeout=timeout, check=check)
+
+    def job_state(self, job_id: str) -> str:
+        """``RUNNING``, ``PENDING``, ``COMPLETED``, ``CANCELLED``, ... or ``""`` once the controller forgot it."""
+        r = self.run("scontrol", "show", "job", job_id, "-o", check=False)
+        for field in r.stdout.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return ""
+
+    def wait_job_done(self, job_id: str, timeout: float) -> str:
+        """Wait until the job left the RUNNING/PENDING/COMPLETING states; return its final state."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
+                return state
+            time.sleep(0.3)
+        raise AssertionError(f"job {job_id} still {self.job_state(job_id)} after {timeout:g} s")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        p = self.state_dir / "log" / name
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else f"(no {p})"
+
+
+def _ensure_slurm_installed() -> None:
+    missing = [c for c in SLURM_COMMANDS if shutil.which(c) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"Slurm tier: {', '.join(missing)} not installed and not root to run {INSTALL_SH}")
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"Slurm tier: {', '.join(missing)} not installed and no apt-get on this machine")
+    r = subprocess.run(["bash", str(INSTALL_SH)], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"Slurm tier: the Slurm packages cannot be installed here:\n{r.stdout[-1500:]}"
+                    f"\n{r.stderr[-1500:]}")
+    print(r.stdout, file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    _ensure_slurm_installed()
+    if os.geteuid() != 0:
+        pytest.skip("Slurm tier: the single-node test cluster runs its daemons as root (SlurmUser=root)")
+    state_dir = Path(os.environ.get("PRORL_SLURM_DIR", "/var/tmp/prorl-slurm"))
+    env = dict(os.environ, PRORL_SLURM_DIR=str(state_dir), SLURM_CONF=str(state_dir / "slurm.conf"))
+    was_up = subprocess.run(["bash", str(CLUSTER_SH), "status"], env=env, capture_output=True).returncode == 0
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(CLUSTER_SH), "start"], env=env, capture_output=True, text=True, timeout=180)
+    cluster = SlurmCluster(state_dir, state_dir / "slurm.conf", socket.gethostname().split(".")[0], env)
+    if r.returncode != 0:
+        pytest.fail(f"the Slurm packages are installed but the test cluster did not start:\n{r.stderr}\n"
+                    f"--- slurmctld.log\n{cluster.log_tail('slurmctld.log')}\n"
+                    f"--- slurmd.log\n{cluster.log_tail('slurmd.log')}")
+    print(f"slurm test cluster {'reused' if was_up else 'started'} in {time.monotonic() - t0:.1f} s: "
+          f"{r.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+    yield cluster
+    if not was_up:
+        subprocess.run(["bash", str(CLUSTER_SH), "stop"], env=env, capture_output=True, timeout=120)

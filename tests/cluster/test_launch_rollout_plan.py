@@ -1,0 +1,55 @@
+"""``slurm/launch_rollout.sh --dry-run`` shows the plan and starts nothing (no Slurm needed)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "slurm" / "launch_rollout.sh"
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PRORL_"))}
+    return subprocess.run(["bash", str(LAUNCHER), *args], capture_output=True, text=True, timeout=30,
+                          env={**base, **env})
+
+
+def test_dry_run_prints_overlapping_server_steps_on_free_ports_and_creates_nothing(tmp_path):
+    r = run("--dry-run", PRORL_SERVERS_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    srun_line = next(line for line in out.splitlines() if line.strip().startswith("srun "))
+    assert "--overlap" in srun_line, "a background server step without --overlap starves every later step"
+    assert "prorl-server --host 0.0.0.0 --port 0 --ready-file" in out
+    assert f"{tmp_path}/prorl-4242/<node>.ready.json" in out
+    assert f"servers.json:      {tmp_path}/servers.json" in out
+    assert "n[1-2]" in out and "#SBATCH --signal=B:USR1@120" in out
+    assert list(tmp_path.iterdir()) == [], "the dry run created files"
+
+
+def test_env_dry_run_switch_and_options_show_up_in_the_plan(tmp_path):
+    r = run(PRORL_DRY_RUN="1", PRORL_SERVERS_DIR=str(tmp_path), PRORL_SANDBOX_RUNTIME="singularity",
+            PRORL_SERVER_ARGS="--run-workers 64", PRORL_VLLM_MODEL="/models/qwen", PRORL_VLLM_GPUS_PER_SERVER="2")
+    assert r.returncode == 0, r.stderr
+    assert "--sandbox-runtime singularity --run-workers 64" in r.stdout
+    assert "--model /models/qwen on each group of 2 GPU(s)" in r.stdout
+
+
+def test_running_outside_a_job_refuses_and_points_to_sbatch_or_dry_run(tmp_path):
+    r = run(PRORL_SERVERS_DIR=str(tmp_path))
+    assert r.returncode == 2
+    assert "not inside a Slurm job" in r.stderr and "--dry-run" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_argument_is_refused_instead_of_ignored():
+    r = run("--nodes=4")
+    assert r.returncode == 2 and "unknown argument --nodes=4" in r.stderr
+
+
+def test_help_prints_the_documented_options():
+    r = run("--help")
+    assert r.returncode == 0
+    for opt in ("PRORL_SERVERS_DIR", "PRORL_VLLM_MODEL", "PRORL_STOP_GRACE", "--dry-run"):
+        assert opt in r.stdout

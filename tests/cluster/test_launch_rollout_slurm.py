@@ -1,0 +1,202 @@
+"""``sbatch slurm/launch_rollout.sh`` on a REAL single-node Slurm (see conftest.py): the server comes up, is
+listed in servers.json, serves a job, and after ``scancel`` (or the time limit) nothing of it is left."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainer_plugins.servers import load_servers, wait_for_servers
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "slurm" / "launch_rollout.sh"
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm.py"
+
+pytestmark = pytest.mark.real
+
+ARITHMETIC = {"instance": {"data_source": "arithmetic", "expression": "2+3", "answer": 5}, "sampling_params": {}}
+
+
+def server_cmd() -> str:
+    """The installed ``prorl-server`` console script next to this interpreter (else the module)."""
+    exe = Path(sys.executable).parent / "prorl-server"
+    return str(exe) if exe.exists() else f"{sys.executable} -m prorl_server"
+
+
+def launch_env(cluster, servers_dir: Path, **extra: str) -> dict:
+    env = dict(cluster.env)
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+        PYTHONPATH=f"{REPO}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO),
+        PRORL_SERVERS_DIR=str(servers_dir),
+        PRORL_HOST="127.0.0.1",  # tests send traffic to loopback only
+        PRORL_PYTHON=sys.executable,
+        PRORL_SERVER_CMD=server_cmd(),
+        PRORL_STARTUP_TIMEOUT="120",
+    )
+    env.pop("PRORL_TOKEN", None)
+    env.update(extra)
+    return env
+
+
+def submit(cluster, servers_dir: Path, *sbatch_args: str, **env_extra: str) -> str:
+    r = cluster.run("sbatch", "--parsable", f"--output={servers_dir}/job-%j.out", *sbatch_args, str(LAUNCHER),
+                    env=launch_env(cluster, servers_dir, **env_extra))
+    return r.stdout.strip().split(";")[0]
+
+
+def post(url: str, body: dict, token: str | None, timeout: float = 30) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def get(url: str, token: str | None, timeout: float = 10) -> dict:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def job_processes(job_id: str) -> dict[int, float]:
+    """Every process on this machine that belongs to the Slurm job, as ``{pid: create_time}``.
+
+    Found by the ``SLURM_JOB_ID`` that Slurm puts in each job process's environment (inherited by the server,
+    its sandboxes and anything they daemonize), so an escaped process is found whatever proctrack plugin is in
+    use. Read-only: nothing is ever signalled by this lookup.
+    """
+    found = {}
+    for p in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if p.environ().get("SLURM_JOB_ID") == job_id:
+                found[p.pid] = p.info["create_time"]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def still_alive(procs: dict[int, float]) -> list[str]:
+    alive = []
+    for pid, created in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def wait_ready(cluster, servers_dir: Path, job_id: str, timeout: float = 120):
+    try:
+        return wait_for_servers(servers_dir / "servers.json", timeout_s=timeout, poll_s=0.2, job_id=job_id)
+    except TimeoutError:
+        out = servers_dir / f"job-{job_id}.out"
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                         for p in sorted(servers_dir.glob(f"prorl-{job_id}/*.log")))
+        pytest.fail(f"job {job_id} ({cluster.job_state(job_id)}) wrote no servers.json in {timeout} s\n"
+                    f"--- job output\n{out.read_text() if out.exists() else '(none)'}\n{logs}\n"
+                    f"--- slurmd.log\n{cluster.log_tail('slurmd.log')}")
+
+
+def job_output(servers_dir: Path, job_id: str) -> str:
+    return (servers_dir / f"job-{job_id}.out").read_text(errors="replace")
+
+
+def assert_stopped_cleanly(cluster, servers_dir: Path, job_id: str, procs: dict[int, float]) -> None:
+    out = job_output(servers_dir, job_id)
+    node_log = (servers_dir / f"prorl-{job_id}" / f"{cluster.node}.log").read_text(errors="replace")
+    # The server handled SIGTERM itself (exit 0) instead of being SIGKILLed after the grace period.
+    assert f"server step on {cluster.node} exited rc=0" in out, out
+    assert "prorl-server exited rc=0" in node_log, node_log
+    assert "SIGKILL" not in node_log, node_log
+    assert not (servers_dir / "servers.json").exists(), "servers.json of a stopped job was left for trainers"
+    deadline = time.monotonic() + 10  # slurmstepd reaps the last processes just after the state flips
+    while (alive := still_alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"processes of job {job_id} outlived it: {alive}"
+    assert not job_processes(job_id), f"processes with SLURM_JOB_ID={job_id} remain: {job_processes(job_id)}"
+
+
+def test_sbatch_serves_a_job_then_scancel_leaves_no_process(slurm_cluster, tmp_path):
+    job_id = submit(slurm_cluster, tmp_path)
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        assert sf.job_id == job_id and len(sf.servers) == 1
+        assert (tmp_path / "servers.json").stat().st_mode & 0o077 == 0, "servers.json holding the token is readable by others"
+        server = sf.ordered(slurm_cluster.node)[0]
+        assert server.node == slurm_cluster.node
+        assert sf.token and len(sf.token) >= 32
+
+        status, _ = post(f"{server.url}/process", ARITHMETIC, token=None)
+        assert status == 401, "the launched server accepted a job without the job's bearer token"
+        status, result = post(f"{server.url}/process", ARITHMETIC, token=sf.token)
+        assert status == 200, result
+        assert result["reward"] == 1.0 and result["critical_error"] is None, result
+
+        procs = job_processes(job_id)
+        assert server.pid in procs, f"server pid {server.pid} not among the job's processes {sorted(procs)}"
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    state = slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert state == "CANCELLED", state
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
+    assert "stopping (SIGTERM)" in job_output(tmp_path, job_id)
+
+
+def test_server_that_cannot_start_fails_the_job_fast_and_writes_no_servers_json(slurm_cluster, tmp_path):
+    job_id = submit(slurm_cluster, tmp_path, PRORL_SERVER_ARGS="--no-such-flag")
+    state = slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert state == "FAILED", state
+    out = job_output(tmp_path, job_id)
+    assert "ended before it was ready" in out, out
+    assert "--no-such-flag" in out, "the job output does not show the server's own error"
+    assert not (tmp_path / "servers.json").exists()
+    assert not job_processes(job_id)
+
+
+def test_vllm_servers_are_started_and_registered_before_servers_json_appears(slurm_cluster, tmp_path):
+    job_id = submit(slurm_cluster, tmp_path, PRORL_VLLM_MODEL="tiny-model", PRORL_VLLM_CPU="1",
+                    PRORL_VLLM_CMD=f"{sys.executable} {FAKE_VLLM}")
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        server = sf.servers[0]
+        assert len(server.llm_backends) == 1, sf
+        backend = server.llm_backends[0]
+        assert backend.startswith("http://127.0.0.1:")
+        status = get(f"{server.url}/status", sf.token)
+        assert backend in [b["address"] for b in status["backends"]], status
+        procs = job_processes(job_id)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
+
+
+@pytest.mark.skipif(os.environ.get("PRORL_SLOW_TESTS") == "0", reason="PRORL_SLOW_TESTS=0: time-limit test off")
+def test_time_limit_stops_servers_before_slurm_kills_them(slurm_cluster, tmp_path):
+    # --time=1 with the script's --signal=B:USR1@120 default: the controller signals the batch shell at its
+    # first check, the launcher stops the servers itself, and the job ends before the hard limit.
+    job_id = submit(slurm_cluster, tmp_path, "--time=1")
+    try:
+        wait_ready(slurm_cluster, tmp_path, job_id)
+        procs = job_processes(job_id)
+        state = slurm_cluster.wait_job_done(job_id, timeout=150)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    assert "stopping (SIGUSR1: time limit near)" in job_output(tmp_path, job_id), job_output(tmp_path, job_id)
+    assert state in ("COMPLETED", "TIMEOUT"), state
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
