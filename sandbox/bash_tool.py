@@ -1,0 +1,257 @@
+"""The ``bash`` tool: one persistent interactive bash on a pseudo-terminal (ptyprocess), driven by the
+execution server's event loop.
+
+How a call works: the command text is written to a file in the run directory and the shell is sent one
+fixed line, ``IFS= read -r -d '' __prorl_cmd < FILE; eval "$__prorl_cmd"``. ``read`` and ``eval`` are
+builtins, so a builtin command costs no fork; cwd, variables and functions persist because ``eval`` runs in
+the shell itself; any length and any number of lines work (no tty line-length limit). The end of the command
+and its status are recognised by the prompt, ``PS1 = "\\x1e<nonce>:$?\\x1f"``.
+
+Timeout: Ctrl-C on the terminal (SIGINT to the foreground job, like a user would), then SIGKILL to the
+foreground process group, then a fresh shell. Output beyond ``max_output_bytes`` is counted but not kept.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import termios
+import time
+from functools import partial
+from typing import Any, Callable, Optional
+
+from .eventloop import EventLoop, Timer
+from .limits import child_setup
+from .sessions import record_session
+
+INTERRUPT_GRACE_S = 2.0
+KILL_GRACE_S = 2.0
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+_TAIL_KEEP = 64
+
+Done = Callable[[Optional[dict[str, Any]], Optional[BaseException]], None]
+
+
+class BashSession:
+    """Persistent shell. ``run`` is asynchronous: it returns at once and calls ``done(result, None)`` later
+    on the loop, with ``result`` a dict of :class:`sandbox.spec.BashResult` fields. One command at a time
+    (the host client serialises calls); a second concurrent ``run`` is refused with ``RuntimeError``."""
+
+    def __init__(self, loop: EventLoop, *, workspace: str, env: dict[str, str], run_dir: str,
+                 limits: dict[str, Optional[int]], sessions_file: Optional[str] = None) -> None:
+        self._loop = loop
+        self._workspace = workspace
+        self._env = env
+        self._cmd_file = os.path.join(run_dir, "bash-command")
+        self._limits = limits
+        self._sessions_file = sessions_file
+        self._proc = None
+        self._ready = False
+        self._nonce = secrets.token_hex(8).encode()
+        self._marker = re.compile(rb"\x1e" + self._nonce + rb":(\d+)\x1f")
+        self._pending: Optional[tuple] = None
+        self._current: Optional[dict[str, Any]] = None
+        self._timer: Optional[Timer] = None
+        self._scan = bytearray()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def spawn(self) -> None:
+        """Start the shell (non-blocking: readiness is seen on the loop). Idempotent."""
+        if self._proc is not None:
+            return
+        import ptyprocess  # lazily: keeps the execution server's start fast
+
+        self._proc = ptyprocess.PtyProcess.spawn(
+            ["/bin/bash", "--noediting", "--norc", "--noprofile", "-i"], cwd=self._workspace, env=self._env,
+            echo=False, dimensions=(50, 200), preexec_fn=partial(child_setup, self._limits))
+        fd = self._proc.fd
+        attrs = termios.tcgetattr(fd)
+        attrs[1] &= ~termios.ONLCR  # keep "\n" as "\n" in the output (no "\r\n")
+        termios.tcsetattr(fd, termios.TCSANOW, attrs)
+        os.set_blocking(fd, False)
+        self._ready = False
+        self._scan = bytearray()
+        self._loop.add_reader(fd, self._on_readable)
+        nonce = self._nonce.decode()
+        setup = (f"PS1=$'\\x1e'{nonce}:'$?'$'\\x1f'; PS2=''; PROMPT_COMMAND=''; unset HISTFILE; "
+                 "set +o history; stty -onlcr -echo 2>/dev/null\n")
+        os.write(fd, setup.encode())
+        if self._sessions_file:
+            record_session(self._sessions_file, "bash", self._proc.pid)
+
+    def close(self) -> None:
+        """Kill the shell's whole session (its commands and background jobs in it)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self._loop.remove_reader(proc.fd)
+        _kill_session(proc.pid)
+        try:
+            proc.close(force=True)
+        except Exception:  # noqa: BLE001 - the shell is gone either way
+            pass
+
+    # ------------------------------------------------------------------------------------------- commands
+    def run(self, command: str, timeout_s: float, max_output_bytes: int, done: Done) -> None:
+        if self._current is not None or self._pending is not None:
+            raise RuntimeError("a bash command is already running in this sandbox")
+        self._pending = (command, float(timeout_s), int(max_output_bytes), done, time.monotonic())
+        if self._proc is None:
+            self.spawn()
+        elif self._ready:
+            self._start_pending()
+
+    def _start_pending(self) -> None:
+        command, timeout_s, max_out, done, t0 = self._pending
+        self._pending = None
+        with open(self._cmd_file, "wb") as f:
+            f.write(command.encode("utf-8", errors="surrogateescape"))
+        self._current = {"done": done, "t0": t0, "max": max_out, "head": bytearray(), "total": 0,
+                         "timed_out": False, "timeout_s": timeout_s, "phase": "running"}
+        self._scan = bytearray()
+        self._timer = self._loop.call_later(max(0.0, timeout_s - (time.monotonic() - t0)), self._on_timeout)
+        line = f"IFS= read -r -d '' __prorl_cmd < '{self._cmd_file}'; eval \"$__prorl_cmd\"\n"
+        os.write(self._proc.fd, line.encode())
+
+    def _on_readable(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            data = os.read(proc.fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._on_shell_exit()
+            return
+        if not self._ready:
+            self._scan += data
+            if self._marker.search(self._scan):
+                self._ready = True
+                self._scan = bytearray()
+                if self._pending is not None:
+                    self._start_pending()
+            elif len(self._scan) > 1 << 16:
+                del self._scan[:-_TAIL_KEEP]
+            return
+        if self._current is None:
+            return  # output of a background job between commands: nobody asked for it
+        self._scan += data
+        m = self._marker.search(self._scan)
+        if m:
+            self._emit(self._scan[:m.start()])
+            status = int(m.group(1))
+            self._scan = bytearray()
+            self._finish(status)
+        elif len(self._scan) > 2 * _TAIL_KEEP:
+            self._emit(self._scan[:-_TAIL_KEEP])
+            del self._scan[:-_TAIL_KEEP]
+
+    def _emit(self, data: bytes) -> None:
+        cur = self._current
+        cur["total"] += len(data)
+        room = cur["max"] - len(cur["head"])
+        if room > 0:
+            cur["head"] += data[:room]
+
+    def _finish(self, exit_code: Optional[int], notice: str = "") -> None:
+        cur, self._current = self._current, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if cur is None:
+            return
+        out = bytes(cur["head"]).decode("utf-8", errors="replace")
+        truncated = cur["total"] > cur["max"]
+        notes = []
+        if truncated:
+            notes.append(f"[output truncated: showing the first {cur['max']} of {cur['total']} bytes]")
+        if cur["timed_out"]:
+            notes.append(f"[command timed out after {cur['timeout_s']:g} s and was interrupted]")
+        if notice:
+            notes.append(notice)
+        if notes:
+            out = out + ("" if not out or out.endswith("\n") else "\n") + "\n".join(notes)
+        cur["done"]({"output": out, "exit_code": exit_code, "timed_out": cur["timed_out"],
+                     "truncated": truncated, "output_bytes": cur["total"],
+                     "duration_s": time.monotonic() - cur["t0"]}, None)
+
+    # ------------------------------------------------------------------------------------------- timeouts
+    def _on_timeout(self) -> None:
+        cur = self._current
+        if cur is None or self._proc is None:
+            return
+        cur["timed_out"] = True
+        cur["phase"] = "interrupting"
+        try:
+            os.write(self._proc.fd, b"\x03")  # Ctrl-C: the line discipline sends SIGINT to the foreground job
+        except OSError:
+            pass
+        self._timer = self._loop.call_later(INTERRUPT_GRACE_S, self._on_interrupt_ignored)
+
+    def _on_interrupt_ignored(self) -> None:
+        if self._current is None or self._proc is None:
+            return
+        self._current["phase"] = "killing"
+        try:
+            fg = os.tcgetpgrp(self._proc.fd)
+            if fg > 0 and fg != self._proc.pid:
+                os.killpg(fg, signal.SIGKILL)
+        except OSError:
+            pass
+        self._timer = self._loop.call_later(KILL_GRACE_S, self._on_kill_ignored)
+
+    def _on_kill_ignored(self) -> None:
+        if self._current is None:
+            return
+        self.close()
+        self._finish(None, "[the shell did not respond to the interrupt and was restarted; cwd and "
+                           "environment were reset]")
+
+    def _on_shell_exit(self) -> None:
+        proc = self._proc
+        status: Optional[int] = None
+        if proc is not None:
+            self._loop.remove_reader(proc.fd)
+            for _ in range(100):
+                if not proc.isalive():
+                    break
+                time.sleep(0.001)
+            status = proc.exitstatus if proc.exitstatus is not None else (
+                -proc.signalstatus if proc.signalstatus else None)
+            self.close()
+        self._ready = False
+        if self._current is not None:
+            self._emit(bytes(self._scan))
+            self._scan = bytearray()
+            self._finish(status, f"[the shell exited (status {status}); a new shell starts with the next "
+                                 "command]")
+        elif self._pending is not None:
+            _c, _t, _m, done, _t0 = self._pending
+            self._pending = None
+            done(None, RuntimeError("the shell exited while starting; check the sandbox's limits"))
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is ``sid`` (the shell leads its own session)."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            if os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

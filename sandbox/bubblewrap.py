@@ -1,0 +1,125 @@
+"""Bubblewrap runtime: ``bwrap --unshare-all --die-with-parent`` sandboxes (measured here: ~10 ms to start).
+
+File system: a tmpfs root into which every top-level entry of the image (a rootfs directory, or the host root
+when ``spec.image`` is None) is bound read-only (symlinks recreated), then ``/proc``, a minimal ``/dev``, a
+fresh ``/tmp`` and ``/run``, the project and its interpreter read-only (so the execution server can run), the
+spec's binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable
+host paths. With ``writable_tmpfs`` and a rootfs image, the root is an overlay whose changes stay in memory.
+
+Processes: bwrap leads its own session and process group; ``--die-with-parent`` kills the sandbox if the server
+dies, and the sandbox's pid namespace dies with its init, so closing the group leaves nothing behind.
+
+Started as root, bubblewrap cannot enforce ``max_processes`` in a user namespace (the kernel exempts uid 0),
+so by default the sandbox is then set up without a user namespace and the execution server drops to an
+unprivileged uid/gid (``run_as``, default nobody 65534) before anything runs; ``/root`` is not mounted then.
+bwrap cannot run inside bwrap.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from typing import Optional
+
+from .errors import SandboxError
+from .runtime import LaunchContext, SandboxRuntime, project_root
+from .spec import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+# Top-level entries never taken from the image: the sandbox gets its own.
+_SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
+NOBODY = (65534, 65534)
+
+
+class BubblewrapRuntime(SandboxRuntime):
+    """Options (besides :class:`SandboxRuntime`'s): ``bwrap`` (path of the binary, default from PATH);
+    ``run_as`` (``(uid, gid)`` for sandboxes started by root; default nobody; ``False`` keeps root, and with it
+    no process limit)."""
+
+    kind = "bubblewrap"
+
+    def __init__(self, *, bwrap: Optional[str] = None, run_as=None, **options) -> None:
+        self.bwrap = bwrap or shutil.which("bwrap")
+        if not self.bwrap:
+            raise SandboxError("bubblewrap runtime: no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
+        super().__init__(**options)
+        self._root = os.geteuid() == 0
+        if run_as is None:
+            run_as = NOBODY if self._root else False
+        self._run_as = tuple(run_as) if run_as else None
+
+    def run_as(self, spec: SandboxSpec) -> Optional[tuple[int, int]]:
+        if self._root and self._run_as and not spec.fakeroot:
+            return self._run_as
+        return None
+
+    def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
+        return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root)
+
+
+def _needed_paths(ctx: LaunchContext) -> list[str]:
+    """Host paths the execution server needs: the project, the interpreter's prefixes, and the real location
+    of the interpreter binary (a venv's python is a symlink)."""
+    paths = [project_root(), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
+    paths += ctx.pythonpath
+    out: list[str] = []
+    for p in paths:
+        p = os.path.realpath(p)
+        if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
+            out = [q for q in out if not q.startswith(p + os.sep)] + [p]
+    return out
+
+
+def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False) -> list[str]:
+    """The complete bwrap argv for ``spec``. ``privileged``: the caller is root (no user namespace when the
+    server drops to ``ctx.run_as``)."""
+    args = [bwrap]
+    if privileged and ctx.run_as:
+        args += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if spec.network == "none":
+            args += ["--unshare-net"]
+    else:
+        args += ["--unshare-all"]
+        if spec.network != "none":
+            args += ["--share-net"]
+        if spec.fakeroot:
+            args += ["--uid", "0", "--gid", "0"]
+    args += ["--die-with-parent", "--hostname", "sandbox"]
+
+    root = spec.image or "/"
+    if spec.image and not os.path.isdir(spec.image):
+        raise SandboxError(f"bubblewrap image must be a rootfs directory, got {spec.image!r}")
+    if spec.image and spec.writable_tmpfs:
+        args += ["--overlay-src", root, "--tmp-overlay", "/"]
+    else:
+        args += ["--tmpfs", "/"]
+        for name in sorted(os.listdir(root)):
+            src = os.path.join(root, name)
+            if name in _SKIP or (name == "root" and ctx.run_as):
+                continue
+            if os.path.islink(src):
+                args += ["--symlink", os.readlink(src), "/" + name]
+            elif os.path.isdir(src):
+                args += ["--ro-bind", src, "/" + name]
+            elif os.path.isfile(src):
+                args += ["--ro-bind", src, "/" + name]
+        if spec.writable_tmpfs:
+            log.warning("writable_tmpfs needs a rootfs image with bubblewrap; the host root stays read-only")
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    if spec.image is None:
+        args += ["--ro-bind-try", "/sys", "/sys"]
+    hidden = {"root"} if ctx.run_as else set()
+    for p in _needed_paths(ctx):
+        parts = p.strip("/").split("/")
+        if parts[0] in hidden:
+            # bwrap would create these parents 0700 as root: make them traversable for the unprivileged user.
+            for i in range(1, len(parts)):
+                args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+        args += ["--ro-bind", p, p]
+    for b in spec.binds:
+        args += ["--ro-bind" if b.ro else "--bind", b.host, b.container]
+    args += ["--bind", ctx.run_dir, ctx.sandbox_run_dir, "--bind", ctx.workspace, ctx.sandbox_workspace,
+             "--chdir", ctx.sandbox_workspace, "--"]
+    return args + ctx.server_argv()

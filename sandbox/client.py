@@ -1,0 +1,148 @@
+"""Host-side async client of one sandbox's execution server.
+
+One action at a time per sandbox (an ``asyncio.Lock``); a dropped connection is re-opened and the running
+request re-attached by id (the server keeps recent results), so a network hiccup does not lose or repeat a
+command; a sandbox whose process is gone is reported as :class:`SandboxDeadError` at once, never waited on.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+from . import protocol
+from .errors import ERRORS_BY_NAME, ProtocolError, SandboxDeadError, SandboxError, ToolTimeout
+
+RECONNECT_ATTEMPTS = 3
+# Added to a call's own timeout before the client gives up on the server: the server needs time to interrupt
+# the command (Ctrl-C grace + SIGKILL grace in bash_tool, interrupt grace in ipython_tool) and to answer.
+SERVER_GRACE_S = 10.0
+
+
+class ExecClient:
+    """Talks to ``socket_path``. ``died`` is an awaitable that completes when the sandbox's process exits
+    (its result, e.g. the exit code, goes into the error message); ``describe`` names the sandbox in errors."""
+
+    def __init__(self, socket_path: str, died: Callable[[], Awaitable[Any]], describe: str) -> None:
+        self._path = socket_path
+        self._died_factory = died
+        self._died: Optional[asyncio.Future] = None
+        self._describe = describe
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._reader: Optional[asyncio.StreamReader] = None
+        self._writer: Optional[asyncio.StreamWriter] = None
+
+    def _died_future(self) -> asyncio.Future:
+        if self._died is None:
+            self._died = asyncio.ensure_future(self._died_factory())
+        return self._died
+
+    def _dead_error(self, during: str) -> SandboxDeadError:
+        fut = self._died_future()
+        code = fut.result() if fut.done() and not fut.cancelled() and fut.exception() is None else "?"
+        return SandboxDeadError(f"sandbox {self._describe} died (exit status {code}) {during}")
+
+    async def connect(self, timeout_s: float) -> None:
+        """Connect, retrying while the server is still starting. Raises :class:`SandboxDeadError` if the
+        process exits first, :class:`ToolTimeout` after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        died = self._died_future()
+        while True:
+            if died.done():
+                raise self._dead_error("before its execution server accepted a connection")
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(
+                    self._path, limit=protocol.MAX_LINE_BYTES)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+            if time.monotonic() > deadline:
+                raise ToolTimeout(f"sandbox {self._describe}: execution server did not listen on {self._path} "
+                                  f"within {timeout_s:g} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    async def close(self) -> None:
+        w, self._writer, self._reader = self._writer, None, None
+        if w is not None:
+            w.close()
+            try:
+                await w.wait_closed()
+            except (OSError, ConnectionError):
+                pass
+        if self._died is not None and not self._died.done():
+            self._died.cancel()
+
+    async def call(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one request and wait for its result (a dict). Raises the typed error the server reported,
+        :class:`SandboxDeadError` if the sandbox dies meanwhile, :class:`ToolTimeout` if no answer comes within
+        ``timeout_s`` (callers add the tool's own timeout and :data:`SERVER_GRACE_S`)."""
+        async with self._lock:
+            rid = next(self._ids)
+            deadline = time.monotonic() + timeout_s
+            request = protocol.encode({"id": rid, "op": op, "args": args})
+            expect = {rid}
+            for attempt in range(RECONNECT_ATTEMPTS + 1):
+                try:
+                    if self._writer is None:
+                        await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
+                    self._writer.write(request)
+                    msg = await self._read_response(expect, deadline, op)
+                    break
+                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
+                    self._drop_connection()
+                    if self._died_future().done():
+                        raise self._dead_error(f"while running {op}") from None
+                    # Give the process a moment to finish dying before deciding it was only the connection.
+                    try:
+                        await asyncio.wait_for(asyncio.shield(self._died_future()), 0.05)
+                        raise self._dead_error(f"while running {op}") from None
+                    except asyncio.TimeoutError:
+                        pass
+                    if attempt == RECONNECT_ATTEMPTS:
+                        raise SandboxDeadError(f"sandbox {self._describe}: connection lost {attempt + 1} times "
+                                               f"during {op}: {e}") from None
+                    reattach_id = next(self._ids)
+                    expect.add(reattach_id)
+                    request = protocol.encode({"id": reattach_id, "op": "result", "args": {"id": rid}})
+            if msg.get("ok"):
+                return msg.get("result") or {}
+            err = msg.get("error") or {}
+            cls = ERRORS_BY_NAME.get(err.get("type"), SandboxError)
+            raise cls(err.get("message") or "the execution server reported an error without a message")
+
+    def _drop_connection(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+    async def _read_response(self, expect: set[int], deadline: float, op: str) -> dict[str, Any]:
+        died = self._died_future()
+        while True:
+            read = asyncio.ensure_future(self._reader.readline())
+            timeout = deadline - time.monotonic()
+            done, _ = await asyncio.wait({read, died}, timeout=max(0.0, timeout),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                self._drop_connection()
+                if died in done:
+                    raise self._dead_error(f"while running {op}")
+                raise ToolTimeout(f"sandbox {self._describe}: no answer to {op} within the timeout plus "
+                                  f"{SERVER_GRACE_S:g} s grace; the sandbox is unresponsive")
+            line = read.result()
+            if not line:
+                raise asyncio.IncompleteReadError(b"", None)
+            try:
+                msg = protocol.decode(line)
+            except ValueError as e:
+                raise ProtocolError(f"sandbox {self._describe}: invalid response: {e}") from None
+            if msg.get("id") in expect:
+                return msg
+            if msg.get("id") is None:
+                err = msg.get("error") or {}
+                raise ProtocolError(f"sandbox {self._describe}: {err.get('message', 'protocol error')}")
+            # A response to an older, abandoned request (e.g. after a reconnect): skip it.

@@ -1,0 +1,68 @@
+"""Typed errors of the sandbox layer.
+
+Two families, so that a handler can decide what an agent sees:
+
+- :class:`ToolError` and its subclasses are caused by what the agent asked for (an editor path outside the
+  workspace, a ``str_replace`` whose text is not unique, a kernel that the agent's code killed). Their message
+  is written to be shown to the agent as the tool's observation: ``except ToolError as e: obs = str(e)``.
+- Every other :class:`SandboxError` is an infrastructure fault (the sandbox could not start, died, or stopped
+  answering). The job should fail with it, not feed it to the model.
+
+A command that runs past its timeout is *not* an exception: bash and ipython return their partial output
+with ``timed_out=True``. :class:`ToolTimeout` is raised only when the execution server itself did not answer
+within the timeout plus a grace period.
+"""
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Base class of every error raised by the sandbox layer."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox process could not be started or did not become ready (message carries its log tail)."""
+
+
+class SandboxDeadError(SandboxError):
+    """The sandbox's processes are gone (killed from outside, crashed, or closed) while or before a call ran."""
+
+
+class SandboxClosedError(SandboxDeadError):
+    """A call was made on a handle after ``close()``."""
+
+
+class ProtocolError(SandboxError):
+    """The execution server answered something that is not a valid response."""
+
+
+class ToolTimeout(SandboxError):
+    """The execution server gave no answer within the call's timeout plus the grace period."""
+
+
+class ToolError(SandboxError):
+    """A tool refused or failed because of its input; the message is meant for the agent."""
+
+
+class EditorError(ToolError):
+    """``str_replace_editor`` refused a command (bad arguments, missing file, non-unique ``old_str``...)."""
+
+
+class PathOutsideWorkspaceError(EditorError):
+    """An editor path resolves (after ``..`` and symlinks) outside the sandbox workspace."""
+
+
+class KernelDiedError(ToolError):
+    """The IPython kernel died while running a cell; a fresh kernel is started on the next call."""
+
+
+class FileTransferError(ToolError):
+    """An upload or download failed inside the sandbox (missing file, permission, size limit)."""
+
+
+# Names the execution server may put in an error response, mapped back to classes by the host client.
+ERRORS_BY_NAME: dict[str, type[SandboxError]] = {
+    cls.__name__: cls
+    for cls in (SandboxError, SandboxStartError, SandboxDeadError, SandboxClosedError, ProtocolError,
+                ToolTimeout, ToolError, EditorError, PathOutsideWorkspaceError, KernelDiedError,
+                FileTransferError)
+}

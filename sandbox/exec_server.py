@@ -1,0 +1,300 @@
+"""The execution server that runs inside a sandbox: ``python -S -m sandbox.exec_server --socket PATH
+--config PATH``.
+
+It listens on a Unix domain socket in a directory bound from the host and serves the tools (``bash``,
+``ipython``, ``editor``, ``upload``, ``download``) with the JSON-lines protocol of :mod:`sandbox.protocol`.
+Each request runs independently of the connection it came on: if the connection drops, the host reconnects and
+asks for the result with ``{"op": "result", "args": {"id": N}}``.
+
+Config file (JSON): ``workspace`` (path inside the sandbox), ``run_dir`` (bound, writable; holds the socket,
+the kernel's ipc files and the shell's command file), ``env`` (environment of shell and kernel), ``limits``
+(:class:`sandbox.spec.Limits` as a dict), ``sessions_file`` (optional; where to record the shell's session for
+a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to drop to before anything runs).
+
+SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
+Imports are kept minimal (no asyncio, no pydantic) because this module's start time is the sandbox's start time.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import sys
+from collections import OrderedDict
+from functools import partial
+from typing import Any, Optional
+
+from . import protocol
+from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES, BashSession
+from .editor import Editor
+from .errors import FileTransferError, SandboxError, ToolError
+from .eventloop import EventLoop
+
+RECENT_RESULTS = 16
+DEFAULT_DOWNLOAD_MAX_BYTES = 32 * 1024 * 1024
+
+
+class _Conn:
+    def __init__(self, server: "ExecServer", sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.closed = False
+
+    def on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        self.rbuf += data
+        while True:
+            i = self.rbuf.find(b"\n")
+            if i < 0:
+                break
+            line = bytes(self.rbuf[:i])
+            del self.rbuf[:i + 1]
+            self.server.dispatch(self, line)
+            if self.closed:
+                return
+        if len(self.rbuf) > protocol.MAX_LINE_BYTES:
+            self.send(protocol.encode({"id": None, "ok": False, "error": {
+                "type": "ProtocolError", "message": "request line too long"}}))
+            self.close()
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.wbuf += data
+        self.flush()
+
+    def flush(self) -> None:
+        try:
+            while self.wbuf:
+                n = self.sock.send(self.wbuf)
+                del self.wbuf[:n]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.close()
+            return
+        if self.wbuf:
+            self.server.loop.add_writer(self.fd, self.flush)
+        else:
+            self.server.loop.remove_writer(self.fd)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.server.loop.remove_reader(self.fd)
+        self.server.loop.remove_writer(self.fd)
+        self.sock.close()
+
+
+class ExecServer:
+    """One per sandbox. ``serve_forever()`` blocks until shutdown."""
+
+    def __init__(self, socket_path: str, config: dict[str, Any]) -> None:
+        self.loop = EventLoop()
+        self.socket_path = socket_path
+        self.workspace = config["workspace"]
+        self.run_dir = config["run_dir"]
+        env = dict(config.get("env") or {})
+        limits = dict(config.get("limits") or {})
+        self.bash = BashSession(self.loop, workspace=self.workspace, env=env, run_dir=self.run_dir,
+                                limits=limits, sessions_file=config.get("sessions_file"))
+        self._ipython_args = dict(workspace=self.workspace, env=env, run_dir=self.run_dir, limits=limits,
+                                  sessions_file=config.get("sessions_file"))
+        self._ipython = None
+        self.editor = Editor(self.workspace)
+        self._running: dict[Any, Optional[_Conn]] = {}
+        self._recent: "OrderedDict[Any, dict]" = OrderedDict()
+        self._listener: Optional[socket.socket] = None
+        self._warmed = False
+
+    @property
+    def ipython(self):
+        if self._ipython is None:
+            from .ipython_tool import IPythonSession
+
+            self._ipython = IPythonSession(self.loop, **self._ipython_args)
+        return self._ipython
+
+    # ------------------------------------------------------------------------------------------- serving
+    def serve_forever(self) -> None:
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        lst.listen(16)
+        lst.setblocking(False)
+        self._listener = lst
+        self.loop.add_reader(lst.fileno(), self._accept)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.shutdown_tools()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        conn = _Conn(self, sock)
+        self.loop.add_reader(conn.fd, conn.on_readable)
+
+    def shutdown_tools(self) -> None:
+        self.bash.close()
+        if self._ipython is not None:
+            self._ipython.close()
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    # -------------------------------------------------------------------------------------------- requests
+    def dispatch(self, conn: _Conn, line: bytes) -> None:
+        try:
+            msg = protocol.decode(line)
+        except ValueError as e:
+            conn.send(protocol.encode({"id": None, "ok": False,
+                                       "error": {"type": "ProtocolError", "message": f"bad request: {e}"}}))
+            return
+        rid, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
+        try:
+            if op == "ping":
+                self._reply(conn, rid, {"pid": os.getpid()})
+                if not self._warmed:
+                    self._warmed = True
+                    # Start the shell right after the first contact, so that the first bash call finds it ready
+                    # but the sandbox's start is not delayed by it.
+                    self.loop.call_later(0, self.bash.spawn)
+            elif op == "bash":
+                self._running[rid] = conn
+                self.bash.run(str(args["command"]), float(args.get("timeout_s", 30.0)),
+                              int(args.get("max_output_bytes") or DEFAULT_MAX_OUTPUT_BYTES),
+                              partial(self._complete, rid))
+            elif op == "ipython":
+                self._running[rid] = conn
+                self.ipython.run(str(args["code"]), float(args.get("timeout_s", 30.0)),
+                                 partial(self._complete, rid))
+            elif op == "editor":
+                kw = dict(args)
+                self._reply(conn, rid, self.editor.run(kw.pop("command"), kw.pop("path"), **kw))
+            elif op == "upload":
+                self._reply(conn, rid, self._upload(args))
+            elif op == "download":
+                self._reply(conn, rid, self._download(args))
+            elif op == "result":
+                self._reattach(conn, rid, args.get("id"))
+            elif op == "shutdown":
+                self._reply(conn, rid, {})
+                self.loop.stop()
+            else:
+                raise SandboxError(f"unknown op {op!r}")
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error response, never a hang
+            self._running.pop(rid, None)
+            conn.send(protocol.encode({"id": rid, "ok": False, "error": _error_dict(e)}))
+
+    def _reply(self, conn: _Conn, rid: Any, result: dict[str, Any]) -> None:
+        conn.send(protocol.encode({"id": rid, "ok": True, "result": result}))
+
+    def _complete(self, rid: Any, result: Optional[dict[str, Any]], exc: Optional[BaseException]) -> None:
+        msg = ({"id": rid, "ok": True, "result": result} if exc is None
+               else {"id": rid, "ok": False, "error": _error_dict(exc)})
+        self._recent[rid] = msg
+        while len(self._recent) > RECENT_RESULTS:
+            self._recent.popitem(last=False)
+        conn = self._running.pop(rid, None)
+        if conn is not None and not conn.closed:
+            conn.send(protocol.encode(msg))
+
+    def _reattach(self, conn: _Conn, rid: Any, target: Any) -> None:
+        if target in self._recent:
+            msg = dict(self._recent[target])
+            conn.send(protocol.encode(msg))
+        elif target in self._running:
+            self._running[target] = conn
+        else:
+            raise SandboxError(f"no request {target!r} is running or recently finished")
+
+    # ------------------------------------------------------------------------------------------ file I/O
+    def _path(self, path: str) -> str:
+        return path if os.path.isabs(path) else os.path.join(self.workspace, path)
+
+    def _upload(self, args: dict[str, Any]) -> dict[str, Any]:
+        path = self._path(str(args["path"]))
+        data = base64.b64decode(args.get("data_b64", ""))
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+            if args.get("mode") is not None:
+                os.chmod(path, int(args["mode"]))
+        except OSError as e:
+            raise FileTransferError(f"upload to {path} failed: {e.strerror or e}") from None
+        return {"path": path, "bytes": len(data)}
+
+    def _download(self, args: dict[str, Any]) -> dict[str, Any]:
+        path = self._path(str(args["path"]))
+        limit = int(args.get("max_bytes") or DEFAULT_DOWNLOAD_MAX_BYTES)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+        except OSError as e:
+            raise FileTransferError(f"download of {path} failed: {e.strerror or e}") from None
+        if len(data) > limit:
+            raise FileTransferError(f"download of {path} refused: larger than max_bytes={limit}")
+        return {"path": path, "data_b64": base64.b64encode(data).decode("ascii")}
+
+
+def _error_dict(e: BaseException) -> dict[str, str]:
+    if isinstance(e, SandboxError):
+        return {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, (KeyError, TypeError, ValueError)):
+        return {"type": "ToolError", "message": f"bad arguments: {type(e).__name__}: {e}"}
+    return {"type": "SandboxError", "message": f"{type(e).__name__}: {e}"}
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point. ``argv``: ``--socket PATH --config PATH``."""
+    argv = sys.argv[1:] if argv is None else argv
+    opts = dict(zip(argv[::2], argv[1::2]))
+    if "--socket" not in opts or "--config" not in opts:
+        sys.stderr.write("usage: python -m sandbox.exec_server --socket PATH --config PATH\n")
+        raise SystemExit(2)
+    with open(opts["--config"]) as f:
+        config = json.load(f)
+    if config.get("run_as"):
+        _drop_privileges(*config["run_as"])
+    os.chdir(config["workspace"])
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    ExecServer(opts["--socket"], config).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Process ownership: per-user records of the sandboxes a server started, and killing a sandbox's processes.
+
+A record is one JSON file, ``<state_dir>/sandboxes/<sandbox_id>.json``, written before the sandbox is
+contacted and removed after it is closed. It names the owning server (pid + psutil create time) and the
+sandbox's launcher process (pid + create time; the launcher leads its own process group and session). A
+server that starts later reaps the records whose owner is gone, and only those: a record's processes are found
+by pid + create time, descendants and recorded session ids — never by process name.
+
+The state directory is per user (``$XDG_RUNTIME_DIR/prorl``, else ``~/.local/state/prorl``, or a configured
+one), created ``0700``; never a shared ``/tmp`` file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any, Awaitable, Callable, Iterable, Optional
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+_CREATE_TIME_TOLERANCE_S = 0.05
+
+
+def default_state_dir() -> str:
+    """``$XDG_RUNTIME_DIR/prorl`` if that variable names a directory, else ``~/.local/state/prorl``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "prorl")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "prorl")
+
+
+def process_identity(pid: int) -> Optional[float]:
+    """psutil create time (seconds since the epoch) of ``pid``, or ``None`` if there is no such process."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def same_process(pid: Optional[int], create_time: Optional[float]) -> bool:
+    """True if ``pid`` is alive, not a zombie, and was created at ``create_time`` (a reused pid is False)."""
+    if not pid or create_time is None:
+        return False
+    try:
+        p = psutil.Process(pid)
+        return (abs(p.create_time() - create_time) < _CREATE_TIME_TOLERANCE_S
+                and p.status() != psutil.STATUS_ZOMBIE)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+class OwnershipStore:
+    """The records of one state directory. File operations are small and local; the async methods of the
+    runtimes call these through ``asyncio.to_thread``."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        self.dir = os.path.join(state_dir, "sandboxes")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        os.chmod(state_dir, 0o700)
+
+    def _path(self, sandbox_id: str) -> str:
+        return os.path.join(self.dir, f"{sandbox_id}.json")
+
+    def write(self, record: dict[str, Any]) -> None:
+        path = self._path(record["sandbox_id"])
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+
+    def remove(self, sandbox_id: str) -> None:
+        try:
+            os.unlink(self._path(sandbox_id))
+        except FileNotFoundError:
+            pass
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for name in sorted(os.listdir(self.dir)):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                log.warning("unreadable ownership record %s skipped", name)
+                continue
+            if isinstance(rec, dict) and "sandbox_id" in rec:
+                out.append(rec)
+        return out
+
+
+# ------------------------------------------------------------------------------------------- killing
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def sandbox_processes(pid: int, create_time: Optional[float], sessions: Iterable[int] = ()) -> list[psutil.Process]:
+    """The live processes of a sandbox: the launcher ``pid`` (if its create time matches), its descendants,
+    and every process whose session id is in ``sessions``."""
+    found: dict[int, psutil.Process] = {}
+    if same_process(pid, create_time):
+        root = psutil.Process(pid)
+        found[root.pid] = root
+        try:
+            for c in root.children(recursive=True):
+                found[c.pid] = c
+        except psutil.NoSuchProcess:
+            pass
+    sessions = set(sessions)
+    if sessions:
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) in sessions:
+                    found[p.pid] = p
+            except OSError:
+                continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def _signal_all(procs: list[psutil.Process], pgid: Optional[int], sig: int) -> None:
+    if pgid:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+async def kill_sandbox(pid: int, create_time: Optional[float], *, grace_s: float, sessions: Iterable[int] = (),
+                       own_child_wait: Optional[Callable[[], Awaitable[Any]]] = None) -> list[psutil.Process]:
+    """SIGTERM, up to ``grace_s`` seconds, then SIGKILL to the sandbox's process group and every process
+    found by :func:`sandbox_processes`; repeated until none is left (at most ~5 s more). Returns the processes
+    still alive at the end (normally ``[]``). ``own_child_wait``: ``proc.wait`` of the launcher when it is this
+    process's child, so that asyncio (not psutil) reaps it."""
+    sessions = set(sessions)
+    pgid = pid if same_process(pid, create_time) else None
+    procs = await asyncio.to_thread(sandbox_processes, pid, create_time, sessions)
+    if not procs:
+        return []
+    _signal_all(procs, pgid, signal.SIGTERM)
+    waiter = asyncio.ensure_future(own_child_wait()) if own_child_wait else None
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        await asyncio.sleep(0.01)
+    for _ in range(50):
+        # Children forked during the grace period are found again through the recorded sessions and the
+        # parent links of the survivors.
+        extra: list[psutil.Process] = []
+        for p in procs:
+            if _alive(p):
+                try:
+                    extra.extend(p.children(recursive=True))
+                except psutil.NoSuchProcess:
+                    pass
+        if sessions:
+            extra.extend(await asyncio.to_thread(sandbox_processes, 0, None, sessions))
+        procs = [p for p in {p.pid: p for p in procs + extra}.values() if _alive(p)]
+        if not procs:
+            break
+        _signal_all(procs, pgid, signal.SIGKILL)
+        await asyncio.sleep(0.1)
+    if waiter is not None:
+        try:
+            await asyncio.wait_for(waiter, 5.0)
+        except asyncio.TimeoutError:
+            pass
+    return [p for p in procs if _alive(p)]

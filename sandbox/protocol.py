@@ -1,0 +1,31 @@
+"""Wire format between the host client and the in-sandbox execution server.
+
+JSON lines over a Unix domain socket (one object per ``\\n``-terminated line; JSON escapes every newline inside
+strings, so a line is always one message). Binary payloads travel base64-encoded.
+
+Request:  ``{"id": int, "op": str, "args": {...}}``.  Ops: ``ping``, ``bash``, ``ipython``, ``editor``,
+``upload``, ``download``, ``result`` (re-attach to request ``args.id`` after a dropped connection),
+``shutdown``.
+Response: ``{"id": int, "ok": true, "result": {...}}`` or
+``{"id": int, "ok": false, "error": {"type": <name in sandbox.errors>, "message": str}}``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Longest accepted line, in bytes: uploads/downloads up to ~48 MiB after base64.
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One message as a JSON line (bytes ending in ``\\n``)."""
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """Parse one JSON line. Raises ``ValueError`` if it is not a JSON object."""
+    msg = json.loads(line)
+    if not isinstance(msg, dict):
+        raise ValueError("a message must be a JSON object")
+    return msg

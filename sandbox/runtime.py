@@ -1,0 +1,414 @@
+"""The ``SandboxRuntime`` interface, the ``SandboxHandle`` agents act through, and ``make_runtime``.
+
+A runtime turns a :class:`~sandbox.spec.SandboxSpec` into a launcher command line (bwrap, apptainer, or plain
+python); everything else is shared here: per-sandbox run directory and workspace, the ownership record, the
+loopback lease, starting the launcher in its own session/process group, waiting for the execution server,
+closing (SIGTERM → grace → SIGKILL to the whole group, then a psutil check that nothing is left), and reaping
+what a crashed earlier server left behind.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import base64
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .client import SERVER_GRACE_S, ExecClient
+from .errors import SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
+from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator, LoopbackLease
+from .ownership import OwnershipStore, default_state_dir, kill_sandbox, process_identity, same_process
+from .sessions import live_session_ids
+from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "exec.sock"
+CONFIG_NAME = "config.json"
+LOG_NAME = "launcher.log"
+SESSIONS_NAME = "sessions.json"
+# The execution server's directory inside bubblewrap/Singularity sandboxes.
+SANDBOX_RUN_DIR = "/run/prorl"
+_MAX_SOCKET_PATH = 100  # sockaddr_un.sun_path is 108 bytes
+
+
+def project_root() -> str:
+    """Directory that contains the ``sandbox`` package (bound read-only into sandboxes)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_paths() -> list[str]:
+    """``sys.path`` entries the execution server needs when started with ``python -S``: the project root and
+    the site-packages directories of this interpreter."""
+    paths = [project_root()]
+    paths += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    return list(dict.fromkeys(paths))
+
+
+@dataclass
+class LaunchContext:
+    """Everything a runtime needs to build its command line for one sandbox.
+
+    Host paths: ``run_dir`` (holds socket, config, logs), ``workspace``. In-sandbox paths: ``sandbox_run_dir``,
+    ``sandbox_workspace``. ``python``: interpreter that runs the execution server; ``pythonpath``: its
+    ``PYTHONPATH`` (``-S`` mode). ``address``: leased loopback address or ``None``."""
+
+    sandbox_id: str
+    run_dir: str
+    workspace: str
+    sandbox_run_dir: str
+    sandbox_workspace: str
+    python: str
+    pythonpath: list[str]
+    address: Optional[str]
+    run_as: Optional[tuple[int, int]] = None
+
+    def server_argv(self) -> list[str]:
+        return [self.python, "-S", "-m", "sandbox.exec_server",
+                "--socket", os.path.join(self.sandbox_run_dir, SOCKET_NAME),
+                "--config", os.path.join(self.sandbox_run_dir, CONFIG_NAME)]
+
+
+class SandboxHandle:
+    """A running sandbox. Tools are coroutines; one action runs at a time (calls queue up).
+
+    Attributes: ``sandbox_id`` (str), ``workspace`` (host path of the workspace directory), ``workdir`` (the
+    workspace's path inside the sandbox), ``address`` (leased 127.x.y.z or ``None``), ``pid`` (launcher pid on
+    the host; it leads the sandbox's process group).
+    """
+
+    def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec, proc: asyncio.subprocess.Process,
+                 create_time: Optional[float], client: ExecClient, ctx: LaunchContext, lease: Optional[LoopbackLease],
+                 workspace_created: bool) -> None:
+        self._runtime = runtime
+        self.sandbox_id = sandbox_id
+        self.spec = spec
+        self._proc = proc
+        self.pid = proc.pid
+        self.create_time = create_time
+        self._client = client
+        self._ctx = ctx
+        self._lease = lease
+        self._workspace_created = workspace_created
+        self.workspace = ctx.workspace
+        self.workdir = ctx.sandbox_workspace
+        self.address = lease.address if lease else None
+        self._closing: Optional[asyncio.Task] = None
+
+    def __repr__(self) -> str:
+        return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
+
+    @property
+    def alive(self) -> bool:
+        """True while the sandbox's launcher runs and ``close()`` has not been called."""
+        return self._closing is None and self._proc.returncode is None
+
+    def _check(self) -> None:
+        if self._closing is not None:
+            raise SandboxClosedError(f"sandbox {self.sandbox_id} is closed")
+        if self._proc.returncode is not None:
+            raise SandboxDeadError(f"sandbox {self.sandbox_id} died (exit status {self._proc.returncode})")
+
+    async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self._check()
+        return await self._client.call(op, args, timeout_s + SERVER_GRACE_S)
+
+    # ----------------------------------------------------------------------------------------------- tools
+    async def bash(self, command: str, timeout_s: float = 30.0, max_output_bytes: int = 1 << 20) -> BashResult:
+        """Run ``command`` (any bash text, multi-line allowed) in the persistent shell; cwd, variables and
+        functions persist across calls. ``timeout_s`` (seconds): then Ctrl-C, SIGKILL of the foreground job,
+        and at last a fresh shell; the partial output comes back with ``timed_out=True``. Output beyond
+        ``max_output_bytes`` is dropped with a notice (``truncated=True``). Raises :class:`SandboxDeadError`,
+        :class:`SandboxClosedError`, :class:`ToolTimeout` (the server itself stopped answering)."""
+        if timeout_s <= 0 or max_output_bytes <= 0:
+            raise ValueError("timeout_s and max_output_bytes must be positive")
+        res = await self._call("bash", {"command": command, "timeout_s": timeout_s,
+                                        "max_output_bytes": max_output_bytes}, timeout_s)
+        return result_from_dict(BashResult, res)
+
+    async def ipython(self, code: str, timeout_s: float = 60.0) -> IPythonResult:
+        """Run one cell in the persistent IPython kernel (started on first use; its start is not charged to
+        ``timeout_s``). On timeout the kernel is interrupted and ``timed_out=True``. Raises
+        :class:`KernelDiedError` if the kernel dies during the cell (the next call starts a fresh one), and
+        the errors of :meth:`bash`."""
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        from .ipython_tool import KERNEL_START_TIMEOUT_S
+
+        res = await self._call("ipython", {"code": code, "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
+        return result_from_dict(IPythonResult, res)
+
+    async def editor(self, command: str, path: str, **kw: Any) -> EditorResult:
+        """``str_replace_editor``: ``command`` in view / create / str_replace / insert / undo_edit; ``path``
+        absolute inside the sandbox or relative to the workspace; keywords ``view_range``, ``file_text``,
+        ``old_str``, ``new_str``, ``insert_line``. Raises :class:`PathOutsideWorkspaceError` for a path that
+        leaves the workspace (``..`` or symlinks), :class:`EditorError` for any other refusal."""
+        res = await self._call("editor", {"command": command, "path": path, **kw}, 30.0)
+        return result_from_dict(EditorResult, res)
+
+    async def upload(self, path_in_sandbox: str, data: bytes, mode: Optional[int] = None) -> str:
+        """Write ``data`` to ``path_in_sandbox`` (relative = to the workspace; parents created). Returns the
+        absolute path inside the sandbox. Raises :class:`FileTransferError`."""
+        res = await self._call("upload", {"path": path_in_sandbox, "mode": mode,
+                                          "data_b64": base64.b64encode(data).decode("ascii")}, 60.0)
+        return res["path"]
+
+    async def download(self, path: str, max_bytes: int = 32 * 1024 * 1024) -> bytes:
+        """Read a file inside the sandbox (relative = to the workspace). Raises :class:`FileTransferError` if
+        it is missing, unreadable, or larger than ``max_bytes``."""
+        res = await self._call("download", {"path": path, "max_bytes": max_bytes}, 60.0)
+        return base64.b64decode(res["data_b64"])
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    async def close(self) -> None:
+        """Stop the sandbox: SIGTERM to its process group, ``close_grace_s``, SIGKILL to everything left; then
+        release its address, delete its run directory (and its workspace if the runtime created it) and its
+        ownership record. Idempotent; concurrent calls wait for the same close. Raises :class:`SandboxError`
+        only if processes survive SIGKILL."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        await self._client.close()
+        survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
+                                       sessions=live_session_ids(os.path.join(self._ctx.run_dir, SESSIONS_NAME)),
+                                       own_child_wait=self._proc.wait)
+        if self._lease is not None:
+            self._lease.release()
+        await asyncio.to_thread(self._runtime._cleanup_dirs, self._ctx.run_dir,
+                                self.workspace if self._workspace_created else None)
+        await asyncio.to_thread(self._runtime.store.remove, self.sandbox_id)
+        self._runtime._handles.pop(self.sandbox_id, None)
+        if survivors:
+            raise SandboxError(f"sandbox {self.sandbox_id}: processes survived SIGKILL: "
+                               f"{[p.pid for p in survivors]}")
+
+
+class SandboxRuntime(abc.ABC):
+    """Starts sandboxes of one kind. Options common to all runtimes:
+
+    - ``state_dir``: per-user directory for ownership records and run directories (default
+      :func:`sandbox.ownership.default_state_dir`).
+    - ``workspace_root``: where fresh workspaces are created (default: the system temp dir; each one a private
+      ``mkdtemp`` directory).
+    - ``python``: interpreter that runs the execution server (default: this one, ``sys.executable``).
+    - ``start_timeout_s``: how long to wait for the execution server (seconds).
+    - ``close_grace_s``: SIGTERM → SIGKILL grace on close (seconds).
+    - ``loopback_dir`` / ``loopback_network``: see :class:`sandbox.loopback.LoopbackAllocator`.
+    """
+
+    kind: str = "abstract"
+    #: Whether sandboxes of this runtime are isolated from the host.
+    isolated: bool = True
+
+    def __init__(self, *, state_dir: Optional[str] = None, workspace_root: Optional[str] = None,
+                 python: Optional[str] = None, start_timeout_s: float = 30.0, close_grace_s: float = 2.0,
+                 loopback_dir: str = DEFAULT_LEASE_DIR, loopback_network: str = DEFAULT_NETWORK) -> None:
+        self.state_dir = os.path.abspath(state_dir or default_state_dir())
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self.store = OwnershipStore(self.state_dir)
+        self.workspace_root = workspace_root
+        self.python = python or sys.executable
+        self.start_timeout_s = start_timeout_s
+        self.close_grace_s = close_grace_s
+        self._loopback_args = (loopback_dir, loopback_network)
+        self._loopback: Optional[LoopbackAllocator] = None
+        self._handles: dict[str, SandboxHandle] = {}
+        me = os.getpid()
+        self._owner = {"owner_pid": me, "owner_create_time": process_identity(me)}
+
+    # ------------------------------------------------------------------------------------ for subclasses
+    @abc.abstractmethod
+    def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
+        """The launcher's argv for ``spec``; it must end up running ``ctx.server_argv()``."""
+
+    def sandbox_paths(self, spec: SandboxSpec) -> tuple[str, str]:
+        """(workspace, run dir) as seen inside the sandbox."""
+        return spec.workdir, SANDBOX_RUN_DIR
+
+    def run_as(self, spec: SandboxSpec) -> Optional[tuple[int, int]]:
+        """(uid, gid) the execution server switches to inside the sandbox, or ``None`` to keep its user."""
+        return None
+
+    def tool_env(self, spec: SandboxSpec, ctx: LaunchContext) -> dict[str, str]:
+        """Environment of the shell and the kernel."""
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": ctx.sandbox_workspace,
+               "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "PYTHONUNBUFFERED": "1"}
+        if spec.image is None:
+            env["PATH"] = os.path.dirname(self.python) + ":" + env["PATH"]
+        if ctx.address:
+            env["PRORL_SANDBOX_ADDRESS"] = ctx.address
+        env.update(spec.env)
+        return env
+
+    def launcher_env(self, ctx: LaunchContext) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+                "PYTHONPATH": ":".join(ctx.pythonpath)}
+
+    def sessions_file(self, ctx: LaunchContext) -> Optional[str]:
+        return None
+
+    # ---------------------------------------------------------------------------------------- interface
+    async def start(self, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
+        """Start a sandbox and wait until its execution server answers. Raises :class:`SandboxStartError`
+        (with the launcher's log tail) if it exits or does not answer within ``start_timeout_s``."""
+        spec = spec or SandboxSpec()
+        sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
+        run_dir, workspace, created = await asyncio.to_thread(self._make_dirs, sandbox_id, spec)
+        lease = None
+        proc = None
+        try:
+            if spec.network == "loopback":
+                if self._loopback is None:
+                    self._loopback = LoopbackAllocator(*self._loopback_args)
+                lease = self._loopback.allocate(owner=sandbox_id)
+            sb_ws, sb_run = self.sandbox_paths(spec)
+            if self.kind == "local":
+                sb_ws, sb_run = workspace, run_dir
+            ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
+                                sandbox_workspace=sb_ws, python=self.python, pythonpath=python_paths(),
+                                address=lease.address if lease else None, run_as=self.run_as(spec))
+            if ctx.run_as:
+                for d in (run_dir, workspace):
+                    os.chown(d, *ctx.run_as)
+            sessions = self.sessions_file(ctx)
+            config = {"workspace": sb_ws, "run_dir": sb_run, "env": self.tool_env(spec, ctx),
+                      "limits": spec.limits.to_dict(), "run_as": list(ctx.run_as) if ctx.run_as else None,
+                      "sessions_file": sessions}
+            with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
+                json.dump(config, f)
+            argv = self.build_command(spec, ctx)
+            logf = open(os.path.join(run_dir, LOG_NAME), "wb")
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                    env=self.launcher_env(ctx), pass_fds=(lease.fd,) if lease else ())
+            finally:
+                logf.close()
+            create_time = process_identity(proc.pid)
+            await asyncio.to_thread(self.store.write, {
+                "sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": create_time,
+                "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
+                "address": ctx.address, "started_at": time.time(), **self._owner})
+            client = ExecClient(os.path.join(run_dir, SOCKET_NAME), proc.wait, sandbox_id)
+            handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc, create_time=create_time,
+                                   client=client, ctx=ctx, lease=lease, workspace_created=created)
+            self._handles[sandbox_id] = handle
+        except BaseException:
+            if proc is None:
+                if lease is not None:
+                    lease.release()
+                await asyncio.to_thread(self._cleanup_dirs, run_dir, workspace if created else None)
+            raise
+        try:
+            await client.call("ping", {}, self.start_timeout_s)
+        except BaseException as e:
+            tail = self._log_tail(run_dir)
+            await handle.close()
+            if isinstance(e, SandboxError):
+                raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} did not start: {e}\n"
+                                        f"launcher log (tail):\n{tail}") from None
+            raise
+        return handle
+
+    async def reap_orphans(self) -> int:
+        """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer
+        running (pid + create time), and nothing else. Returns how many records were reaped."""
+        reaped = 0
+        for rec in await asyncio.to_thread(self.store.records):
+            if same_process(rec.get("owner_pid"), rec.get("owner_create_time")):
+                continue  # its server is alive (this one or another): not an orphan
+            run_dir = rec.get("run_dir") or ""
+            sessions = live_session_ids(os.path.join(run_dir, SESSIONS_NAME)) if run_dir else set()
+            survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
+                                           sessions=sessions)
+            if survivors:
+                log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
+                          [p.pid for p in survivors])
+                continue
+            await asyncio.to_thread(self._cleanup_dirs, run_dir if self._owns(run_dir) else None,
+                                    rec.get("workspace") if rec.get("workspace_created") else None)
+            await asyncio.to_thread(self.store.remove, rec["sandbox_id"])
+            log.warning("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
+                        rec["sandbox_id"], rec.get("runtime"), rec.get("pid"))
+            reaped += 1
+        return reaped
+
+    async def close_all(self) -> None:
+        """Close every sandbox this runtime started and has not closed yet (concurrently)."""
+        handles = list(self._handles.values())
+        results = await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
+        for h, r in zip(handles, results):
+            if isinstance(r, BaseException):
+                log.error("closing sandbox %s failed: %s", h.sandbox_id, r)
+
+    @property
+    def handles(self) -> list[SandboxHandle]:
+        return list(self._handles.values())
+
+    # ------------------------------------------------------------------------------------------ helpers
+    @property
+    def id_prefix(self) -> str:
+        return "sb"
+
+    def _owns(self, path: Optional[str]) -> bool:
+        return bool(path) and os.path.abspath(path).startswith(os.path.join(self.state_dir, "run") + os.sep)
+
+    def _make_dirs(self, sandbox_id: str, spec: SandboxSpec) -> tuple[str, str, bool]:
+        run_dir = os.path.join(self.state_dir, "run", sandbox_id)
+        if len(os.path.join(run_dir, SOCKET_NAME)) > _MAX_SOCKET_PATH:
+            raise SandboxStartError(f"state_dir {self.state_dir} is too long for a Unix socket path; "
+                                    "configure a shorter one")
+        os.makedirs(run_dir, mode=0o700)
+        if spec.workspace:
+            workspace = os.path.abspath(spec.workspace)
+            os.makedirs(workspace, exist_ok=True)
+            return run_dir, workspace, False
+        if self.workspace_root:
+            os.makedirs(self.workspace_root, mode=0o700, exist_ok=True)
+        return run_dir, tempfile.mkdtemp(prefix=f"prorl-{sandbox_id}-", dir=self.workspace_root), True
+
+    @staticmethod
+    def _cleanup_dirs(run_dir: Optional[str], workspace: Optional[str]) -> None:
+        for d in (run_dir, workspace):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+
+    @staticmethod
+    def _log_tail(run_dir: str, n: int = 4000) -> str:
+        try:
+            with open(os.path.join(run_dir, LOG_NAME), "rb") as f:
+                data = f.read()
+            return data[-n:].decode("utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+
+
+def make_runtime(kind: str, **options: Any) -> SandboxRuntime:
+    """Runtime by name: ``"bubblewrap"`` (alias ``"bwrap"``), ``"singularity"`` (alias ``"apptainer"``),
+    ``"local"`` (no isolation). ``options`` go to the runtime's constructor (see :class:`SandboxRuntime` and
+    each runtime). Raises ``ValueError`` for an unknown kind, :class:`SandboxError` if the runtime's binary
+    is missing."""
+    k = kind.lower()
+    if k in ("bubblewrap", "bwrap"):
+        from .bubblewrap import BubblewrapRuntime
+
+        return BubblewrapRuntime(**options)
+    if k in ("singularity", "apptainer"):
+        from .singularity import SingularityRuntime
+
+        return SingularityRuntime(**options)
+    if k == "local":
+        from .local import LocalRuntime
+
+        return LocalRuntime(**options)
+    raise ValueError(f"unknown sandbox runtime {kind!r}; choose bubblewrap, singularity or local")
