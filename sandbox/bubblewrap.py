@@ -107,7 +107,7 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
                 args += ["--ro-bind", src, "/" + name]
         if spec.writable_tmpfs:
             log.warning("writable_tmpfs needs a rootfs image with bubblewrap; the host root stays read-only")
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     if spec.image is None:
         args += ["--ro-bind-try", "/sys", "/sys"]
     hidden = {"root"} if ctx.run_as else set()
