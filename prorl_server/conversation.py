@@ -1,0 +1,327 @@
+"""Token-true conversation state of one multi-turn rollout.
+
+The token ids sent to the model are the truth; text is derived from them, never the other way round:
+
+- the first prompt is the model's chat template rendered over the initial messages (transformers
+  ``apply_chat_template``) and tokenized once;
+- each assistant turn is appended exactly as generated (token ids, logprobs; ``loss_mask`` 1);
+- new messages (tool observations, user turns) are appended by rendering the template and taking the
+  *delta*: the rendered text must extend what is already there (the previous rendering followed by the
+  assistant's generated text); only the text after that is tokenized (``loss_mask`` 0, logprob 0.0).
+
+If the template does not extend the previous rendering (it rewrites history, e.g. drops earlier reasoning,
+or renders the assistant's text differently from what was generated), the current :class:`Trajectory`
+segment is closed with ``split_reason`` saying why and a new segment starts from a fresh rendering of the
+whole conversation. Nothing is ever silently re-tokenized.
+
+Cost per turn is independent of the history length by default (``window=True``): the delta is rendered over
+the *head* (messages up to the first user message, plus ``tools``) and the latest generated assistant turn
+followed by the new messages. That is exact for templates whose rendering of a message depends only on the
+head and its neighbours (ChatML/Qwen2.5, Llama-3, Mistral...). ``window=False`` renders the whole
+conversation each turn (exact for any template, O(history) per turn).
+
+Context length is enforced: :attr:`Conversation.room` is the generation budget left, and
+:meth:`Conversation.add_messages` refuses (returns False, nothing appended) messages that would leave no room
+for another generated token.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from prorl_server.types import Trajectory
+
+if TYPE_CHECKING:
+    from prorl_server.llm_client import Completion
+
+# Rendering + tokenizing more than this many characters of new text goes to a worker thread so a large
+# observation (a long file, a build log) does not stall the event loop; smaller deltas cost ~0.1 ms inline,
+# far less than a thread hop.
+OFFLOAD_CHARS = 16_384
+
+
+class ContextLengthError(ValueError):
+    """The initial prompt alone does not fit in the context (tokens >= ``max_context_tokens``)."""
+
+
+class ChatTokenizer:
+    """A transformers tokenizer seen as: chat template rendering, encode (no special tokens added), decode.
+
+    ``tools``: OpenAI-style tool schemas passed to the template (``apply_chat_template(tools=...)``).
+    ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+    """
+
+    def __init__(self, tokenizer: Any, tools: Optional[Sequence[dict]] = None,
+                 chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # The Rust tokenizer directly: same ids as tokenizer.encode, without the Python wrapper's overhead.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._terminator: Optional[str] = None
+        self._terminator_known = False
+
+    def assistant_terminator(self) -> Optional[str]:
+        """The text the template puts right after an assistant message's content (ChatML: ``"<|im_end|>\\n"``),
+        found once by rendering a probe; None if the template could not be probed."""
+        if not self._terminator_known:
+            probe = "\x1fprorl-probe\x1f"
+            try:
+                text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                                   add_generation_prompt=False)
+                self._terminator = text[text.rindex(probe) + len(probe):]
+            except Exception:  # any template error: fall back to "stop token ends the turn"
+                self._terminator = None
+            self._terminator_known = True
+        return self._terminator
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.chat_template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _render_view(message: dict) -> dict:
+    """What the template sees of a message: an assistant turn is rendered from its raw generated text only
+    (its parsed ``tool_calls`` are informational and would otherwise be rendered a second time)."""
+    if message.get("role") == "assistant" and "tool_calls" in message:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    return message
+
+
+def _head_len(messages: Sequence[dict]) -> int:
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            return i + 1
+    return len(messages)
+
+
+@dataclass
+class _Segment:
+    prompt_len: int
+    ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    num_turns: int = 0
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    split_reason: Optional[str] = None
+
+    def to_trajectory(self) -> Trajectory:
+        return Trajectory(prompt_ids=self.ids[:self.prompt_len], response_ids=self.ids[self.prompt_len:],
+                          response_logprobs=list(self.logprobs), loss_mask=list(self.mask),
+                          num_turns=self.num_turns, weight_versions=list(self.weight_versions),
+                          finish_reason=self.finish_reason, split_reason=self.split_reason)
+
+
+@dataclass
+class _Pending:
+    """The latest generated turn, not yet followed by new messages."""
+
+    index: int  # position of its message in Conversation.messages
+    content: str
+    stop_text: str
+
+
+class Conversation:
+    """Token ids, logprobs and loss mask of one rollout, kept in step with its messages.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template (or a :class:`ChatTokenizer`).
+        messages: initial messages (system/user...), OpenAI format. Copied.
+        tools: tool schemas rendered by the template (``tools=``).
+        max_context_tokens: the model's context (tokens); prompt + all turns never exceed it.
+        window: render only head + latest turn per step (O(1) in history); False: whole conversation.
+
+    Raises:
+        ContextLengthError: the initial prompt already fills the context.
+
+    Use :meth:`create` from async code: it tokenizes a long initial prompt in a worker thread.
+    """
+
+    def __init__(self, tokenizer: Any, messages: Sequence[dict], *, max_context_tokens: int,
+                 tools: Optional[Sequence[dict]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
+                 window: bool = True) -> None:
+        self.tok = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(
+            tokenizer, tools, chat_template_kwargs)
+        self.messages: list[dict] = [dict(m) for m in messages]
+        if not self.messages:
+            raise ValueError("a conversation needs at least one message")
+        self.max_context_tokens = int(max_context_tokens)
+        self.window = window
+        self._head = [_render_view(m) for m in self.messages[:_head_len(self.messages)]]
+        text = self.tok.render([_render_view(m) for m in self.messages], add_generation_prompt=True)
+        ids = self.tok.encode(text)
+        if len(ids) >= self.max_context_tokens:
+            raise ContextLengthError(f"prompt is {len(ids)} tokens; the context holds {self.max_context_tokens}")
+        self._prefix_text = text  # window=False: the rendering the current token stream corresponds to
+        self._anchor_text: Optional[str] = None  # window=True: render(head, add_generation_prompt=True)
+        self._seg = _Segment(prompt_len=len(ids), ids=ids)
+        self._done: list[_Segment] = []
+        self._pending: Optional[_Pending] = None
+        self.finish_reason: Optional[str] = None
+        self.metrics: dict[str, int] = {"segments": 1, "splits": 0, "generated_tokens": 0,
+                                        "observation_tokens": 0, "refused_messages": 0}
+
+    @classmethod
+    async def create(cls, tokenizer: Any, messages: Sequence[dict], **kwargs: Any) -> "Conversation":
+        """Like the constructor; a long initial prompt is rendered and tokenized off the event loop."""
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        if size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(cls, tokenizer, messages, **kwargs)
+        return cls(tokenizer, messages, **kwargs)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def token_ids(self) -> list[int]:
+        """The current context (prompt + response of the open segment): what the next turn is sent.
+        The live list; do not modify it."""
+        return self._seg.ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._seg.ids)
+
+    @property
+    def room(self) -> int:
+        """Tokens that may still be generated before the context is full."""
+        return self.max_context_tokens - len(self._seg.ids)
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns generated so far (all segments)."""
+        return self._seg.num_turns + sum(s.num_turns for s in self._done)
+
+    # ------------------------------------------------------------------ turns
+    def add_completion(self, completion: "Completion") -> dict:
+        """Append one generated turn as-is; returns its assistant message (appended to :attr:`messages`).
+
+        The message's ``content`` is the decoded generated text (special tokens kept; a final stop token
+        that the template writes after the content anyway is left out). Tool calls stay inside it verbatim; callers may add an informational ``tool_calls`` key.
+
+        Raises:
+            RuntimeError: the turn does not fit (the caller must cap ``max_tokens`` at :attr:`room`).
+        """
+        ids = completion.token_ids
+        if len(ids) > self.room:
+            raise RuntimeError(f"{len(ids)} generated tokens exceed the {self.room} left in the context")
+        content = None
+        stop_text = ""
+        # vLLM keeps the EOS / stop_token_ids token in token_ids; a stop *string* is ordinary text. The stop
+        # token is left out of the message's content only if it is what the template writes after an
+        # assistant turn anyway (ChatML's <|im_end|>); another one (e.g. <|endoftext|>) stays in the content,
+        # so rendering the messages reproduces the tokens.
+        if completion.finish_reason == "stop" and ids and not isinstance(completion.stop_reason, str):
+            last = self.tok.decode(ids[-1:])
+            terminator = self.tok.assistant_terminator()
+            if terminator is None or (last and terminator.startswith(last)):
+                content, stop_text = self.tok.decode(ids[:-1]), last
+        if content is None:
+            content = self.tok.decode(ids)
+        seg = self._seg
+        seg.ids.extend(ids)
+        seg.logprobs.extend(completion.logprobs)
+        seg.mask.extend([1] * len(ids))
+        seg.num_turns += 1
+        for v in completion.weight_versions:
+            if v not in seg.weight_versions:
+                seg.weight_versions.append(v)
+        message = {"role": "assistant", "content": content}
+        self.messages.append(message)
+        self._pending = _Pending(index=len(self.messages) - 1, content=content, stop_text=stop_text)
+        self.metrics["generated_tokens"] += len(ids)
+        return message
+
+    async def add_messages(self, new: Sequence[dict]) -> bool:
+        """Append new messages (tool observations, user turns) after the latest generated turn, ending with
+        the template's generation prompt for the next turn.
+
+        Returns:
+            False if they would leave no room to generate (nothing is appended: the rollout should stop with
+            ``finish_reason="length"``); True otherwise.
+
+        Raises:
+            RuntimeError: not preceded by :meth:`add_completion` (every batch of new messages follows a turn).
+        """
+        if self._pending is None:
+            raise RuntimeError("add_messages must follow add_completion (send all of a turn's messages at once)")
+        new = [dict(m) for m in new]
+        size = sum(len(str(m.get("content") or "")) for m in new)
+        if size > OFFLOAD_CHARS:
+            plan = await asyncio.to_thread(self._plan_delta, new)
+        else:
+            plan = self._plan_delta(new)
+        kind, ids, text, reason = plan
+        if kind == "split":
+            if len(ids) >= self.max_context_tokens:
+                self.metrics["refused_messages"] += len(new)
+                return False
+            self._seg.finish_reason = "split"
+            self._seg.split_reason = reason
+            self._done.append(self._seg)
+            self._seg = _Segment(prompt_len=len(ids), ids=ids)
+            self.metrics["segments"] += 1
+            self.metrics["splits"] += 1
+        else:
+            if len(self._seg.ids) + len(ids) >= self.max_context_tokens:
+                self.metrics["refused_messages"] += len(new)
+                return False
+            seg = self._seg
+            seg.ids.extend(ids)
+            seg.logprobs.extend([0.0] * len(ids))
+            seg.mask.extend([0] * len(ids))
+            self.metrics["observation_tokens"] += len(ids)
+        self.messages.extend(new)
+        if not self.window:
+            self._prefix_text = text
+        self._pending = None
+        return True
+
+    def _plan_delta(self, new: list[dict]) -> tuple[str, list[int], str, Optional[str]]:
+        """("append", delta ids, rendering, None) or ("split", full prompt ids, rendering, reason)."""
+        p = self._pending
+        assert p is not None
+        views = [_render_view(m) for m in new]
+        if self.window:
+            if self._anchor_text is None:
+                self._anchor_text = self.tok.render(self._head, add_generation_prompt=True)
+            prefix = self._anchor_text
+            window = self._head + [_render_view(m) for m in self.messages[p.index:]] + views
+            text = self.tok.render(window, add_generation_prompt=True)
+        else:
+            prefix = self._prefix_text
+            text = self.tok.render([_render_view(m) for m in self.messages] + views, add_generation_prompt=True)
+        reason = None
+        if not text.startswith(prefix):
+            reason = "template_not_append_only: the new rendering changes text before the latest turn"
+        elif not text.startswith(p.content, len(prefix)):
+            reason = "template_not_append_only: the template renders the latest assistant turn differently " \
+                     "from the generated text"
+        if reason is not None:
+            full = self.tok.render([_render_view(m) for m in self.messages] + views, add_generation_prompt=True)
+            return "split", self.tok.encode(full), full, reason
+        pos = len(prefix) + len(p.content)
+        if p.stop_text and text.startswith(p.stop_text, pos):
+            pos += len(p.stop_text)
+        return "append", self.tok.encode(text[pos:]), text, None
+
+    # ------------------------------------------------------------------ results
+    def finish(self, reason: str) -> None:
+        """Record why the rollout ended ("stop", "length", "max_turns", ...) on the open segment."""
+        self.finish_reason = reason
+        self._seg.finish_reason = reason
+
+    def trajectories(self) -> list[Trajectory]:
+        """All segments in order (one unless the template forced a split), as wire ``Trajectory`` objects."""
+        return [s.to_trajectory() for s in [*self._done, self._seg]]
