@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import resource
-from typing import Mapping, Optional
+# `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Mapping, Optional
 
 _RLIMITS = {
     "max_processes": resource.RLIMIT_NPROC,

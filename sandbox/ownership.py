@@ -155,11 +155,16 @@ async def kill_sandbox(pid: int, create_time: Optional[float], *, grace_s: float
     procs = await asyncio.to_thread(sandbox_processes, pid, create_time, sessions)
     if not procs:
         return []
-    _signal_all(procs, pgid, signal.SIGTERM)
     waiter = asyncio.ensure_future(own_child_wait()) if own_child_wait else None
     deadline = time.monotonic() + grace_s
+    # Inside first: the execution server exits on SIGTERM, and a launcher whose child exited reaps it and
+    # exits by itself (killing the launcher first would leave its children as zombies for init to reap).
+    _signal_all([p for p in procs if p.pid != pid], None, signal.SIGTERM)
+    while time.monotonic() < deadline - grace_s / 2 and any(_alive(p) for p in procs):
+        await asyncio.sleep(0.005)
+    _signal_all([p for p in procs if _alive(p)], pgid, signal.SIGTERM)
     while time.monotonic() < deadline and any(_alive(p) for p in procs):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.005)
     for _ in range(50):
         # Children forked during the grace period are found again through the recorded sessions and the
         # parent links of the survivors.
