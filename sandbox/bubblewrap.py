@@ -4,7 +4,8 @@ File system: a tmpfs root into which every top-level entry of the image (a rootf
 when ``spec.image`` is None) is bound read-only (symlinks recreated), then ``/proc``, a minimal ``/dev``, a
 fresh ``/tmp`` and ``/run``, the project and its interpreter read-only (so the execution server can run), the
 spec's binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable
-host paths. With ``writable_tmpfs`` and a rootfs image, the root is an overlay whose changes stay in memory.
+host paths. With ``writable_tmpfs`` every top-level directory is an overlay whose changes stay in memory
+(needs bubblewrap >= 0.9; Debian 12 ships 0.8, where it is refused with a clear error).
 
 Processes: bwrap leads its own session and process group; ``--die-with-parent`` kills the sandbox if the server
 dies, and the sandbox's pid namespace dies with its init, so closing the group leaves nothing behind.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from typing import Optional
 
@@ -46,6 +48,8 @@ class BubblewrapRuntime(SandboxRuntime):
             raise SandboxError("bubblewrap runtime: no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
         super().__init__(**options)
         self._root = os.geteuid() == 0
+        self._overlay = "--overlay-src" in subprocess.run([self.bwrap, "--help"], capture_output=True,
+                                                          text=True).stdout
         if run_as is None:
             run_as = NOBODY if self._root else False
         self._run_as = tuple(run_as) if run_as else None
@@ -56,7 +60,7 @@ class BubblewrapRuntime(SandboxRuntime):
         return None
 
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
-        return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root)
+        return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay)
 
 
 def _needed_paths(ctx: LaunchContext) -> list[str]:
@@ -72,9 +76,12 @@ def _needed_paths(ctx: LaunchContext) -> list[str]:
     return out
 
 
-def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False) -> list[str]:
+def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False,
+                        overlay: bool = False) -> list[str]:
     """The complete bwrap argv for ``spec``. ``privileged``: the caller is root (no user namespace when the
-    server drops to ``ctx.run_as``)."""
+    server drops to ``ctx.run_as``). ``overlay``: this bwrap has ``--overlay-src`` (>= 0.9), needed for
+    ``writable_tmpfs`` (each top-level directory becomes an in-memory overlay). Raises :class:`SandboxError`
+    for an image that is not a directory or ``writable_tmpfs`` without overlay support."""
     args = [bwrap]
     if privileged and ctx.run_as:
         args += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
@@ -91,22 +98,19 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
     root = spec.image or "/"
     if spec.image and not os.path.isdir(spec.image):
         raise SandboxError(f"bubblewrap image must be a rootfs directory, got {spec.image!r}")
-    if spec.image and spec.writable_tmpfs:
-        args += ["--overlay-src", root, "--tmp-overlay", "/"]
-    else:
-        args += ["--tmpfs", "/"]
-        for name in sorted(os.listdir(root)):
-            src = os.path.join(root, name)
-            if name in _SKIP or (name == "root" and ctx.run_as):
-                continue
-            if os.path.islink(src):
-                args += ["--symlink", os.readlink(src), "/" + name]
-            elif os.path.isdir(src):
-                args += ["--ro-bind", src, "/" + name]
-            elif os.path.isfile(src):
-                args += ["--ro-bind", src, "/" + name]
-        if spec.writable_tmpfs:
-            log.warning("writable_tmpfs needs a rootfs image with bubblewrap; the host root stays read-only")
+    if spec.writable_tmpfs and not overlay:
+        raise SandboxError("writable_tmpfs needs bubblewrap >= 0.9 (--overlay-src/--tmp-overlay); this bwrap lacks it")
+    args += ["--tmpfs", "/"]
+    for name in sorted(os.listdir(root)):
+        src = os.path.join(root, name)
+        if name in _SKIP or (name == "root" and ctx.run_as):
+            continue
+        if os.path.islink(src):
+            args += ["--symlink", os.readlink(src), "/" + name]
+        elif os.path.isdir(src) and spec.writable_tmpfs:
+            args += ["--overlay-src", src, "--tmp-overlay", "/" + name]
+        elif os.path.isdir(src) or os.path.isfile(src):
+            args += ["--ro-bind", src, "/" + name]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     if spec.image is None:
         args += ["--ro-bind-try", "/sys", "/sys"]

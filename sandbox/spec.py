@@ -70,7 +70,7 @@ class SandboxSpec:
     - ``fakeroot``: appear as uid 0 inside (Singularity ``--fakeroot``; bubblewrap ``--uid 0`` in a user
       namespace).
     - ``writable_tmpfs``: the root file system is writable, changes kept in memory and dropped on close
-      (Singularity ``--writable-tmpfs``; bubblewrap overlay on a rootfs image).
+      (Singularity ``--writable-tmpfs``; bubblewrap >= 0.9 overlays, refused with an error on older bwrap).
     """
 
     image: Optional[str] = None

@@ -26,7 +26,6 @@ def _bwrap_works() -> str | None:
 
 
 BWRAP_UNAVAILABLE = _bwrap_works()
-needs_bwrap = pytest.mark.skipif(BWRAP_UNAVAILABLE is not None, reason=BWRAP_UNAVAILABLE or "")
 
 
 @pytest.fixture
@@ -47,6 +46,8 @@ def runtime_options(short_tmp):
 async def bwrap_runtime(runtime_options):
     from sandbox import make_runtime
 
+    if BWRAP_UNAVAILABLE:
+        pytest.skip(BWRAP_UNAVAILABLE)
     rt = make_runtime("bubblewrap", **runtime_options)
     yield rt
     await rt.close_all()

@@ -96,3 +96,11 @@ def test_loopback_addresses_are_exclusive_across_processes_and_reclaimed_after_c
         lease.release()
         lease.release()  # idempotent
     assert os.listdir(lease_dir) == []
+
+
+def test_bwrap_writable_tmpfs_uses_overlays_or_is_refused_clearly():
+    spec = SandboxSpec(writable_tmpfs=True)
+    with pytest.raises(SandboxError, match="writable_tmpfs needs bubblewrap >= 0.9"):
+        build_bwrap_command("bwrap", spec, CTX, overlay=False)
+    argv = build_bwrap_command("bwrap", spec, CTX, overlay=True)
+    assert ["--overlay-src", "/usr", "--tmp-overlay", "/usr"] == argv[argv.index("/usr") - 1:][:4]
