@@ -110,7 +110,12 @@ class BashSession:
             raise RuntimeError("a bash command is already running in this sandbox")
         self._pending = (command, float(timeout_s), int(max_output_bytes), done, time.monotonic())
         if self._proc is None:
-            self.spawn()
+            try:
+                self.spawn()
+            except BaseException:
+                self._pending = None  # e.g. fork refused under max_processes: the next call may try again
+                self._proc = None
+                raise
         elif self._ready:
             self._start_pending()
 

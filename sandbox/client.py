@@ -92,6 +92,11 @@ class ExecClient:
                         await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
                     self._writer.write(request)
                     msg = await self._read_response(expect, deadline, op)
+                    if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
+                        # The server never got the request before the connection broke: send it again.
+                        expect = {rid}
+                        self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
+                        msg = await self._read_response(expect, deadline, op)
                     break
                 except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
                     self._drop_connection()

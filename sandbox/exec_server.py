@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing import Any, Optional
 
 from . import protocol
+from .protocol import UNKNOWN_REQUEST
 from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES, BashSession
 from .editor import Editor
 from .errors import FileTransferError, SandboxError, ToolError
@@ -232,7 +233,9 @@ class ExecServer:
         elif target in self._running:
             self._running[target] = conn
         else:
-            raise SandboxError(f"no request {target!r} is running or recently finished")
+            # The request never arrived (the connection broke while it was being sent): the client resends it.
+            conn.send(protocol.encode({"id": rid, "ok": False, "error": {
+                "type": UNKNOWN_REQUEST, "message": f"no request {target!r} is running or recently finished"}}))
 
     # ------------------------------------------------------------------------------------------ file I/O
     def _path(self, path: str) -> str:

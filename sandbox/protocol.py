@@ -17,6 +17,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+# Error type of a ``result`` request for an id the server never received.
+UNKNOWN_REQUEST = "UnknownRequest"
 # Longest accepted line, in bytes: uploads/downloads up to ~48 MiB after base64.
 MAX_LINE_BYTES = 64 * 1024 * 1024
 

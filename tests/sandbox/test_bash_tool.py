@@ -94,3 +94,10 @@ async def test_dropped_connection_reattaches_without_rerunning_command(sandbox):
     r = await task
     assert r.output == "1\n"
     assert (await sandbox.download("runs.txt")) == b"run\n"
+
+
+async def test_request_lost_in_a_broken_connection_is_sent_again_exactly_once(sandbox):
+    await sandbox.bash("true")
+    sandbox._client._writer.transport.abort()  # broken before the request is written: the server never sees it
+    r = await sandbox.bash("echo run >> runs.txt; wc -l < runs.txt")
+    assert r.output == "1\n"
