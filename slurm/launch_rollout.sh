@@ -20,8 +20,9 @@
 #   4. waits until every server answers GET /health, then writes servers.json (URLs, token, node, job id)
 #      atomically into $PRORL_SERVERS_DIR; trainers read it (python -m trainer_plugins.servers show DIR);
 #   5. stays up until the job ends. On scancel, on the time limit, or on SIGUSR1 (sent by the
-#      `--signal=B:USR1@120` default above, 2 minutes before the time limit) it removes servers.json,
-#      stops the servers (they cancel their jobs and close their sandboxes) and waits for them to exit.
+#      `--signal=B:USR1@120` default above, 2 to 2.5 minutes before the time limit: slurmctld checks every
+#      30 s) it removes servers.json, stops the servers (they cancel their jobs and close their sandboxes)
+#      and waits for them to exit. With a --time under ~3 minutes, lower the --signal lead time too.
 #
 # #SBATCH defaults above can be overridden on the sbatch command line (e.g. `sbatch -N 4 -t 12:00:00
 # --cpus-per-task=64 --gres=gpu:8 slurm/launch_rollout.sh`). The servers use every CPU of their node.

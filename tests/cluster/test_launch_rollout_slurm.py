@@ -101,15 +101,20 @@ def still_alive(procs: dict[int, float]) -> list[str]:
 
 
 def wait_ready(cluster, servers_dir: Path, job_id: str, timeout: float = 120):
-    try:
-        return wait_for_servers(servers_dir / "servers.json", timeout_s=timeout, poll_s=0.2, job_id=job_id)
-    except TimeoutError:
-        out = servers_dir / f"job-{job_id}.out"
-        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                         for p in sorted(servers_dir.glob(f"prorl-{job_id}/*.log")))
-        pytest.fail(f"job {job_id} ({cluster.job_state(job_id)}) wrote no servers.json in {timeout} s\n"
-                    f"--- job output\n{out.read_text() if out.exists() else '(none)'}\n{logs}\n"
-                    f"--- slurmd.log\n{cluster.log_tail('slurmd.log')}")
+    """servers.json of the job, once it appears; fails at once (with the logs) when the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return wait_for_servers(servers_dir / "servers.json", timeout_s=1.0, poll_s=0.1, job_id=job_id)
+        except TimeoutError:
+            if cluster.job_state(job_id) not in ("PENDING", "CONFIGURING", "RUNNING"):
+                break
+    out = servers_dir / f"job-{job_id}.out"
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                     for p in sorted(servers_dir.glob(f"prorl-{job_id}/*.log")))
+    pytest.fail(f"job {job_id} ({cluster.job_state(job_id)}) wrote no servers.json\n"
+                f"--- job output\n{out.read_text() if out.exists() else '(none)'}\n{logs}\n"
+                f"--- slurmd.log\n{cluster.log_tail('slurmd.log')}")
 
 
 def job_output(servers_dir: Path, job_id: str) -> str:
@@ -188,9 +193,11 @@ def test_vllm_servers_are_started_and_registered_before_servers_json_appears(slu
 
 @pytest.mark.skipif(os.environ.get("PRORL_SLOW_TESTS") == "0", reason="PRORL_SLOW_TESTS=0: time-limit test off")
 def test_time_limit_stops_servers_before_slurm_kills_them(slurm_cluster, tmp_path):
-    # --time=1 with the script's --signal=B:USR1@120 default: the controller signals the batch shell at its
-    # first check, the launcher stops the servers itself, and the job ends before the hard limit.
-    job_id = submit(slurm_cluster, tmp_path, "--time=1")
+    # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the warning signal at the first
+    # check with now + warn + 30 >= end: with --time=1 --signal=B:USR1@5 that is 25-55 s after the start,
+    # safely after the servers are up and before the hard limit (60-90 s). The launcher then stops the servers
+    # itself and the job ends. (The script's default, USR1@120, gives real jobs 2-2.5 minutes of notice.)
+    job_id = submit(slurm_cluster, tmp_path, "--time=1", "--signal=B:USR1@5")
     try:
         wait_ready(slurm_cluster, tmp_path, job_id)
         procs = job_processes(job_id)
