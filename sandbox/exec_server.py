@@ -180,7 +180,7 @@ class ExecServer:
         rid, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
         try:
             if op == "ping":
-                self._reply(conn, rid, {"pid": os.getpid()})
+                self._reply(conn, rid, {"pid": os.getpid(), "pidns": _pid_namespace()})
                 if not self._warmed:
                     self._warmed = True
                     # Start the shell right after the first contact, so that the first bash call finds it ready
@@ -273,6 +273,14 @@ def _error_dict(e: BaseException) -> dict[str, str]:
     if isinstance(e, (KeyError, TypeError, ValueError)):
         return {"type": "ToolError", "message": f"bad arguments: {type(e).__name__}: {e}"}
     return {"type": "SandboxError", "message": f"{type(e).__name__}: {e}"}
+
+
+def _pid_namespace() -> Optional[int]:
+    """Inode of this process's pid namespace (the same number the host sees), or None."""
+    try:
+        return int(os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]"))
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _drop_privileges(uid: int, gid: int) -> None:

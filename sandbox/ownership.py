@@ -108,9 +108,20 @@ def _alive(p: psutil.Process) -> bool:
         return True
 
 
-def sandbox_processes(pid: int, create_time: Optional[float], sessions: Iterable[int] = ()) -> list[psutil.Process]:
+def pid_namespace(pid: int | str = "self") -> Optional[int]:
+    """Inode number of the pid namespace of ``pid`` (``/proc/PID/ns/pid``), or ``None`` if unreadable."""
+    try:
+        return int(os.readlink(f"/proc/{pid}/ns/pid").split("[", 1)[1].rstrip("]"))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sandbox_processes(pid: int, create_time: Optional[float], sessions: Iterable[int] = (),
+                      pidns: Optional[int] = None, not_before: Optional[float] = None) -> list[psutil.Process]:
     """The live processes of a sandbox: the launcher ``pid`` (if its create time matches), its descendants,
-    and every process whose session id is in ``sessions``."""
+    every process whose session id is in ``sessions``, and every process of the sandbox's own pid namespace
+    ``pidns`` created at or after ``not_before`` (epoch seconds; guards against a recycled namespace inode).
+    The namespace finds the sandbox's processes even after its launcher is gone."""
     found: dict[int, psutil.Process] = {}
     if same_process(pid, create_time):
         root = psutil.Process(pid)
@@ -121,12 +132,16 @@ def sandbox_processes(pid: int, create_time: Optional[float], sessions: Iterable
         except psutil.NoSuchProcess:
             pass
     sessions = set(sessions)
-    if sessions:
+    if pidns is not None and pidns == pid_namespace():
+        pidns = None  # never treat the host's own namespace as the sandbox's
+    if sessions or pidns is not None:
         for p in psutil.process_iter():
             try:
-                if os.getsid(p.pid) in sessions:
+                if (sessions and os.getsid(p.pid) in sessions) or (
+                        pidns is not None and pid_namespace(p.pid) == pidns
+                        and (not_before is None or p.create_time() >= not_before - 1.0)):
                     found[p.pid] = p
-            except OSError:
+            except (OSError, psutil.Error):
                 continue
     return [p for p in found.values() if _alive(p)]
 
@@ -145,14 +160,15 @@ def _signal_all(procs: list[psutil.Process], pgid: Optional[int], sig: int) -> N
 
 
 async def kill_sandbox(pid: int, create_time: Optional[float], *, grace_s: float, sessions: Iterable[int] = (),
+                       pidns: Optional[int] = None, not_before: Optional[float] = None,
                        own_child_wait: Optional[Callable[[], Awaitable[Any]]] = None) -> list[psutil.Process]:
     """SIGTERM, up to ``grace_s`` seconds, then SIGKILL to the sandbox's process group and every process
-    found by :func:`sandbox_processes`; repeated until none is left (at most ~5 s more). Returns the processes
+    found by :func:`sandbox_processes` (arguments as there); repeated until none is left (at most ~5 s more). Returns the processes
     still alive at the end (normally ``[]``). ``own_child_wait``: ``proc.wait`` of the launcher when it is this
     process's child, so that asyncio (not psutil) reaps it."""
     sessions = set(sessions)
     pgid = pid if same_process(pid, create_time) else None
-    procs = await asyncio.to_thread(sandbox_processes, pid, create_time, sessions)
+    procs = await asyncio.to_thread(sandbox_processes, pid, create_time, sessions, pidns, not_before)
     if not procs:
         return []
     waiter = asyncio.ensure_future(own_child_wait()) if own_child_wait else None
@@ -175,8 +191,8 @@ async def kill_sandbox(pid: int, create_time: Optional[float], *, grace_s: float
                     extra.extend(p.children(recursive=True))
                 except psutil.NoSuchProcess:
                     pass
-        if sessions:
-            extra.extend(await asyncio.to_thread(sandbox_processes, 0, None, sessions))
+        if sessions or pidns is not None:
+            extra.extend(await asyncio.to_thread(sandbox_processes, 0, None, sessions, pidns, not_before))
         procs = [p for p in {p.pid: p for p in procs + extra}.values() if _alive(p)]
         if not procs:
             break

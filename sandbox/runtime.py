@@ -25,7 +25,8 @@ from typing import Any, Optional
 from .client import SERVER_GRACE_S, ExecClient
 from .errors import SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator, LoopbackLease
-from .ownership import OwnershipStore, default_state_dir, kill_sandbox, process_identity, same_process
+from .ownership import (OwnershipStore, default_state_dir, kill_sandbox, pid_namespace, process_identity,
+                        same_process)
 from .sessions import live_session_ids
 from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
 
@@ -87,8 +88,12 @@ class SandboxHandle:
 
     def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec, proc: asyncio.subprocess.Process,
                  create_time: Optional[float], client: ExecClient, ctx: LaunchContext, lease: Optional[LoopbackLease],
-                 workspace_created: bool) -> None:
+                 workspace_created: bool, started_at: float) -> None:
         self._runtime = runtime
+        self.started_at = started_at
+        #: Inode of the sandbox's own pid namespace (None for the local runtime): finds every process of the
+        #: sandbox even after its launcher is gone.
+        self.pidns: Optional[int] = None
         self.sandbox_id = sandbox_id
         self.spec = spec
         self._proc = proc
@@ -181,7 +186,7 @@ class SandboxHandle:
         await self._client.close()
         survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
                                        sessions=live_session_ids(os.path.join(self._ctx.run_dir, SESSIONS_NAME)),
-                                       own_child_wait=self._proc.wait)
+                                       pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
         if self._lease is not None:
             self._lease.release()
         await asyncio.to_thread(self._runtime._cleanup_dirs, self._ctx.run_dir,
@@ -225,6 +230,7 @@ class SandboxRuntime(abc.ABC):
         self._handles: dict[str, SandboxHandle] = {}
         me = os.getpid()
         self._owner = {"owner_pid": me, "owner_create_time": process_identity(me)}
+        self._own_pidns = pid_namespace()
 
     # ------------------------------------------------------------------------------------ for subclasses
     @abc.abstractmethod
@@ -263,6 +269,7 @@ class SandboxRuntime(abc.ABC):
         (with the launcher's log tail) if it exits or does not answer within ``start_timeout_s``."""
         spec = spec or SandboxSpec()
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
+        started_at = time.time()
         run_dir, workspace, created = await asyncio.to_thread(self._make_dirs, sandbox_id, spec)
         lease = None
         proc = None
@@ -295,13 +302,14 @@ class SandboxRuntime(abc.ABC):
             finally:
                 logf.close()
             create_time = process_identity(proc.pid)
-            await asyncio.to_thread(self.store.write, {
-                "sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": create_time,
-                "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
-                "address": ctx.address, "started_at": time.time(), **self._owner})
+            record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": create_time,
+                      "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
+                      "address": ctx.address, "started_at": started_at, **self._owner}
+            await asyncio.to_thread(self.store.write, record)
             client = ExecClient(os.path.join(run_dir, SOCKET_NAME), proc.wait, sandbox_id)
             handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc, create_time=create_time,
-                                   client=client, ctx=ctx, lease=lease, workspace_created=created)
+                                   client=client, ctx=ctx, lease=lease, workspace_created=created,
+                                   started_at=started_at)
             self._handles[sandbox_id] = handle
         except BaseException:
             if proc is None:
@@ -310,7 +318,10 @@ class SandboxRuntime(abc.ABC):
                 await asyncio.to_thread(self._cleanup_dirs, run_dir, workspace if created else None)
             raise
         try:
-            await client.call("ping", {}, self.start_timeout_s)
+            pong = await client.call("ping", {}, self.start_timeout_s)
+            handle.pidns = pong.get("pidns") if pong.get("pidns") != self._own_pidns else None
+            if handle.pidns is not None:
+                await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
         except BaseException as e:
             tail = self._log_tail(run_dir)
             await handle.close()
@@ -330,7 +341,7 @@ class SandboxRuntime(abc.ABC):
             run_dir = rec.get("run_dir") or ""
             sessions = live_session_ids(os.path.join(run_dir, SESSIONS_NAME)) if run_dir else set()
             survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
-                                           sessions=sessions)
+                                           sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
             if survivors:
                 log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
                           [p.pid for p in survivors])

@@ -43,13 +43,19 @@ async def test_close_is_idempotent_and_later_calls_raise_closed(bwrap_runtime):
         await h.bash("echo hi")
 
 
-async def test_sandbox_killed_from_outside_mid_command_raises_dead_error(bwrap_runtime, procs):
+@pytest.mark.parametrize("victim", ["process group", "execution server"])
+async def test_sandbox_killed_from_outside_mid_command_raises_dead_error(bwrap_runtime, procs, victim):
     h = await bwrap_runtime.start()
     pids = {p.pid for p in procs.of(h)}
     task = asyncio.create_task(h.bash("sleep 60", timeout_s=60))
     await asyncio.sleep(0.5)
-    pids |= {p.pid for p in procs.of(h)}
-    os.killpg(h.pid, signal.SIGKILL)
+    live = procs.of(h)
+    pids |= {p.pid for p in live}
+    if victim == "process group":
+        os.killpg(h.pid, signal.SIGKILL)
+    else:  # e.g. the OOM killer picking the server inside
+        [server] = [p for p in live if p.name().startswith("python")]
+        server.kill()
     t0 = time.monotonic()
     with pytest.raises(SandboxDeadError, match="died"):
         await task

@@ -65,3 +65,11 @@ async def test_kernel_that_dies_raises_and_next_cell_gets_fresh_kernel(sandbox, 
     after = {p.pid for p in procs.of(sandbox)}
     assert len(after - before) >= 1  # a new kernel process
     procs.assert_gone(before - after - {sandbox.pid})  # the dead kernel left nothing behind
+
+
+async def test_cell_ignoring_interrupt_gets_kernel_restarted(sandbox):
+    await sandbox.ipython("state = 1")
+    r = await sandbox.ipython("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
+                              timeout_s=0.5)
+    assert r.timed_out and "restarted" in r.error
+    assert (await sandbox.ipython("'state' in globals()")).text == "False\n"
