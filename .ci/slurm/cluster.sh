@@ -40,14 +40,14 @@ pid_alive() {  # pidfile exe
 }
 
 stop_pidfile() {  # pidfile exe label: SIGTERM, wait up to 15 s, SIGKILL
-    local pidfile=$1 exe=$2 label=$3 pid i
+    local pidfile=$1 exe=$2 label=$3 pid
     if ! pid=$(pid_alive "$pidfile" "$exe"); then
         rm -f "$pidfile"
         return 0
     fi
     log "stopping $label (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 150); do
+    for _ in $(seq 150); do
         [ -e "/proc/$pid" ] || break
         sleep 0.1
     done
@@ -133,8 +133,8 @@ ensure_munge() {
     rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
     runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGE_PID"
     touch "$DIR/run/munged.owned"
-    local i
-    for i in $(seq 50); do
+
+    for _ in $(seq 50); do
         if munge -n -S "$MUNGE_SOCKET" 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; then
             log "munged started (pid $(cat "$MUNGE_PID"))"
             return 0
@@ -167,8 +167,8 @@ start_daemons() {
         # -c: start from a clean state, so that jobs of an earlier session do not come back.
         slurmctld -c -f "$CONF"
     fi
-    local i
-    for i in $(seq 100); do
+
+    for _ in $(seq 100); do
         scontrol ping >/dev/null 2>&1 && break
         sleep 0.1
     done

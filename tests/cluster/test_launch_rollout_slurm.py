@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 import urllib.error
@@ -14,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer_plugins.servers import load_servers, wait_for_servers
+from trainer_plugins.servers import wait_for_servers
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "slurm" / "launch_rollout.sh"
