@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 from handlers.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings
+from prorl_server.llm_context import LLMContext
 from prorl_server.metrics import Metrics
 from prorl_server.pipeline import DuplicateJobError, Pipeline, ServerStoppedError
 from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse, ErrorDetail, ErrorResponse,
@@ -305,13 +306,15 @@ async def _pipeline_ctx(app: web.Application):
             from sandbox import SandboxSpec
 
             return await runtime.start(spec if spec is not None else SandboxSpec(**kw))
+    llm = LLMContext(app[POOL], tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
     pipeline = Pipeline(app[REGISTRY], app[POOL], app[METRICS], settings.workers(),
                         default_timeout_s=settings.default_timeout_s, backend_wait_s=settings.backend_wait_s,
-                        keep_finished=settings.keep_finished, sandbox_opener=opener)
+                        keep_finished=settings.keep_finished, sandbox_opener=opener, llm=llm)
     app[PIPELINE] = pipeline
     pipeline.start_workers()
     yield
     await pipeline.shutdown()
+    await llm.close()
 
 
 async def _health_ctx(app: web.Application):

@@ -26,6 +26,9 @@ class ServerSettings(BaseModel):
     backends: list[str] = Field(default_factory=list, description="LLM backend URLs registered at start")
     backend_wait_s: float = Field(default=60.0, ge=0,
                                   description="how long a job waits for a backend before its stage fails")
+    tokenizer: Optional[str] = Field(default=None, description="tokenizer path/name; default: the model "
+                                     "the backend serves (GET /v1/models)")
+    llm_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one generation request")
     health_interval_s: float = Field(default=10.0, gt=0, description="backend health probe period")
     keep_finished: int = Field(default=10000, ge=0, description="finished jobs kept for GET /jobs/{id}")
     max_body_mb: float = Field(default=64.0, gt=0)

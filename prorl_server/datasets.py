@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 LOADERS: dict[str, str] = {
     "arithmetic": "handlers.arithmetic:load_dataset",
+    "humaneval": "handlers.code.data:load_dataset",
+    "reasoning-gym": "handlers.math.data:load_dataset",
 }
 
 

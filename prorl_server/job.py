@@ -17,6 +17,7 @@ from prorl_server.types import CriticalError, JobResult, JobState, Timing, Traje
 if TYPE_CHECKING:
     from handlers.base import AgentHandler
     from prorl_server.balancer import Backend, BackendPool
+    from prorl_server.llm_context import LLMContext
 
 
 class PausableTimer:
@@ -64,7 +65,7 @@ class Job:
     def __init__(self, *, job_id: Optional[str], instance: dict[str, Any], sampling_params: dict[str, Any],
                  handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
                  pool: Optional["BackendPool"] = None, sandbox_opener=None,
-                 backend_wait_s: float = 0.0) -> None:
+                 backend_wait_s: float = 0.0, llm: Optional["LLMContext"] = None) -> None:
         self.job_id = job_id or uuid.uuid4().hex
         self.trajectory_id = uuid.uuid4().hex
         self.instance = instance
@@ -98,6 +99,7 @@ class Job:
         self.finishing = False  # set once the pipeline starts ending the job
 
         self._pool = pool
+        self.llm = llm  # the server's shared LLM client + tokenizer (None on a server without one)
         self._backend_wait_s = backend_wait_s
         self._backend_address: Optional[str] = None
         self._weight_version: Optional[int] = None

@@ -48,11 +48,13 @@ class Pipeline:
         backend_wait_s: how long a job waits for a backend to be registered before failing its stage.
         keep_finished: how many finished jobs stay queryable through ``GET /jobs/{id}``.
         sandbox_opener: ``async (spec, **kw) -> handle`` from the configured sandbox runtime, or None.
+        llm: the server's :class:`~prorl_server.llm_context.LLMContext` handed to every job as ``job.llm``.
     """
 
     def __init__(self, registry: HandlerRegistry, pool: BackendPool, metrics: Metrics,
                  workers: dict[str, int], default_timeout_s: Optional[float] = None,
-                 backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None) -> None:
+                 backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None,
+                 llm=None) -> None:
         self.registry = registry
         self.pool = pool
         self.metrics = metrics
@@ -61,6 +63,7 @@ class Pipeline:
         self.backend_wait_s = backend_wait_s
         self.keep_finished = keep_finished
         self.sandbox_opener = sandbox_opener
+        self.llm = llm
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones (insertion order)
@@ -121,7 +124,8 @@ class Pipeline:
         job = Job(job_id=req.job_id, instance=req.instance, sampling_params=req.sampling_params,
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
-                  pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s)
+                  pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s,
+                  llm=self.llm)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         self.in_flight += 1

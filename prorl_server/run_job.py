@@ -12,6 +12,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import shutil
 import signal
 import statistics
 import sys
@@ -26,6 +28,7 @@ from tqdm import tqdm
 from prorl_server.datasets import DatasetError, load_dataset
 
 log = logging.getLogger("prorl_run")
+DEFAULT_MODEL_DIR = Path(os.environ.get("PRORL_CACHE", Path(__file__).resolve().parent.parent / ".cache")) / "tiny-model"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", help="URL of a running rollout server (default: start one in this process)")
     p.add_argument("--token", help="bearer token of --server (or PRORL_TOKEN)")
     p.add_argument("--backend", action="append", default=[], metavar="URL", help="LLM backend (repeatable)")
-    p.add_argument("--sandbox-runtime", default=None, help="runtime of the in-process server (bubblewrap|local)")
+    p.add_argument("--sandbox-runtime", default=None,
+                   help="runtime of the in-process server: bubblewrap (default where bwrap exists), local, singularity")
+    p.add_argument("--model", default=None,
+                   help="model directory for the embedded vLLM CPU server, used when the dataset needs an LLM and "
+                        "no --backend/--server is given (default: the tiny test model, built locally on first use "
+                        "into .cache/tiny-model)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length of the embedded vLLM server")
     p.add_argument("--timeout-s", type=float, default=None, help="per-job timeout in seconds")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per turn")
@@ -90,6 +99,35 @@ class Summary:
         return "\n".join(lines)
 
 
+def _needs_llm(instances: list[dict[str, Any]]) -> bool:
+    from handlers.registry import UnknownHandlerError, default_registry
+
+    default_registry.load_entry_points()
+    for ds in {i["data_source"] for i in instances}:
+        try:
+            if default_registry.resolve(ds)[1].needs_llm:
+                return True
+        except UnknownHandlerError:
+            continue  # the server answers with the list of known handlers
+    return False
+
+
+async def start_embedded_llm(model: Optional[str], max_model_len: int, out: Path):
+    """The embedded default backend: a real vLLM CPU server for ``model`` (default: the tiny test model, built
+    here with no download). Returns the running :class:`~prorl_server.vllm_launcher.VLLMServer`."""
+    from prorl_server.tiny_model import build
+    from prorl_server.vllm_launcher import start_vllm_async
+
+    if model is None:
+        print("building the tiny test model (first run only) ...", file=sys.stderr)
+        model = str(await asyncio.to_thread(build, DEFAULT_MODEL_DIR))
+    print(f"starting an embedded vLLM CPU server for {model} (about a minute) ...", file=sys.stderr)
+    server = await start_vllm_async(model, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
+                                    log_path=out / "vllm.log", timeout_s=600)
+    print(f"vLLM ready at {server.address}", file=sys.stderr)
+    return server
+
+
 def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
@@ -99,6 +137,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = None
+    embedded = None
+    if not args.server and not args.backend and _needs_llm(instances):
+        embedded = await start_embedded_llm(args.model, args.max_model_len, out)
+        args.backend = [embedded.address]
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     if args.server:
         url = args.server.rstrip("/")
@@ -108,7 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         from prorl_server.app import create_app
         from prorl_server.config import ServerSettings
 
-        settings = ServerSettings(port=0, backends=args.backend, sandbox_runtime=args.sandbox_runtime,
+        runtime = args.sandbox_runtime or ("bubblewrap" if shutil.which("bwrap") else "local")
+        settings = ServerSettings(port=0, backends=args.backend, sandbox_runtime=runtime,
                                   init_workers=args.concurrency, run_workers=args.concurrency,
                                   eval_workers=args.concurrency)
         runner = web.AppRunner(create_app(settings), access_log=None)
@@ -176,6 +219,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
         if runner is not None:
             await runner.cleanup()
+        if embedded is not None:
+            await embedded.stop_async()
     s = summary.to_dict(time.monotonic() - t0, len(jobs))
     s.update({"dataset": args.dataset, "samples": args.samples, "interrupted": stop.is_set()})
     (out / "summary.json").write_text(json.dumps(s, indent=2))

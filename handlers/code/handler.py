@@ -1,0 +1,118 @@
+"""The ``code`` handler.
+
+- init: start a sandbox (no network) and put the problem in ``/workspace/solution.py`` (the signature and
+  docstring) for the agent to complete.
+- run: the generic agent loop with ``str_replace_editor``, ``bash`` and ``ipython`` on that sandbox; the
+  agent may run its own checks; afterwards ``/workspace/solution.py`` is taken as the solution.
+- eval: the hidden tests run in a FRESH sandbox (no network, a time limit) through
+  :mod:`handlers.code.harness`. Reward 1.0 if every test passes, else 0.0; ``extra["eval"]`` says which test
+  failed, the error, or that the time limit was hit.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from handlers.base import AgentHandler
+from handlers.code.data import validate_instance
+from handlers.tools import run_agent, sandbox_tools
+
+SOLUTION = "solution.py"
+HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
+DEFAULT_EVAL_TIMEOUT_S = 20.0
+SYSTEM_PROMPT = ("You are a careful Python programmer working in /workspace. Use the tools to write and test "
+                 "code. When the solution is complete, call the finish tool.")
+USER_TEMPLATE = ("Complete the function below. The file /workspace/{solution} already holds its signature and "
+                 "docstring; write the full implementation there (the signature included), test it if you "
+                 "like, then call finish.\n\n```python\n{prompt}```")
+
+
+def sandbox_spec(network: str = "none") -> Any:
+    """The sandbox this handler needs: no network, bounded processes and memory (so a fork bomb or a runaway
+    allocation in agent code or tests is contained)."""
+    from sandbox import Limits, SandboxSpec
+
+    return SandboxSpec(network=network, limits=Limits(max_processes=512, max_memory_bytes=8 << 30,
+                                                      max_file_bytes=256 << 20))
+
+
+async def evaluate_solution(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[str, Any],
+                            solution: Optional[str], timeout_s: float = DEFAULT_EVAL_TIMEOUT_S,
+                            ) -> tuple[float, dict[str, Any]]:
+    """Run the hidden tests of ``instance`` against ``solution`` (Python source) in a fresh sandbox.
+
+    Args:
+        open_sandbox: ``async (spec) -> SandboxHandle`` (``job.open_sandbox``, or a runtime's ``start``).
+        timeout_s: wall-clock limit of the test run, seconds.
+
+    Returns:
+        ``(reward, info)``: reward 1.0 if all tests pass else 0.0; info has ``passed``, ``error``,
+        ``failed_test``, ``timed_out``.
+    """
+    if solution is None:
+        return 0.0, {"passed": False, "error": f"no {SOLUTION} was written", "failed_test": None,
+                     "timed_out": False}
+    handle = await open_sandbox(sandbox_spec())
+    try:
+        await handle.upload(SOLUTION, solution.encode())
+        await handle.upload("hidden_tests.py", instance["tests"].encode())
+        await handle.upload("harness.py", HARNESS_SOURCE.encode())
+        r = await handle.bash(f"python3 harness.py {SOLUTION} hidden_tests.py {instance['entry_point']}",
+                              timeout_s=timeout_s)
+    finally:
+        await handle.close()
+    if r.timed_out:
+        return 0.0, {"passed": False, "error": f"hidden tests exceeded the {timeout_s:g} s limit",
+                     "failed_test": None, "timed_out": True}
+    line = next((ln for ln in reversed(r.output.splitlines()) if ln.startswith("HARNESS_RESULT ")), None)
+    if line is None:
+        return 0.0, {"passed": False, "error": f"harness printed no result (exit {r.exit_code}): "
+                     f"{r.output[-500:]}", "failed_test": None, "timed_out": False}
+    info = json.loads(line[len("HARNESS_RESULT "):])
+    info["timed_out"] = False
+    return (1.0 if info["passed"] and r.exit_code == 0 else 0.0), info
+
+
+class CodeHandler(AgentHandler):
+    """Instance: ``{"data_source": "code", "prompt", "tests", "entry_point"}`` (HumanEval or inline);
+    optional ``max_turns`` (default 8) and ``eval_timeout_s`` (default 20)."""
+
+    name = "code"
+    aliases = ("humaneval",)
+    needs_llm = True
+
+    async def init(self, job) -> None:
+        validate_instance(job.instance)
+        handle = await job.open_sandbox(sandbox_spec())
+        await handle.upload(SOLUTION, job.instance["prompt"].encode())
+        job.state["sandbox"] = handle
+
+    async def run(self, job) -> None:
+        from prorl_server.agent_loop import AgentConfig
+
+        handle = job.state["sandbox"]
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": USER_TEMPLATE.format(solution=SOLUTION,
+                                                                     prompt=job.instance["prompt"])}]
+        tools = sandbox_tools(handle, ("str_replace_editor", "bash", "ipython"))
+        try:
+            await run_agent(job, messages, tools, AgentConfig(max_turns=int(job.instance.get("max_turns", 8))))
+        finally:
+            # Whatever happened, keep what the agent wrote: eval scores the file, not the conversation.
+            job.state["solution"] = await _read_solution(handle)
+
+    async def eval(self, job) -> None:
+        reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.get("solution"),
+                                               float(job.instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)))
+        job.reward, job.resolved = reward, reward == 1.0
+        job.extra["eval"] = info
+
+
+async def _read_solution(handle) -> Optional[str]:
+    from sandbox import SandboxError
+
+    try:
+        return (await handle.download(SOLUTION)).decode("utf-8", errors="replace")
+    except SandboxError:
+        return None

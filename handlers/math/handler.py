@@ -1,0 +1,53 @@
+"""The ``math`` handler.
+
+- init: start a sandbox (no network) for the agent's IPython kernel (started lazily on first use).
+- run: the generic agent loop with ``ipython`` and ``think``; the agent ends with the finish tool, whose
+  ``answer`` (else the last assistant message) is the final answer text.
+- eval: reward from the last ``\\boxed{}`` of that text: math-verify against ``answer`` for inline instances,
+  reasoning-gym's own ``score_answer`` for reasoning-gym instances (see :mod:`handlers.math.scoring`).
+  ``resolved`` = reward 1.0.
+"""
+from __future__ import annotations
+
+from handlers.base import AgentHandler
+from handlers.math.scoring import score
+from handlers.tools import run_agent, sandbox_tools
+
+SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "
+                 "Call finish with your final answer written as \\boxed{...}.")
+
+
+class MathHandler(AgentHandler):
+    """Instance: ``{"data_source": "math", "question": str, "answer": str}`` (+ ``rg_entry`` for
+    reasoning-gym problems); optional ``max_turns`` (default 6)."""
+
+    name = "math"
+    aliases = ("reasoning_gym", "reasoning-gym")
+    needs_llm = True
+
+    async def init(self, job) -> None:
+        from sandbox import Limits, SandboxSpec
+
+        for key in ("question", "answer"):
+            if not isinstance(job.instance.get(key), (str, int, float)):
+                raise ValueError(f"math instance needs {key!r} (have: {sorted(job.instance)})")
+        job.state["sandbox"] = await job.open_sandbox(
+            SandboxSpec(network="none", limits=Limits(max_processes=256, max_memory_bytes=8 << 30)))
+
+    async def run(self, job) -> None:
+        from prorl_server.agent_loop import AgentConfig
+
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": str(job.instance["question"])}]
+        result = await run_agent(job, messages, sandbox_tools(job.state["sandbox"], ("ipython", "think")),
+                                 AgentConfig(max_turns=int(job.instance.get("max_turns", 6))))
+        final = (result.answer or {}).get("answer") if result.answer else None
+        if final is None:
+            final = next((m.get("content") or "" for m in reversed(result.messages)
+                          if m.get("role") == "assistant"), "")
+        job.state["final_answer"] = str(final)
+
+    async def eval(self, job) -> None:
+        reward, info = score(job.instance, job.state.get("final_answer", ""))
+        job.reward, job.resolved = reward, reward >= 1.0
+        job.extra["eval"] = info
