@@ -33,7 +33,7 @@ from . import protocol
 from .protocol import UNKNOWN_REQUEST
 from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES, BashSession
 from .editor import Editor
-from .errors import FileTransferError, SandboxError, ToolError
+from .errors import FileTransferError, SandboxError
 from .eventloop import EventLoop
 
 RECENT_RESULTS = 16

@@ -33,6 +33,9 @@ class LocalRuntime(SandboxRuntime):
     def id_prefix(self) -> str:
         return "unisolated"
 
+    def sandbox_paths(self, spec: SandboxSpec, run_dir: str, workspace: str) -> tuple[str, str]:
+        return workspace, run_dir  # no mount namespace: the tools see host paths
+
     def sessions_file(self, ctx: LaunchContext) -> Optional[str]:
         return os.path.join(ctx.run_dir, SESSIONS_NAME)
 

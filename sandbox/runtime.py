@@ -228,6 +228,7 @@ class SandboxRuntime(abc.ABC):
         self._loopback_args = (loopback_dir, loopback_network)
         self._loopback: Optional[LoopbackAllocator] = None
         self._handles: dict[str, SandboxHandle] = {}
+        self._starting: set[asyncio.Future] = set()
         me = os.getpid()
         self._owner = {"owner_pid": me, "owner_create_time": process_identity(me)}
         self._own_pidns = pid_namespace()
@@ -237,8 +238,8 @@ class SandboxRuntime(abc.ABC):
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         """The launcher's argv for ``spec``; it must end up running ``ctx.server_argv()``."""
 
-    def sandbox_paths(self, spec: SandboxSpec) -> tuple[str, str]:
-        """(workspace, run dir) as seen inside the sandbox."""
+    def sandbox_paths(self, spec: SandboxSpec, run_dir: str, workspace: str) -> tuple[str, str]:
+        """(workspace, run dir) as seen inside the sandbox, given their host paths."""
         return spec.workdir, SANDBOX_RUN_DIR
 
     def run_as(self, spec: SandboxSpec) -> Optional[tuple[int, int]]:
@@ -266,56 +267,55 @@ class SandboxRuntime(abc.ABC):
     # ---------------------------------------------------------------------------------------- interface
     async def start(self, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
         """Start a sandbox and wait until its execution server answers. Raises :class:`SandboxStartError`
-        (with the launcher's log tail) if it exits or does not answer within ``start_timeout_s``."""
-        spec = spec or SandboxSpec()
+        (with the launcher's log tail) if it exits or does not answer within ``start_timeout_s``.
+        Cancelling the caller is safe at any point: the start finishes in the background and the sandbox is
+        closed at once (``close_all`` waits for that too)."""
+        task = asyncio.ensure_future(self._start(spec or SandboxSpec()))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def close_when_started(t: asyncio.Task) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    closing = asyncio.ensure_future(t.result().close())
+                    self._starting.add(closing)
+                    closing.add_done_callback(self._starting.discard)
+
+            task.add_done_callback(close_when_started)
+            raise
+
+    async def _start(self, spec: SandboxSpec) -> SandboxHandle:
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
-        run_dir, workspace, created = await asyncio.to_thread(self._make_dirs, sandbox_id, spec)
-        lease = None
+        ctx, lease, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
         proc = None
         try:
-            if spec.network == "loopback":
-                if self._loopback is None:
-                    self._loopback = LoopbackAllocator(*self._loopback_args)
-                lease = self._loopback.allocate(owner=sandbox_id)
-            sb_ws, sb_run = self.sandbox_paths(spec)
-            if self.kind == "local":
-                sb_ws, sb_run = workspace, run_dir
-            ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
-                                sandbox_workspace=sb_ws, python=self.python, pythonpath=python_paths(),
-                                address=lease.address if lease else None, run_as=self.run_as(spec))
-            if ctx.run_as:
-                for d in (run_dir, workspace):
-                    os.chown(d, *ctx.run_as)
-            sessions = self.sessions_file(ctx)
-            config = {"workspace": sb_ws, "run_dir": sb_run, "env": self.tool_env(spec, ctx),
-                      "limits": spec.limits.to_dict(), "run_as": list(ctx.run_as) if ctx.run_as else None,
-                      "sessions_file": sessions}
-            with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
-                json.dump(config, f)
             argv = self.build_command(spec, ctx)
-            logf = open(os.path.join(run_dir, LOG_NAME), "wb")
+            logf = open(os.path.join(ctx.run_dir, LOG_NAME), "wb")
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                     env=self.launcher_env(ctx), pass_fds=(lease.fd,) if lease else ())
             finally:
                 logf.close()
-            create_time = process_identity(proc.pid)
-            record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": create_time,
-                      "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
+            record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
+                      "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
                       "address": ctx.address, "started_at": started_at, **self._owner}
-            await asyncio.to_thread(self.store.write, record)
-            client = ExecClient(os.path.join(run_dir, SOCKET_NAME), proc.wait, sandbox_id)
-            handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc, create_time=create_time,
-                                   client=client, ctx=ctx, lease=lease, workspace_created=created,
-                                   started_at=started_at)
+            record["create_time"] = await asyncio.to_thread(self._record_start, record)
+            client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id)
+            handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc,
+                                   create_time=record["create_time"], client=client, ctx=ctx, lease=lease,
+                                   workspace_created=created, started_at=started_at)
             self._handles[sandbox_id] = handle
         except BaseException:
-            if proc is None:
+            if proc is not None and sandbox_id not in self._handles:
+                await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
+                await asyncio.to_thread(self.store.remove, sandbox_id)
+            if sandbox_id not in self._handles:
                 if lease is not None:
                     lease.release()
-                await asyncio.to_thread(self._cleanup_dirs, run_dir, workspace if created else None)
+                await asyncio.to_thread(self._cleanup_dirs, ctx.run_dir, ctx.workspace if created else None)
             raise
         try:
             pong = await client.call("ping", {}, self.start_timeout_s)
@@ -323,7 +323,7 @@ class SandboxRuntime(abc.ABC):
             if handle.pidns is not None:
                 await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
         except BaseException as e:
-            tail = self._log_tail(run_dir)
+            tail = await asyncio.to_thread(self._log_tail, ctx.run_dir)
             await handle.close()
             if isinstance(e, SandboxError):
                 raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} did not start: {e}\n"
@@ -355,7 +355,10 @@ class SandboxRuntime(abc.ABC):
         return reaped
 
     async def close_all(self) -> None:
-        """Close every sandbox this runtime started and has not closed yet (concurrently)."""
+        """Close every sandbox this runtime started and has not closed yet (concurrently), including those
+        still starting."""
+        while self._starting:
+            await asyncio.gather(*list(self._starting), return_exceptions=True)
         handles = list(self._handles.values())
         results = await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
         for h, r in zip(handles, results):
@@ -373,6 +376,40 @@ class SandboxRuntime(abc.ABC):
 
     def _owns(self, path: Optional[str]) -> bool:
         return bool(path) and os.path.abspath(path).startswith(os.path.join(self.state_dir, "run") + os.sep)
+
+    def _prepare(self, sandbox_id: str, spec: SandboxSpec) -> tuple[LaunchContext, Optional[LoopbackLease], bool]:
+        """Blocking part of ``start`` before the launch: directories, address lease, the server's config."""
+        run_dir, workspace, created = self._make_dirs(sandbox_id, spec)
+        lease = None
+        try:
+            if spec.network == "loopback":
+                if self._loopback is None:
+                    self._loopback = LoopbackAllocator(*self._loopback_args)
+                lease = self._loopback.allocate(owner=sandbox_id)
+            sb_ws, sb_run = self.sandbox_paths(spec, run_dir, workspace)
+            ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
+                                sandbox_workspace=sb_ws, python=self.python, pythonpath=python_paths(),
+                                address=lease.address if lease else None, run_as=self.run_as(spec))
+            if ctx.run_as:
+                for d in (run_dir, workspace):
+                    os.chown(d, *ctx.run_as)
+            config = {"workspace": sb_ws, "run_dir": sb_run, "env": self.tool_env(spec, ctx),
+                      "limits": spec.limits.to_dict(), "run_as": list(ctx.run_as) if ctx.run_as else None,
+                      "sessions_file": self.sessions_file(ctx)}
+            with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
+                json.dump(config, f)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            self._cleanup_dirs(run_dir, workspace if created else None)
+            raise
+        return ctx, lease, created
+
+    def _record_start(self, record: dict[str, Any]) -> Optional[float]:
+        """Write the ownership record of a just-launched sandbox; returns the launcher's create time."""
+        record["create_time"] = process_identity(record["pid"])
+        self.store.write(record)
+        return record["create_time"]
 
     def _make_dirs(self, sandbox_id: str, spec: SandboxSpec) -> tuple[str, str, bool]:
         run_dir = os.path.join(self.state_dir, "run", sandbox_id)

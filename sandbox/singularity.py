@@ -9,7 +9,6 @@ compatible C library).
 """
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Optional
 

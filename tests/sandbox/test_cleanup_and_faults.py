@@ -193,3 +193,35 @@ async def test_crashed_server_sandboxes_are_reaped_and_nothing_else(runtime_opti
         decoy2.kill()
         decoy.wait()
         decoy2.wait()
+
+
+@pytest.mark.parametrize("phase", ["preparing directories", "recording ownership", "waiting for the server"])
+async def test_start_cancelled_midway_leaves_nothing_behind(bwrap_runtime, monkeypatch, phase):
+    # Slow down the step the cancel should land in (they run in worker threads that a cancel cannot stop).
+    slow = {"preparing directories": "_prepare", "recording ownership": "_record_start"}.get(phase)
+    if slow:
+        real = getattr(bwrap_runtime, slow)
+
+        def delayed(*a, **kw):
+            time.sleep(0.1)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(bwrap_runtime, slow, delayed)
+    task = asyncio.create_task(bwrap_runtime.start())
+    await asyncio.sleep(0.05 if slow else 0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await bwrap_runtime.close_all()
+    await asyncio.sleep(0.2)  # let anything still running in the background show up
+    assert bwrap_runtime.store.records() == []
+    for d in (os.path.join(bwrap_runtime.state_dir, "run"), bwrap_runtime.workspace_root):
+        assert not os.path.exists(d) or os.listdir(d) == []
+    mine = []  # launchers of this runtime carry its state dir on their command line
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and any(bwrap_runtime.state_dir in a for a in p.cmdline()):
+                mine.append(p.pid)
+        except psutil.Error:
+            pass
+    assert mine == []
