@@ -206,3 +206,22 @@ def test_time_limit_stops_servers_before_slurm_kills_them(slurm_cluster, tmp_pat
     assert "stopping (SIGUSR1: time limit near)" in job_output(tmp_path, job_id), job_output(tmp_path, job_id)
     assert state in ("COMPLETED", "TIMEOUT"), state
     assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
+
+
+def test_server_that_dies_mid_job_ends_the_job_and_withdraws_servers_json(slurm_cluster, tmp_path):
+    job_id = submit(slurm_cluster, tmp_path)
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        procs = job_processes(job_id)
+        os.kill(sf.servers[0].pid, 9)  # the server this job started, by its recorded pid
+        state = slurm_cluster.wait_job_done(job_id, timeout=60)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    assert state == "FAILED", state
+    out = job_output(tmp_path, job_id)
+    assert f"server step on {slurm_cluster.node} ended while the job runs" in out, out
+    assert not (tmp_path / "servers.json").exists(), "trainers were left pointing at a dead server"
+    deadline = time.monotonic() + 10
+    while (alive := still_alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive
