@@ -12,19 +12,22 @@ dies, and the sandbox's pid namespace dies with its init, so closing the group l
 
 Started as root, bubblewrap cannot enforce ``max_processes`` in a user namespace (the kernel exempts uid 0),
 so by default the sandbox is then set up without a user namespace and the execution server drops to an
-unprivileged uid/gid (``run_as``, default nobody 65534) before anything runs; ``/root`` is not mounted then.
+unprivileged uid/gid of its own (leased node-wide, see ``run_as``) before anything runs; ``/root`` is not
+mounted then.
 bwrap cannot run inside bwrap.
 """
 from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
 from typing import Optional
 
 from .errors import SandboxError
+from .leases import Lease, ensure_lease_dir, try_lease
 from .runtime import LaunchContext, SandboxRuntime, project_root
 from .spec import SandboxSpec
 
@@ -32,17 +35,23 @@ log = logging.getLogger(__name__)
 
 # Top-level entries never taken from the image: the sandbox gets its own.
 _SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
-NOBODY = (65534, 65534)
+# Sandbox users of a root server: high uids that belong to nobody on the node, one per sandbox.
+DEFAULT_UID_RANGE = (1_900_000_000, 1_000_000)
+DEFAULT_UID_LEASE_DIR = "/dev/shm/prorl-uids"
 
 
 class BubblewrapRuntime(SandboxRuntime):
     """Options (besides :class:`SandboxRuntime`'s): ``bwrap`` (path of the binary, default from PATH);
-    ``run_as`` (``(uid, gid)`` for sandboxes started by root; default nobody; ``False`` keeps root, and with it
-    no process limit)."""
+    ``run_as`` for a server running as root: ``None`` (default) = one unprivileged uid/gid per sandbox, leased
+    node-wide from ``uid_range`` (``(first, count)``) in ``uid_lease_dir``, so that ``max_processes`` counts
+    each sandbox alone and sandboxes cannot touch each other's files; ``(uid, gid)`` = that user for every
+    sandbox (their process counts add up); ``False`` = stay root (no process limit). A given
+    ``spec.workspace`` is chowned to the sandbox user."""
 
     kind = "bubblewrap"
 
-    def __init__(self, *, bwrap: Optional[str] = None, run_as=None, **options) -> None:
+    def __init__(self, *, bwrap: Optional[str] = None, run_as=None, uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
+                 uid_lease_dir: str = DEFAULT_UID_LEASE_DIR, **options) -> None:
         self.bwrap = bwrap or shutil.which("bwrap")
         if not self.bwrap:
             raise SandboxError("bubblewrap runtime: no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
@@ -50,14 +59,24 @@ class BubblewrapRuntime(SandboxRuntime):
         self._root = os.geteuid() == 0
         self._overlay = "--overlay-src" in subprocess.run([self.bwrap, "--help"], capture_output=True,
                                                           text=True).stdout
-        if run_as is None:
-            run_as = NOBODY if self._root else False
-        self._run_as = tuple(run_as) if run_as else None
+        self._run_as = run_as
+        self._uid_range = uid_range
+        self._uid_lease_dir = uid_lease_dir
 
-    def run_as(self, spec: SandboxSpec) -> Optional[tuple[int, int]]:
-        if self._root and self._run_as and not spec.fakeroot:
-            return self._run_as
-        return None
+    def sandbox_user(self, spec: SandboxSpec, sandbox_id: str) -> tuple[Optional[tuple[int, int]], Optional[Lease]]:
+        if not self._root or spec.fakeroot or self._run_as is False:
+            return None, None
+        if self._run_as is not None:
+            return tuple(self._run_as), None
+        ensure_lease_dir(self._uid_lease_dir)
+        first, count = self._uid_range
+        start = random.randrange(count)
+        for i in range(count):
+            uid = first + (start + i) % count
+            lease = try_lease(self._uid_lease_dir, str(uid), owner=sandbox_id)
+            if lease is not None:
+                return (uid, uid), lease
+        raise SandboxError(f"no free sandbox uid in [{first}, {first + count}) (lease dir {self._uid_lease_dir})")
 
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay)

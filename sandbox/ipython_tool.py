@@ -40,6 +40,14 @@ class IPythonSession:
         self._loop = loop
         self._workspace = workspace
         self._env = {k: v for k, v in env.items() if k != "JPY_PARENT_PID"}
+        # IPython's profile and Jupyter's runtime files go to the run directory, not into the agent's workspace
+        # (HOME is the workspace) and not to a home directory that a leased sandbox uid does not have.
+        for var, sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_RUNTIME_DIR", "jupyter"),
+                         ("JUPYTER_DATA_DIR", "jupyter"), ("JUPYTER_CONFIG_DIR", "jupyter"),
+                         ("MPLCONFIGDIR", "matplotlib")):
+            self._env.setdefault(var, os.path.join(run_dir, sub))
+            os.environ.setdefault(var, os.path.join(run_dir, sub))
+        os.environ.setdefault("HOME", run_dir)
         self._run_dir = run_dir
         self._limits = limits
         self._sessions_file = sessions_file

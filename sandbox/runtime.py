@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from .client import SERVER_GRACE_S, ExecClient
 from .errors import SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
-from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator, LoopbackLease
+from .leases import Lease
+from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .ownership import (OwnershipStore, default_state_dir, kill_sandbox, pid_namespace, process_identity,
                         same_process)
 from .sessions import live_session_ids
@@ -87,7 +88,7 @@ class SandboxHandle:
     """
 
     def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec, proc: asyncio.subprocess.Process,
-                 create_time: Optional[float], client: ExecClient, ctx: LaunchContext, lease: Optional[LoopbackLease],
+                 create_time: Optional[float], client: ExecClient, ctx: LaunchContext, leases: list[Lease],
                  workspace_created: bool, started_at: float) -> None:
         self._runtime = runtime
         self.started_at = started_at
@@ -101,11 +102,11 @@ class SandboxHandle:
         self.create_time = create_time
         self._client = client
         self._ctx = ctx
-        self._lease = lease
+        self._leases = leases
         self._workspace_created = workspace_created
         self.workspace = ctx.workspace
         self.workdir = ctx.sandbox_workspace
-        self.address = lease.address if lease else None
+        self.address = ctx.address
         self._closing: Optional[asyncio.Task] = None
 
     def __repr__(self) -> str:
@@ -187,8 +188,8 @@ class SandboxHandle:
         survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
                                        sessions=live_session_ids(os.path.join(self._ctx.run_dir, SESSIONS_NAME)),
                                        pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
-        if self._lease is not None:
-            self._lease.release()
+        for lease in self._leases:
+            lease.release()
         await asyncio.to_thread(self._runtime._cleanup_dirs, self._ctx.run_dir,
                                 self.workspace if self._workspace_created else None)
         await asyncio.to_thread(self._runtime.store.remove, self.sandbox_id)
@@ -242,9 +243,10 @@ class SandboxRuntime(abc.ABC):
         """(workspace, run dir) as seen inside the sandbox, given their host paths."""
         return spec.workdir, SANDBOX_RUN_DIR
 
-    def run_as(self, spec: SandboxSpec) -> Optional[tuple[int, int]]:
-        """(uid, gid) the execution server switches to inside the sandbox, or ``None`` to keep its user."""
-        return None
+    def sandbox_user(self, spec: SandboxSpec, sandbox_id: str) -> tuple[Optional[tuple[int, int]], Optional[Lease]]:
+        """(uid, gid) the execution server switches to inside the sandbox (``None``: keep the server's user),
+        and the lease that reserves it, if any (released on close)."""
+        return None, None
 
     def tool_env(self, spec: SandboxSpec, ctx: LaunchContext) -> dict[str, str]:
         """Environment of the shell and the kernel."""
@@ -288,7 +290,7 @@ class SandboxRuntime(abc.ABC):
     async def _start(self, spec: SandboxSpec) -> SandboxHandle:
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
-        ctx, lease, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
+        ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
         proc = None
         try:
             argv = self.build_command(spec, ctx)
@@ -296,7 +298,7 @@ class SandboxRuntime(abc.ABC):
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                    env=self.launcher_env(ctx), pass_fds=(lease.fd,) if lease else ())
+                    env=self.launcher_env(ctx), pass_fds=tuple(lease.fd for lease in leases))
             finally:
                 logf.close()
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
@@ -305,7 +307,7 @@ class SandboxRuntime(abc.ABC):
             record["create_time"] = await asyncio.to_thread(self._record_start, record)
             client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id)
             handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc,
-                                   create_time=record["create_time"], client=client, ctx=ctx, lease=lease,
+                                   create_time=record["create_time"], client=client, ctx=ctx, leases=leases,
                                    workspace_created=created, started_at=started_at)
             self._handles[sandbox_id] = handle
         except BaseException:
@@ -313,7 +315,7 @@ class SandboxRuntime(abc.ABC):
                 await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
                 await asyncio.to_thread(self.store.remove, sandbox_id)
             if sandbox_id not in self._handles:
-                if lease is not None:
+                for lease in leases:
                     lease.release()
                 await asyncio.to_thread(self._cleanup_dirs, ctx.run_dir, ctx.workspace if created else None)
             raise
@@ -377,19 +379,25 @@ class SandboxRuntime(abc.ABC):
     def _owns(self, path: Optional[str]) -> bool:
         return bool(path) and os.path.abspath(path).startswith(os.path.join(self.state_dir, "run") + os.sep)
 
-    def _prepare(self, sandbox_id: str, spec: SandboxSpec) -> tuple[LaunchContext, Optional[LoopbackLease], bool]:
-        """Blocking part of ``start`` before the launch: directories, address lease, the server's config."""
+    def _prepare(self, sandbox_id: str, spec: SandboxSpec) -> tuple[LaunchContext, list[Lease], bool]:
+        """Blocking part of ``start`` before the launch: directories, leases (address, user), the config."""
         run_dir, workspace, created = self._make_dirs(sandbox_id, spec)
-        lease = None
+        leases: list[Lease] = []
         try:
+            address = None
             if spec.network == "loopback":
                 if self._loopback is None:
                     self._loopback = LoopbackAllocator(*self._loopback_args)
                 lease = self._loopback.allocate(owner=sandbox_id)
+                leases.append(lease)
+                address = lease.address
+            run_as, user_lease = self.sandbox_user(spec, sandbox_id)
+            if user_lease is not None:
+                leases.append(user_lease)
             sb_ws, sb_run = self.sandbox_paths(spec, run_dir, workspace)
             ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
                                 sandbox_workspace=sb_ws, python=self.python, pythonpath=python_paths(),
-                                address=lease.address if lease else None, run_as=self.run_as(spec))
+                                address=address, run_as=run_as)
             if ctx.run_as:
                 for d in (run_dir, workspace):
                     os.chown(d, *ctx.run_as)
@@ -399,11 +407,11 @@ class SandboxRuntime(abc.ABC):
             with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
                 json.dump(config, f)
         except BaseException:
-            if lease is not None:
+            for lease in leases:
                 lease.release()
             self._cleanup_dirs(run_dir, workspace if created else None)
             raise
-        return ctx, lease, created
+        return ctx, leases, created
 
     def _record_start(self, record: dict[str, Any]) -> Optional[float]:
         """Write the ownership record of a just-launched sandbox; returns the launcher's create time."""

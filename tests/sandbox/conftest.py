@@ -48,7 +48,8 @@ async def bwrap_runtime(runtime_options):
 
     if BWRAP_UNAVAILABLE:
         pytest.skip(BWRAP_UNAVAILABLE)
-    rt = make_runtime("bubblewrap", **runtime_options)
+    rt = make_runtime("bubblewrap", uid_lease_dir=os.path.join(runtime_options["state_dir"], "..", "uids"),
+                      **runtime_options)
     yield rt
     await rt.close_all()
 

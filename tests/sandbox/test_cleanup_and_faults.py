@@ -97,6 +97,17 @@ async def test_fork_bomb_is_held_to_max_processes(bwrap_runtime, procs):
     procs.assert_gone(pids)
 
 
+async def test_process_limit_of_one_sandbox_does_not_starve_another(bwrap_runtime):
+    spec = SandboxSpec(limits={"max_processes": 30})
+    full, other = await bwrap_runtime.start(spec), await bwrap_runtime.start(spec)
+    r = await full.bash("for i in $(seq 60); do sleep 100 & done", timeout_s=2)
+    assert "Resource temporarily unavailable" in r.output
+    r = await other.bash("for i in $(seq 10); do sleep 100 & done; jobs | wc -l", timeout_s=5)
+    assert r.output.strip().endswith("10") and "unavailable" not in r.output
+    await full.close()
+    await other.close()
+
+
 async def test_memory_limit_stops_allocation_not_the_sandbox(bwrap_runtime):
     h = await bwrap_runtime.start(SandboxSpec(limits={"max_memory_bytes": 512 * 1024 * 1024}))
     r = await h.bash("python3 -c \"b = bytearray(2 * 1024**3)\"")

@@ -73,3 +73,8 @@ async def test_cell_ignoring_interrupt_gets_kernel_restarted(sandbox):
                               timeout_s=0.5)
     assert r.timed_out and "restarted" in r.error
     assert (await sandbox.ipython("'state' in globals()")).text == "False\n"
+
+
+async def test_kernel_leaves_no_profile_files_in_the_workspace(sandbox):
+    await sandbox.ipython("1")
+    assert (await sandbox.bash("ls -A")).output == ""
