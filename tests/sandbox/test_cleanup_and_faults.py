@@ -32,6 +32,8 @@ async def test_close_leaves_no_process_even_daemonised_ones(bwrap_runtime, procs
     procs.assert_gone(pids)
     assert not os.path.exists(h.workspace)
     assert bwrap_runtime.store.records() == []
+    uid_leases = bwrap_runtime._uid_lease_dir
+    assert not os.path.exists(uid_leases) or os.listdir(uid_leases) == []  # its uid is free again
 
 
 async def test_close_is_idempotent_and_later_calls_raise_closed(bwrap_runtime):
