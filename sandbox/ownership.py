@@ -163,9 +163,9 @@ async def kill_sandbox(pid: int, create_time: Optional[float], *, grace_s: float
                        pidns: Optional[int] = None, not_before: Optional[float] = None,
                        own_child_wait: Optional[Callable[[], Awaitable[Any]]] = None) -> list[psutil.Process]:
     """SIGTERM, up to ``grace_s`` seconds, then SIGKILL to the sandbox's process group and every process
-    found by :func:`sandbox_processes` (arguments as there); repeated until none is left (at most ~5 s more). Returns the processes
-    still alive at the end (normally ``[]``). ``own_child_wait``: ``proc.wait`` of the launcher when it is this
-    process's child, so that asyncio (not psutil) reaps it."""
+    found by :func:`sandbox_processes` (arguments as there); repeated until none is left (at most ~5 s
+    more). Returns the processes still alive at the end (normally ``[]``). ``own_child_wait``: ``proc.wait``
+    of the launcher when it is this process's child, so that asyncio (not psutil) reaps it."""
     sessions = set(sessions)
     pgid = pid if same_process(pid, create_time) else None
     procs = await asyncio.to_thread(sandbox_processes, pid, create_time, sessions, pidns, not_before)

@@ -87,7 +87,8 @@ class SandboxHandle:
     the host; it leads the sandbox's process group).
     """
 
-    def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec, proc: asyncio.subprocess.Process,
+    def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec,
+                 proc: asyncio.subprocess.Process,
                  create_time: Optional[float], client: ExecClient, ctx: LaunchContext, leases: list[Lease],
                  workspace_created: bool, started_at: float) -> None:
         self._runtime = runtime

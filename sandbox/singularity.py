@@ -40,7 +40,8 @@ def build_singularity_command(binary: str, spec: SandboxSpec, ctx: LaunchContext
         args += ["--bind", f"{p}:{p}:ro"]
     for b in spec.binds:
         args += ["--bind", f"{b.host}:{b.container}:{'ro' if b.ro else 'rw'}"]
-    args += ["--bind", f"{ctx.run_dir}:{ctx.sandbox_run_dir}:rw", "--bind", f"{ctx.workspace}:{ctx.sandbox_workspace}:rw",
+    args += ["--bind", f"{ctx.run_dir}:{ctx.sandbox_run_dir}:rw",
+             "--bind", f"{ctx.workspace}:{ctx.sandbox_workspace}:rw",
              "--env", f"PYTHONPATH={':'.join(ctx.pythonpath)}", spec.image]
     return args + ctx.server_argv()
 
