@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 # Error type of a ``result`` request for an id the server never received.
 UNKNOWN_REQUEST = "UnknownRequest"
-# Longest accepted line, in bytes: uploads/downloads up to ~48 MiB after base64.
+# Longest accepted line, in bytes, and the largest file an upload/download carries (base64 grows it by 4/3).
 MAX_LINE_BYTES = 64 * 1024 * 1024
+MAX_TRANSFER_BYTES = 46 * 1024 * 1024
 
 
 def encode(msg: dict[str, Any]) -> bytes:

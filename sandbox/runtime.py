@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .client import SERVER_GRACE_S, ExecClient
-from .errors import SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
+from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .ownership import (OwnershipStore, default_state_dir, kill_sandbox, pid_namespace, process_identity,
                         same_process)
+from .protocol import MAX_TRANSFER_BYTES
 from .sessions import live_session_ids
 from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
 
@@ -163,14 +164,19 @@ class SandboxHandle:
 
     async def upload(self, path_in_sandbox: str, data: bytes, mode: Optional[int] = None) -> str:
         """Write ``data`` to ``path_in_sandbox`` (relative = to the workspace; parents created). Returns the
-        absolute path inside the sandbox. Raises :class:`FileTransferError`."""
+        absolute path inside the sandbox. Raises :class:`FileTransferError` (also for data larger than
+        :data:`sandbox.protocol.MAX_TRANSFER_BYTES`; bind a host directory for bigger files)."""
+        if len(data) > MAX_TRANSFER_BYTES:
+            raise FileTransferError(f"upload of {len(data)} bytes refused: larger than {MAX_TRANSFER_BYTES} bytes")
         res = await self._call("upload", {"path": path_in_sandbox, "mode": mode,
                                           "data_b64": base64.b64encode(data).decode("ascii")}, 60.0)
         return res["path"]
 
     async def download(self, path: str, max_bytes: int = 32 * 1024 * 1024) -> bytes:
         """Read a file inside the sandbox (relative = to the workspace). Raises :class:`FileTransferError` if
-        it is missing, unreadable, or larger than ``max_bytes``."""
+        it is missing, unreadable, or larger than ``max_bytes`` (capped at
+        :data:`sandbox.protocol.MAX_TRANSFER_BYTES`)."""
+        max_bytes = min(max_bytes, MAX_TRANSFER_BYTES)
         res = await self._call("download", {"path": path, "max_bytes": max_bytes}, 60.0)
         return base64.b64decode(res["data_b64"])
 

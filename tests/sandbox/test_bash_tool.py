@@ -101,3 +101,22 @@ async def test_request_lost_in_a_broken_connection_is_sent_again_exactly_once(sa
     sandbox._client._writer.transport.abort()  # broken before the request is written: the server never sees it
     r = await sandbox.bash("echo run >> runs.txt; wc -l < runs.txt")
     assert r.output == "1\n"
+
+
+async def test_files_round_trip_and_transfer_errors_are_clear(sandbox):
+    from sandbox import FileTransferError
+
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    path = await sandbox.upload("bin/blob.dat", blob, mode=0o600)
+    assert path == "/workspace/bin/blob.dat"
+    assert await sandbox.download("bin/blob.dat") == blob
+    assert (await sandbox.bash("stat -c %a bin/blob.dat")).output == "600\n"
+    with pytest.raises(FileTransferError, match="larger than max_bytes=100"):
+        await sandbox.download("bin/blob.dat", max_bytes=100)
+    with pytest.raises(FileTransferError, match="No such file"):
+        await sandbox.download("missing.txt")
+    with pytest.raises(FileTransferError, match="Read-only|Permission"):
+        await sandbox.upload("/usr/evil", b"x")
+    with pytest.raises(FileTransferError, match="upload of .* refused"):
+        await sandbox.upload("huge.bin", b"\0" * (47 * 1024 * 1024))
+    assert (await sandbox.bash("echo still-fine")).output == "still-fine\n"
