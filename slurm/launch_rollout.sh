@@ -271,7 +271,7 @@ stop_all() {
     local node pid rc deadline=$((SECONDS + STOP_GRACE + 5)) alive
     # SIGTERM to the server steps through slurmstepd, not to srun: srun answers SIGTERM by SIGKILLing its step.
     # Without --full, scancel leaves this batch shell out. On scancel/time limit Slurm has already sent it.
-    scancel --signal=TERM "$JOB_ID" 2>/dev/null || log "scancel --signal=TERM $JOB_ID failed"
+    scancel --signal=TERM "$JOB_ID" 2>/dev/null || true  # refused when the job is already being cancelled
     while :; do  # the node wrapper SIGKILLs what is left after PRORL_STOP_GRACE
         alive=0; for pid in "${STEP_PID[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
         [ "$alive" = 0 ] || [ "$SECONDS" -ge "$deadline" ] && break

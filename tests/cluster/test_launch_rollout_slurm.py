@@ -113,7 +113,7 @@ def wait_ready(cluster, servers_dir: Path, job_id: str, timeout: float = 120):
                      for p in sorted(servers_dir.glob(f"prorl-{job_id}/*.log")))
     pytest.fail(f"job {job_id} ({cluster.job_state(job_id)}) wrote no servers.json\n"
                 f"--- job output\n{out.read_text() if out.exists() else '(none)'}\n{logs}\n"
-                f"--- slurmd.log\n{cluster.log_tail('slurmd.log')}")
+                f"--- slurmd log\n{cluster.log_tail()}")
 
 
 def job_output(servers_dir: Path, job_id: str) -> str:
@@ -225,3 +225,29 @@ def test_server_that_dies_mid_job_ends_the_job_and_withdraws_servers_json(slurm_
     while (alive := still_alive(procs)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive
+
+
+def test_two_node_job_runs_one_server_per_node_and_scancel_stops_both(slurm_cluster_2nodes, tmp_path):
+    cluster = slurm_cluster_2nodes
+    job_id = submit(cluster, tmp_path, "--nodes=2")
+    try:
+        sf = wait_ready(cluster, tmp_path, job_id)
+        assert sorted(s.node for s in sf.servers) == sorted(cluster.nodes), sf
+        assert len({s.pid for s in sf.servers}) == 2 and len({s.port for s in sf.servers}) == 2
+        second = cluster.nodes[1]
+        assert sf.ordered(second)[0].node == second, "a trainer on node 2 is not sent to its own node first"
+        for server in sf.servers:
+            status, result = post(f"{server.url}/process", ARITHMETIC, token=sf.token)
+            assert status == 200 and result["reward"] == 1.0, (server, result)
+        procs = job_processes(job_id)
+    finally:
+        cluster.run("scancel", job_id, check=False)
+    cluster.wait_job_done(job_id, timeout=60)
+    out = job_output(tmp_path, job_id)
+    for node in cluster.nodes:
+        assert f"server step on {node} exited rc=0" in out, out
+    assert not (tmp_path / "servers.json").exists()
+    deadline = time.monotonic() + 10
+    while (alive := still_alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, alive
