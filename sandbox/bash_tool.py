@@ -116,12 +116,26 @@ class BashSession:
                 self._pending = None  # e.g. fork refused under max_processes: the next call may try again
                 self._proc = None
                 raise
-        elif self._ready:
+        if self._ready:
             self._start_pending()
+        else:
+            self._timer = self._loop.call_later(timeout_s, self._on_start_timeout)
+
+    def _on_start_timeout(self) -> None:
+        if self._pending is None:
+            return
+        done, timeout_s = self._pending[3], self._pending[1]
+        self._pending = None
+        self._timer = None
+        self.close()
+        done(None, RuntimeError(f"the shell did not become ready within {timeout_s:g} s (the sandbox may be out of "
+                                "processes or memory); a new shell is tried on the next command"))
 
     def _start_pending(self) -> None:
         command, timeout_s, max_out, done, t0 = self._pending
         self._pending = None
+        if self._timer is not None:
+            self._timer.cancel()
         raw = command.encode("utf-8", errors="surrogateescape")
         literal = _ansi_c_quote(raw)
         if len(literal) <= _MAX_TYPED_LINE:
@@ -135,7 +149,12 @@ class BashSession:
                          "timed_out": False, "timeout_s": timeout_s, "phase": "running"}
         self._scan = bytearray()
         self._timer = self._loop.call_later(max(0.0, timeout_s - (time.monotonic() - t0)), self._on_timeout)
-        os.write(self._proc.fd, line)
+        try:
+            os.write(self._proc.fd, line)
+        except OSError as e:  # the terminal's input queue is full (a program left input unread) or it is gone
+            self.close()
+            self._finish(None, f"[the command could not be sent to the shell ({e.strerror}); the shell was "
+                               "restarted]")
 
     def _on_readable(self) -> None:
         proc = self._proc

@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from sandbox import (SandboxClosedError, SandboxDeadError, SandboxSpec, SandboxStartError, ToolTimeout,
-                     make_runtime)
+from sandbox import (SandboxClosedError, SandboxDeadError, SandboxError, SandboxSpec, SandboxStartError,
+                     ToolTimeout, make_runtime)
 from sandbox.ownership import process_identity
 
 pytestmark = [pytest.mark.real]
@@ -238,3 +238,13 @@ async def test_start_cancelled_midway_leaves_nothing_behind(bwrap_runtime, monke
         except psutil.Error:
             pass
     assert mine == []
+
+
+async def test_shell_that_cannot_start_is_an_error_not_a_hang(bwrap_runtime):
+    # With one process allowed, the shell's own set-up cannot fork: it never becomes ready.
+    h = await bwrap_runtime.start(SandboxSpec(limits={"max_processes": 1}))
+    t0 = time.monotonic()
+    with pytest.raises(SandboxError, match="did not become ready"):
+        await h.bash("echo hi", timeout_s=1.5)
+    assert time.monotonic() - t0 < 5
+    await h.close()
