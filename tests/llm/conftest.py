@@ -46,3 +46,11 @@ def vllm_server(tiny_model_dir):
     server = start_server(tiny_model_dir, "main")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def second_vllm_server(tiny_model_dir):
+    """A second server for failover tests (the test may kill it; stopping a dead one is a no-op)."""
+    server = start_server(tiny_model_dir, "second")
+    yield server
+    server.stop()

@@ -1,0 +1,144 @@
+"""Client retry semantics against small aiohttp servers standing for vLLM's /v1/completions in the states
+that are hard to produce on demand (abort during weight sync, 5xx, 4xx, refused connections). The real
+server is exercised in test_vllm_rollouts.py."""
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from prorl_server.balancer import Backend, BackendPool
+from prorl_server.llm_client import LLMClient, LLMRequestError, LLMUnavailableError, backend_getter
+
+
+def choice(ids, finish="length"):
+    return {"choices": [{"index": 0, "text": "", "finish_reason": finish, "stop_reason": None,
+                         "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                      "token_logprobs": [-0.5] * len(ids)}}]}
+
+
+def fake_vllm(script):
+    """An app answering /v1/completions from ``script`` (a list of (status, body) consumed in order) and
+    recording the request bodies."""
+    seen = []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "fake-model", "max_model_len": 128}]})
+
+    async def completions(request):
+        seen.append(await request.json())
+        status, body = script.pop(0)
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app, seen
+
+
+async def test_request_carries_token_ids_and_owned_keys_cannot_be_overridden(aiohttp_server):
+    app, seen = fake_vllm([(200, choice([7, 8, 9]))])
+    server = await aiohttp_server(app)
+    async with LLMClient() as llm:
+        c = await llm.complete([1, 2, 3], backend=str(server.make_url("")), max_tokens=3,
+                               sampling_params={"temperature": 0.7, "logprobs": 5, "n": 4, "prompt": "x"})
+    body = seen[0]
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "fake-model"
+    assert (body["logprobs"], body["n"], body["return_tokens_as_token_ids"], body["temperature"]) == (0, 1, True, 0.7)
+    assert c.token_ids == [7, 8, 9] and c.logprobs == [-0.5] * 3 and c.finish_reason == "length"
+
+
+async def test_aborted_turn_during_weight_sync_is_retried_and_nothing_partial_is_kept(aiohttp_server):
+    b = Backend("", weight_version=1)
+    seen = []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
+
+    async def completions(request):
+        seen.append(await request.json())
+        if len(seen) == 1:  # /pause (mode=abort) ends the request; the trainer then registers version 2
+            b.weight_version = 2
+            return web.json_response(choice([5, 5], finish="abort"))
+        return web.json_response(choice([6, 6, 6]))
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    b.address = str(server.make_url("")).rstrip("/")
+
+    async def getter(exclude):
+        return b
+
+    async with LLMClient(pause_backoff_s=0.01) as llm:
+        c = await llm.complete([1], backend=getter, max_tokens=3)
+    assert c.token_ids == [6, 6, 6] and c.pause_retries == 1 and c.failovers == 0
+    assert c.weight_versions == [2]  # the kept turn was generated entirely by the new weights
+    assert len(seen) == 2 and seen[0]["prompt"] == seen[1]["prompt"] == [1]
+
+
+async def test_connection_failure_fails_over_and_marks_the_backend_unhealthy(aiohttp_server, unused_tcp_port):
+    app, _ = fake_vllm([(200, choice([4]))])
+    server = await aiohttp_server(app)
+    pool = BackendPool()
+    dead = f"http://127.0.0.1:{unused_tcp_port}"
+    pool.add(dead, weight_version=1)
+    pool.add(str(server.make_url("")), weight_version=2)
+    async with LLMClient(pool=pool) as llm:
+        c = await llm.complete([1], backend=backend_getter(None, pool=pool, job_id="j"), max_tokens=1)
+    assert c.token_ids == [4] and c.failovers == 1 and c.weight_versions == [2]
+    assert not pool.get(dead).healthy
+    assert pool.holder("j").address == str(server.make_url("")).rstrip("/")
+
+
+async def test_server_error_is_retried_elsewhere_then_gives_up(aiohttp_server):
+    app, seen = fake_vllm([(500, {"error": "boom"})] * 3)
+    server = await aiohttp_server(app)
+    addr = str(server.make_url("")).rstrip("/")
+
+    async def same(exclude):  # a getter that keeps offering the same (failing) backend
+        return Backend(addr)
+
+    async with LLMClient(max_attempts=3) as llm:
+        with pytest.raises(LLMUnavailableError, match="failed 3 times"):
+            await llm.complete([1], backend=same, max_tokens=1)
+    assert len(seen) == 3
+
+
+async def test_bad_request_is_not_retried(aiohttp_server):
+    app, seen = fake_vllm([(400, {"error": {"message": "prompt too long"}})])
+    server = await aiohttp_server(app)
+    async with LLMClient() as llm:
+        with pytest.raises(LLMRequestError, match="prompt too long") as e:
+            await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
+    assert e.value.status == 400 and len(seen) == 1
+
+
+async def test_only_backend_down_is_unavailable(unused_tcp_port):
+    async with LLMClient() as llm:
+        with pytest.raises(LLMUnavailableError):
+            await llm.complete([1], backend=f"http://127.0.0.1:{unused_tcp_port}", max_tokens=1)
+
+
+async def test_one_session_is_shared_across_calls(aiohttp_server):
+    app, _ = fake_vllm([(200, choice([1]))] * 3)
+    server = await aiohttp_server(app)
+    async with LLMClient() as llm:
+        sessions = set()
+        for _ in range(3):
+            await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
+            sessions.add(id(llm.session))
+    assert len(sessions) == 1
+    assert llm._session.closed  # the client closes the session it created
+
+
+def test_launcher_shows_its_plan_without_running(capsys, tmp_path):
+    from prorl_server.vllm_launcher import main, plan_vllm
+
+    plan = plan_vllm(tmp_path, port=1234, max_model_len=2048, max_num_batched_tokens=2048)
+    assert plan.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert {"--enforce-eager", "--max-num-batched-tokens"} <= set(plan.argv)
+    assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and plan.env["HF_HUB_OFFLINE"] == "1"
+    assert main(["--model", str(tmp_path), "--port", "1234", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--port 1234" in out and "--dtype float32" in out  # printed, nothing started

@@ -1,0 +1,282 @@
+"""Rollouts against a real vLLM CPU server with the tiny model: token truth, loss mask, context limit,
+failover, pause during weight sync, hermes tool calls from real generations."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from prorl_server.agent_loop import AgentConfig, AgentLoop
+from prorl_server.balancer import BackendPool
+from prorl_server.llm_client import LLMClient, LLMUnavailableError
+from prorl_server.tool_parser import ParsedTurn, ToolCall
+
+pytestmark = pytest.mark.real
+
+
+class EveryTurnCallsEcho:
+    """Tool parser standing for a model that calls ``echo`` every turn: the random tiny model does not write
+    hermes syntax by itself unless grammar-constrained, and constrained sampling changes the logprobs (vLLM
+    reports them after the grammar mask), which the transformers comparison must not see."""
+
+    name = "every-turn-echo"
+
+    def parse(self, text: str) -> ParsedTurn:
+        call = ToolCall(name="echo", arguments={"text": text[:24]})
+        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
+
+
+class SpyLLM(LLMClient):
+    """The real client, recording every completion it returned."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.returned = []
+
+    async def complete(self, *a, **kw):
+        c = await super().complete(*a, **kw)
+        self.returned.append(c)
+        return c
+
+
+async def echo(args):
+    return "echo: " + args.get("text", "") + " — ünïcode ✓"
+
+
+ECHO = {"echo": ({"type": "object", "properties": {"text": {"type": "string"}}}, echo)}
+START = [{"role": "system", "content": "You are a test agent."}, {"role": "user", "content": "Echo things."}]
+
+
+def plain(messages):
+    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+
+
+def generated_spans(traj):
+    """Runs of loss_mask == 1 as lists of token ids."""
+    spans, cur = [], []
+    for t, m in zip(traj.response_ids, traj.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    return spans
+
+
+async def wait_until_generating(session, address: str, timeout_s: float = 30.0) -> None:
+    """Poll the server's Prometheus ``vllm:num_requests_running`` until a request is being generated (so a
+    fault injected next lands mid-request whatever the machine's load)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        async with session.get(f"{address}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1:
+                    return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{address} never started generating")
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def assert_logprobs_match_forward_pass(hf_model, traj, tol=1e-3):
+    import torch
+
+    ids = traj.prompt_ids + traj.response_ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    p = len(traj.prompt_ids)
+    checked = 0
+    worst = 0.0
+    for i, (tok, m, lp) in enumerate(zip(traj.response_ids, traj.loss_mask, traj.response_logprobs)):
+        if m:
+            ref = logp[p + i - 1, tok].item()
+            worst = max(worst, abs(ref - lp))
+            checked += 1
+    assert checked == sum(traj.loss_mask) > 0
+    assert worst < tol, f"max |logprob - transformers| = {worst}"
+
+
+def assert_tokens_are_vllms(traj_list, completions):
+    spans = [s for t in traj_list for s in generated_spans(t)]
+    assert sum(map(len, spans)) == sum(len(c.token_ids) for c in completions)
+    assert [t for s in spans for t in s] == [t for c in completions for t in c.token_ids]
+    lps = [lp for t in traj_list for lp, m in zip(t.response_logprobs, t.loss_mask) if m]
+    assert lps == [lp for c in completions for lp in c.logprobs]
+
+
+def assert_decodes_to_conversation(tokenizer, traj, messages, tools):
+    text = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
+    full = tokenizer.apply_chat_template(plain(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=messages[-1]["role"] != "assistant")
+    assert full.startswith(text)
+    assert full[len(text):] in ("", "\n", "<|im_end|>\n")  # a cut or stopped final turn
+
+
+@pytest.fixture(scope="module")
+def echo_rollout(vllm_server, tokenizer):
+    async def go():
+        async with SpyLLM() as llm:
+            loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=5, parser=EveryTurnCallsEcho()))
+            r = await loop.run(START, backend=vllm_server.address, sampling_params={"max_tokens": 24})
+            return r, llm.returned, loop
+
+    return asyncio.run(go())
+
+
+def test_response_tokens_are_exactly_the_tokens_vllm_returned(echo_rollout):
+    r, completions, _ = echo_rollout
+    assert r.num_turns == 5 and r.finish_reason == "max_turns" and len(completions) == 5
+    assert_tokens_are_vllms(r.trajectories, completions)
+
+
+def test_logprobs_match_a_transformers_forward_pass_over_the_final_sequence(echo_rollout, hf_model):
+    r, _, _ = echo_rollout
+    (traj,) = r.trajectories
+    assert_logprobs_match_forward_pass(hf_model, traj)
+
+
+def test_loss_mask_covers_exactly_the_generated_tokens(echo_rollout):
+    r, completions, _ = echo_rollout
+    (traj,) = r.trajectories
+    assert sum(traj.loss_mask) == sum(len(c.token_ids) for c in completions) == r.metrics["generated_tokens"]
+    assert len(generated_spans(traj)) == 5
+    assert traj.loss_mask[-1] == 1  # ends on the last generated token
+    assert sum(1 for m in traj.loss_mask if m == 0) == r.metrics["observation_tokens"] > 0
+
+
+def test_decoding_prompt_and_response_reproduces_the_conversation(echo_rollout, tokenizer):
+    r, _, loop = echo_rollout
+    assert_decodes_to_conversation(tokenizer, r.trajectories[0], r.messages, loop.schemas)
+    assert [m["role"] for m in r.messages[2:]] == ["assistant", "tool"] * 4 + ["assistant"]
+    assert "ünïcode ✓" in r.messages[3]["content"]
+
+
+GOOD = r'<tool_call>\n\{"name": "echo", "arguments": \{"text": "[a-z]{1,6}"\}\}\n</tool_call>'
+BAD = r'<tool_call>\n\{"name": "echo", "arguments": [0-9]\}\n</tool_call>'
+
+
+async def test_hermes_calls_from_real_generations_run_and_malformed_ones_are_counted(vllm_server, tokenizer):
+    # Grammar-constrained sampling makes the random model write hermes calls: one good, one malformed.
+    sp = {"max_tokens": 80, "structured_outputs": {"regex": r"[a-z ]{0,10}\n" + GOOD + r"\n" + BAD}}
+    async with SpyLLM() as llm:
+        loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=3))
+        r = await loop.run(START, backend=vllm_server.address, sampling_params=sp)
+    assert r.num_turns == 3 and r.finish_reason == "max_turns"
+    assert r.metrics["tool_calls"] == 2 and r.metrics["malformed_tool_calls"] == 3
+    tool_msgs = [m["content"] for m in r.messages if m["role"] == "tool"]
+    assert len(tool_msgs) == 4
+    assert tool_msgs[0].startswith("echo: ") and "malformed tool call" in tool_msgs[1]
+    first = r.messages[2]
+    args = json.loads(first["tool_calls"][0]["function"]["arguments"])
+    assert tool_msgs[0].startswith("echo: " + args["text"])
+    assert_tokens_are_vllms(r.trajectories, llm.returned)
+    assert_decodes_to_conversation(tokenizer, r.trajectories[0], r.messages, loop.schemas)
+
+
+async def test_context_limit_ends_with_length_and_is_never_overflowed(vllm_server, tokenizer):
+    async with SpyLLM() as llm:
+        loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=50, parser=EveryTurnCallsEcho()))
+        r = await loop.run(START, backend=vllm_server.address,
+                           sampling_params={"max_tokens": 500, "ignore_eos": True})
+    (traj,) = r.trajectories
+    limit = (await LLMClient().model_info(vllm_server.address)).max_model_len
+    total = len(traj.prompt_ids) + len(traj.response_ids)
+    assert r.finish_reason == "length" == traj.finish_reason
+    assert limit - 40 < total <= limit  # filled (up to one refused observation), never beyond
+    assert all(len(c.token_ids) <= 500 for c in llm.returned)
+    assert_tokens_are_vllms(r.trajectories, llm.returned)
+
+
+async def test_pause_for_weight_sync_aborts_the_turn_and_it_is_retried(vllm_server, tokenizer, hf_model):
+    pool = BackendPool()
+    pool.add(vllm_server.address, weight_version=1)
+
+    async def weight_sync(session):
+        # Inside the first turn's generation (~3.5 s for 1500 tokens here); vLLM applies the abort at its
+        # next scheduling step, sometimes a few hundred ms later, so the turn must be long.
+        await wait_until_generating(session, vllm_server.address)
+        async with session.post(f"{vllm_server.address}/pause", params={"mode": "abort"}) as resp:
+            assert resp.status == 200, await resp.text()
+        pool.add(vllm_server.address, weight_version=2)  # the trainer registers the new version
+        await asyncio.sleep(0.5)
+        async with session.post(f"{vllm_server.address}/resume") as resp:
+            assert resp.status == 200
+
+    async with aiohttp.ClientSession() as session:
+        async with SpyLLM(session, pool=pool) as llm:
+            loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=2, parser=EveryTurnCallsEcho()))
+            sync = asyncio.create_task(weight_sync(session))
+            r = await loop.run(START, backend=lambda ex: pool.acquire("pause-job", exclude=ex),
+                               sampling_params={"max_tokens": 1500, "ignore_eos": True})
+            await sync
+    assert r.metrics["llm_pause_retries"] >= 1 and r.metrics["llm_failovers"] == 0
+    assert r.num_turns == 2 and len(llm.returned) == 2
+    assert r.weight_versions == [1, 2] or r.weight_versions == [2]
+    assert 2 in r.trajectories[0].weight_versions
+    assert_tokens_are_vllms(r.trajectories, llm.returned)  # the aborted partial turn left nothing behind
+    assert_logprobs_match_forward_pass(hf_model, r.trajectories[0])
+
+
+async def test_backend_killed_mid_rollout_fails_over_without_duplicating_tokens(
+        vllm_server, second_vllm_server, tokenizer, hf_model, caplog):
+    from prorl_server.job import Job
+
+    pool = BackendPool()
+    pool.add(second_vllm_server.address, weight_version=7)  # added first: the job's sticky backend
+    pool.add(vllm_server.address, weight_version=8)
+    # 300 tokens take ~0.7 s here; the kill lands while the third turn is being generated.
+    job = Job(job_id="failover", instance={}, sampling_params={"max_tokens": 300, "ignore_eos": True},
+              handler=None, handler_name="test", timeout_s=None, pool=pool)
+    calls = {"n": 0}
+    killer = []
+
+    async def echo_then_kill(args):
+        calls["n"] += 1
+        if calls["n"] == 2:  # kill the backend while the next turn is being generated on it
+            async def later():
+                async with aiohttp.ClientSession() as session:
+                    await wait_until_generating(session, second_vllm_server.address)
+                second_vllm_server.kill()
+            killer.append(asyncio.create_task(later()))
+        return "echo: " + args["text"]
+
+    tools = {"echo": (ECHO["echo"][0], echo_then_kill)}
+    async with SpyLLM(pool=pool) as llm:
+        loop = AgentLoop(tokenizer, llm, tools, AgentConfig(max_turns=4, parser=EveryTurnCallsEcho()))
+        r = await loop.run(START, backend=job, sampling_params=job.sampling_params)
+        await asyncio.gather(*killer)
+    assert r.num_turns == 4 and r.finish_reason == "max_turns"
+    failures = [rec.getMessage() for rec in caplog.records if "LLM call failed" in rec.getMessage()]
+    # mid-request (reset / disconnected), not a refused connection to an already dead server
+    assert len(failures) == 1 and ("reset" in failures[0] or "Disconnected" in failures[0]), failures
+    assert r.metrics["llm_failovers"] == 1
+    assert r.backend == vllm_server.address and pool.holder("failover").address == vllm_server.address
+    assert not pool.get(second_vllm_server.address).healthy
+    assert r.weight_versions == [7, 8]
+    # The kill is armed after turn 2; on a loaded machine it may land in turn 4 instead of turn 3.
+    backends = [c.backend for c in llm.returned]
+    k = backends.count(second_vllm_server.address)
+    assert k in (2, 3) and backends == [second_vllm_server.address] * k + [vllm_server.address] * (4 - k)
+    assert_tokens_are_vllms(r.trajectories, llm.returned)  # nothing from the killed request, nothing twice
+    assert_logprobs_match_forward_pass(hf_model, r.trajectories[0])
+
+    # With no live backend left the rollout fails cleanly (the pipeline reports critical_error="run").
+    dead = BackendPool()
+    dead.add(second_vllm_server.address)
+    async with LLMClient(pool=dead) as llm:
+        loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=2, parser=EveryTurnCallsEcho(),
+                                                           max_context_tokens=2048))
+        with pytest.raises(LLMUnavailableError):
+            await loop.run(START, backend=lambda ex: dead.acquire("dead-job", exclude=ex))
