@@ -3,7 +3,8 @@
 Used only to test the launcher's vLLM plumbing (start one per GPU group, wait for ``/health``, register with
 ``POST /add_llm_server``) on a machine with no GPU; the real vLLM CPU server is exercised by the agent-loop
 tests. It takes the same flags the launcher passes (``--model --host --port``, extra ones ignored), answers
-``GET /health`` and ``GET /v1/models``, and exits on SIGTERM.
+``GET /health`` and ``GET /v1/models``, and exits on SIGTERM. With ``--hang-completions`` a
+``POST /v1/completions`` never answers (a model that is slow to generate), so a job stays in its run stage.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--hang-completions", action="store_true")
     args, _unknown = p.parse_known_args()
 
     class Handler(BaseHTTPRequestHandler):
@@ -27,20 +29,34 @@ def main() -> int:
             if self.path == "/health":
                 body = b""
             elif self.path == "/v1/models":
-                body = json.dumps({"object": "list", "data": [{"id": args.model, "object": "model"}]}).encode()
+                body = json.dumps({"object": "list", "data": [{"id": args.model, "object": "model",
+                                                               "max_model_len": 4096}]}).encode()
             else:
                 self.send_error(404)
                 return
             self.send_response(200)
+            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self):  # noqa: N802
+            if args.hang_completions and self.path == "/v1/completions":
+                stop.wait()
+            self.send_error(503)
+
         def log_message(self, *a):
             pass
 
+    stop = threading.Event()
     server = ThreadingHTTPServer((args.host, args.port), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    server.daemon_threads = True
+
+    def on_term(*_):
+        stop.set()
+        threading.Thread(target=server.shutdown).start()
+
+    signal.signal(signal.SIGTERM, on_term)
     print(f"fake vLLM serving {args.model} on http://{args.host}:{args.port}", flush=True)
     server.serve_forever()
     return 0

@@ -3,6 +3,7 @@ listed in servers.json, serves a job, and after ``scancel`` (or the time limit) 
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import sys
 import time
@@ -251,3 +252,40 @@ def test_two_node_job_runs_one_server_per_node_and_scancel_stops_both(slurm_clus
     while (alive := still_alive(procs)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, alive
+
+
+CODE_INSTANCE = {"data_source": "code", "prompt": "def add(a, b):\n", "entry_point": "add",
+                 "tests": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
+
+
+def server_tree(pid: int) -> dict[int, float]:
+    """The server and every descendant (its sandboxes' launchers and what runs inside), ``{pid: create_time}``."""
+    root = psutil.Process(pid)
+    return {p.pid: p.create_time() for p in [root, *root.children(recursive=True)]}
+
+
+def test_scancel_mid_job_closes_the_open_sandbox_and_leaves_no_process(slurm_cluster, tmp_path, tiny_model_dir):
+    if shutil.which("bwrap") is None:
+        pytest.fail("bubblewrap is part of the project's set-up (.ci/install) but `bwrap` is not on PATH")
+    # The model never answers, so the code job sits in its run stage with its sandbox open when scancel comes.
+    job_id = submit(slurm_cluster, tmp_path, PRORL_SANDBOX_RUNTIME="bubblewrap", PRORL_VLLM_MODEL=str(tiny_model_dir),
+                    PRORL_VLLM_CPU="1", PRORL_VLLM_CMD=f"{sys.executable} {FAKE_VLLM}",
+                    PRORL_VLLM_ARGS="--hang-completions")
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        server = sf.servers[0]
+        status, submitted = post(f"{server.url}/jobs", {"instance": CODE_INSTANCE, "sampling_params": {}}, sf.token)
+        assert status == 202, submitted
+        job_url = f"{server.url}/jobs/{submitted['job_id']}"
+        deadline = time.monotonic() + 60
+        while (status_doc := get(job_url, sf.token))["state"] != "run":
+            assert status_doc["state"] != "done" and time.monotonic() < deadline, f"job never reached run: {status_doc}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the agent loop is now waiting on the model, inside an open sandbox
+        procs = {**job_processes(job_id), **server_tree(server.pid)}
+        sandbox = [pid for pid in procs if "bwrap" in " ".join(psutil.Process(pid).cmdline())]
+        assert sandbox, "no bubblewrap sandbox was running: this test would prove nothing"
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
