@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ def main() -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--hang-completions", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     args, _unknown = p.parse_known_args()
 
     class Handler(BaseHTTPRequestHandler):
@@ -57,7 +59,8 @@ def main() -> int:
         threading.Thread(target=server.shutdown).start()
 
     signal.signal(signal.SIGTERM, on_term)
-    print(f"fake vLLM serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    print(f"fake vLLM serving {args.model} on http://{args.host}:{args.port} "
+          f"devices={os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')} tp={args.tensor_parallel_size}", flush=True)
     server.serve_forever()
     return 0
 

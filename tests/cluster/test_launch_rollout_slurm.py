@@ -289,3 +289,20 @@ def test_scancel_mid_job_closes_the_open_sandbox_and_leaves_no_process(slurm_clu
         slurm_cluster.run("scancel", job_id, check=False)
     slurm_cluster.wait_job_done(job_id, timeout=60)
     assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
+
+
+def test_vllm_servers_split_the_node_gpus_into_tensor_parallel_groups(slurm_cluster, tmp_path):
+    # A node with 4 GPUs as Slurm exposes them (CUDA_VISIBLE_DEVICES); 2 GPUs per vLLM server -> 2 servers.
+    job_id = submit(slurm_cluster, tmp_path, CUDA_VISIBLE_DEVICES="0,1,2,3", PRORL_VLLM_MODEL="tiny-model",
+                    PRORL_VLLM_GPUS_PER_SERVER="2", PRORL_VLLM_CMD=f"{sys.executable} {FAKE_VLLM}")
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        assert len(sf.servers[0].llm_backends) == 2, sf
+        logs = sorted(p.read_text() for p in (tmp_path / f"prorl-{job_id}").glob("*.vllm-*.log"))
+        assert len(logs) == 2
+        assert sorted(line.split(" devices=")[1].strip() for line in logs) == ["0,1 tp=2", "2,3 tp=2"], logs
+        procs = job_processes(job_id)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
