@@ -43,7 +43,7 @@ def builders(tmp_path, monkeypatch):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     log = tmp_path / "builder.log"
-    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", str(bindir))  # only the fakes, even where a real apptainer is installed
     monkeypatch.setenv("FAKE_BUILDER_LOG", str(log))
 
     def install(name: str = "apptainer") -> Path:
@@ -78,7 +78,8 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_dry_run_alone_prints_default_definition_cache_decision_and_exact_command(tmp_path):
     store = tmp_path / "store"
-    env = dict(os.environ, PRORL_IMAGE_STORE=str(store), PATH="/usr/bin:/bin", PYTHONPATH=str(REPO))
+    (tmp_path / "empty-bin").mkdir()
+    env = dict(os.environ, PRORL_IMAGE_STORE=str(store), PATH=str(tmp_path / "empty-bin"), PYTHONPATH=str(REPO))
     r = cli("--dry-run", env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -95,7 +96,9 @@ def test_dry_run_alone_prints_default_definition_cache_decision_and_exact_comman
 
 
 def test_build_without_any_builder_binary_fails_with_a_clear_message(tmp_path):
-    env = dict(os.environ, PRORL_IMAGE_STORE=str(tmp_path / "store"), PATH="/usr/bin:/bin", PYTHONPATH=str(REPO))
+    (tmp_path / "empty-bin").mkdir()
+    env = dict(os.environ, PRORL_IMAGE_STORE=str(tmp_path / "store"), PATH=str(tmp_path / "empty-bin"),
+               PYTHONPATH=str(REPO))
     r = cli(env=env)
     assert r.returncode == 2
     assert "no apptainer or singularity on PATH" in r.stderr and "Traceback" not in r.stderr
