@@ -305,7 +305,10 @@ async def _pipeline_ctx(app: web.Application):
         async def opener(spec=None, **kw):
             from sandbox import SandboxSpec
 
-            return await runtime.start(spec if spec is not None else SandboxSpec(**kw))
+            spec = spec if spec is not None else SandboxSpec(**kw)
+            if spec.image is None and settings.sandbox_image:
+                spec.image = settings.sandbox_image
+            return await runtime.start(spec)
     llm = LLMContext(app[POOL], tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
     pipeline = Pipeline(app[REGISTRY], app[POOL], app[METRICS], settings.workers(),
                         default_timeout_s=settings.default_timeout_s, backend_wait_s=settings.backend_wait_s,

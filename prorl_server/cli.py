@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LLM backend to register at start (repeatable)")
     p.add_argument("--sandbox-runtime", choices=["bubblewrap", "bwrap", "singularity", "apptainer", "local"],
                    help="sandbox runtime for handlers that need one")
+    p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
     p.add_argument("--ready-file", help="write {host, port, pid, url} as JSON here once listening")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p

@@ -34,7 +34,10 @@ class ServerSettings(BaseModel):
     max_body_mb: float = Field(default=64.0, gt=0)
     sandbox_runtime: Optional[str] = Field(default=None,
                                            description="bubblewrap | singularity | local | None (no sandboxes)")
-    sandbox_options: dict[str, Any] = Field(default_factory=dict)
+    sandbox_options: dict[str, Any] = Field(default_factory=dict,
+                                            description="options of the runtime (sandbox.make_runtime)")
+    sandbox_image: Optional[str] = Field(default=None, description="image for sandboxes whose spec names none "
+                                         "(a .sif for singularity, a rootfs directory for bubblewrap)")
     ready_file: Optional[str] = Field(default=None,
                                       description="write {host, port, pid, url} here once listening")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
