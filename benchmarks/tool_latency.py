@@ -3,7 +3,9 @@ sandbox → pty bash / IPython kernel / editor), each beside its floor measured 
 tmux send-keys/capture-pane bash that other rollout systems use as the baseline.
 
 Floors: a bare persistent pty bash driven directly by this process (no socket, no sandbox); a bare
-jupyter-client AsyncKernelManager/AsyncKernelClient in this process; an asyncio Unix-socket JSON-line echo.
+jupyter-client AsyncKernelManager/AsyncKernelClient in this process; an asyncio Unix-socket JSON-line echo;
+a bare bwrap running /bin/true and one running ``python -S -c pass`` (the least any Python-served sandbox
+costs to start). The machine's load moves all of these together: compare ratios, not absolute numbers.
 Targets (issue 3): bash builtin p50 < 1 ms and >= 10x faster than tmux; ipython within 1.5x of bare
 jupyter-client; bubblewrap sandbox start p50 < 50 ms (kernel started lazily, so not included).
 
@@ -115,6 +117,20 @@ async def floor_uds(n: int) -> list[float]:
     return out[10:]
 
 
+async def floor_bwrap(n: int, python: bool) -> list[float]:
+    """Bare ``bwrap --unshare-all --die-with-parent`` of the host root running ``/bin/true`` or
+    ``python -S -c pass``, spawned from asyncio and waited for (ms): the floor of a sandbox start."""
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    cmd += [sys.executable, "-S", "-c", "pass"] if python else ["/bin/true"]
+    out = []
+    for _ in range(n + 2):
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(*cmd)
+        await proc.wait()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out[2:]
+
+
 def tmux_bash(n: int) -> list[float]:
     """The baseline: tmux send-keys, then capture-pane polled (no sleep between polls) until the command's
     end marker shows (ms)."""
@@ -187,7 +203,9 @@ async def main() -> None:
     state_dir = tempfile.mkdtemp(prefix="prorl-bench-")
     try:
         floors = {"bash_builtin": floor_pty_bash(args.n, "echo hi"), "bash_fork": floor_pty_bash(args.n, "/bin/true"),
-                  "ipython": await floor_ipython(args.n), "uds": await floor_uds(args.n)}
+                  "ipython": await floor_ipython(args.n), "uds": await floor_uds(args.n),
+                  "bwrap_true": await floor_bwrap(args.starts, python=False),
+                  "bwrap_python": await floor_bwrap(args.starts, python=True)}
         proj = await project(args.n, args.starts, state_dir)
         tmux = tmux_bash(min(args.n, 100)) if shutil.which("tmux") else None
     finally:
@@ -197,7 +215,7 @@ async def main() -> None:
             ("bash fork+exec `/bin/true`", "bash_fork", "bash_fork"),
             ("ipython `1+1`", "ipython", "ipython"),
             ("editor view (100 lines)", "editor_view", "uds"),
-            ("sandbox start (bwrap, until ready)", "start", None),
+            ("sandbox start (bwrap, until ready)", "start", "bwrap_python"),
             ("sandbox close (no process left)", "close", None)]
     print(f"{'measure':38} {'p50 ms':>9} {'p95 ms':>9} {'floor p50':>10} {'ratio':>7}")
     for label, key, fkey in rows:
@@ -206,7 +224,9 @@ async def main() -> None:
         fs = f"{f:.3f}" if f is not None else "-"
         ratio = f"{s['p50'] / f:.2f}x" if f else "-"
         print(f"{label:38} {s['p50']:9.3f} {s['p95']:9.3f} {fs:>10} {ratio:>7}")
-    print(f"{'floor: UDS JSON-line echo':38} {summary(floors['uds'])['p50']:9.3f} {summary(floors['uds'])['p95']:9.3f}")
+    for label, key in (("floor: UDS JSON-line echo", "uds"), ("floor: bwrap /bin/true", "bwrap_true"),
+                       ("floor: bwrap python -S -c pass", "bwrap_python")):
+        print(f"{label:38} {summary(floors[key])['p50']:9.3f} {summary(floors[key])['p95']:9.3f}")
     builtin = summary(proj["bash_builtin"])["p50"]
     if tmux:
         t = summary(tmux)
@@ -228,6 +248,8 @@ async def main() -> None:
         "floor_bash_fork_p50_ms": round(summary(floors["bash_fork"])["p50"], 4),
         "floor_ipython_p50_ms": round(fip, 4),
         "floor_uds_p50_ms": round(summary(floors["uds"])["p50"], 4),
+        "floor_bwrap_true_p50_ms": round(summary(floors["bwrap_true"])["p50"], 4),
+        "floor_bwrap_python_p50_ms": round(summary(floors["bwrap_python"])["p50"], 4),
         "tmux_over_bash_builtin": round(summary(tmux)["p50"] / builtin, 2) if tmux else None,
         "ipython_over_floor": round(ip / fip, 3),
     }))

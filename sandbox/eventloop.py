@@ -92,7 +92,12 @@ class EventLoop:
             pass  # the wake-up pipe is already full: the loop will run the callback anyway
 
     def stop(self) -> None:
+        """Stop after the current iteration. Safe in a signal handler (no lock; one byte to the wake-up pipe)."""
         self._stopping = True
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
 
     def run_forever(self) -> None:
         while not self._stopping:

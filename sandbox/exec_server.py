@@ -302,12 +302,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         _drop_privileges(*config["run_as"])
     os.chdir(config["workspace"])
 
+    server = ExecServer(opts["--socket"], config)
+
     def on_term(signum, frame):
-        raise SystemExit(128 + signum)
+        # Stop the loop rather than raise here: an exception raised in the middle of, say, a pty spawn would
+        # leave a half-made process object behind (whose finaliser sleeps).
+        server.loop.stop()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
-    ExecServer(opts["--socket"], config).serve_forever()
+    server.serve_forever()
 
 
 if __name__ == "__main__":
