@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 from prorl_server.conversation import Conversation
-from prorl_server.llm_client import BackendSource, LLMClient, LLMUnavailableError, backend_getter
+from prorl_server.llm_client import BackendSource, LLMClient, backend_getter
 from prorl_server.tool_parser import ParsedTurn, ToolCall, ToolCallError, ToolParser, get_parser
 from prorl_server.types import Trajectory
 
@@ -85,7 +85,8 @@ class AgentResult:
     """Outcome of one rollout.
 
     ``messages``: the conversation (assistant ``content`` is the generated text verbatim; ``tool_calls`` is
-    added for information). ``trajectories``: token-level segments (one unless the template forced a split).
+    added for information; the observations of the turn that ended the rollout, e.g. the finish tool's, are
+    not appended, so messages and tokens stay in step). ``trajectories``: token-level segments (one unless the template forced a split).
     ``metrics``: counters (``tool_calls``, ``tool_errors``, ``malformed_tool_calls``, ``unknown_tool_calls``,
     ``tool_timeouts``, ``llm_failovers``, ``llm_pause_retries``, ``splits``, ...) and seconds
     (``llm_http_s``, ``tool_s``, ``overhead_s`` = everything else the loop spent).
@@ -243,7 +244,7 @@ class AgentLoop:
         try:
             b = await get(frozenset())
             limits.append((await self.llm.model_info(b.address)).max_model_len)
-        except (LLMUnavailableError, Exception) as e:  # the first generation call fails over properly
+        except Exception as e:  # e.g. the backend is down: the first generation call fails over properly
             log.debug("could not read the backend's max_model_len: %r", e)
         known = [x for x in limits if x]
         if not known:

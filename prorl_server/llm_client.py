@@ -83,7 +83,8 @@ class Completion:
     distribution, vLLM's default ``logprobs_mode``). ``finish_reason``: ``"stop"`` or ``"length"``.
     ``stop_reason``: the stop token id / string that ended it, None for EOS or length.
     ``weight_versions``: the backend's version(s) while it generated (one unless it changed mid-call).
-    ``http_s``: seconds spent waiting for the successful HTTP exchange (for overhead accounting).
+    ``http_s``: seconds spent in HTTP exchanges for this turn, failed and aborted attempts included (so a
+    caller can tell its own overhead from the server's time).
     """
 
     token_ids: list[int]
@@ -244,6 +245,7 @@ class LLMClient:
         failovers = 0
         pause_retries = 0
         pause_deadline: Optional[float] = None
+        http_s = 0.0
         backoff = self.pause_backoff_s
         last_error = "no attempt made"
         while True:
@@ -257,8 +259,10 @@ class LLMClient:
                     await self.model_info(b.address)
                 body["model"] = self.model or self._models[b.address].id
                 t0 = time.perf_counter()
-                data = await self._post(b.address, body, timeout)
-                http_s = time.perf_counter() - t0
+                try:
+                    data = await self._post(b.address, body, timeout)
+                finally:
+                    http_s += time.perf_counter() - t0
                 choice = data["choices"][0]
                 if choice.get("finish_reason") == "abort":
                     raise _Paused()

@@ -67,20 +67,6 @@ def generated_spans(traj):
     return spans
 
 
-async def wait_until_generating(session, address: str, timeout_s: float = 30.0) -> None:
-    """Poll the server's Prometheus ``vllm:num_requests_running`` until a request is being generated (so a
-    fault injected next lands mid-request whatever the machine's load)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        async with session.get(f"{address}/metrics") as r:
-            for line in (await r.text()).splitlines():
-                if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1:
-                    return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{address} never started generating")
-
-
 @pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     import torch
@@ -199,33 +185,54 @@ async def test_context_limit_ends_with_length_and_is_never_overflowed(vllm_serve
     assert_tokens_are_vllms(r.trajectories, llm.returned)
 
 
-async def test_pause_for_weight_sync_aborts_the_turn_and_it_is_retried(vllm_server, tokenizer, hf_model):
+async def paused_rollout(address: str, tokenizer):
+    """One rollout during which the server is paused (mode=abort) 0.3 s into the first turn's generation,
+    the trainer registers weight version 2, and the server resumes 0.5 s later."""
     pool = BackendPool()
-    pool.add(vllm_server.address, weight_version=1)
+    pool.add(address, weight_version=1)
+    sent = asyncio.Event()
+
+    async def on_chunk_sent(session, ctx, params):
+        if str(params.url).endswith("/v1/completions"):
+            sent.set()
 
     async def weight_sync(session):
-        # Inside the first turn's generation (~3.5 s for 1500 tokens here); vLLM applies the abort at its
-        # next scheduling step, sometimes a few hundred ms later, so the turn must be long.
-        await wait_until_generating(session, vllm_server.address)
-        async with session.post(f"{vllm_server.address}/pause", params={"mode": "abort"}) as resp:
+        await sent.wait()
+        await asyncio.sleep(0.3)  # let the request reach the scheduler: /pause queues requests not yet in
+        async with session.post(f"{address}/pause", params={"mode": "abort"}) as resp:
             assert resp.status == 200, await resp.text()
-        pool.add(vllm_server.address, weight_version=2)  # the trainer registers the new version
+        pool.add(address, weight_version=2)
         await asyncio.sleep(0.5)
-        async with session.post(f"{vllm_server.address}/resume") as resp:
+        async with session.post(f"{address}/resume") as resp:
             assert resp.status == 200
 
-    async with aiohttp.ClientSession() as session:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(on_chunk_sent)
+    async with aiohttp.ClientSession(trace_configs=[trace]) as session:
         async with SpyLLM(session, pool=pool) as llm:
             loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=2, parser=EveryTurnCallsEcho()))
             sync = asyncio.create_task(weight_sync(session))
-            r = await loop.run(START, backend=lambda ex: pool.acquire("pause-job", exclude=ex),
-                               sampling_params={"max_tokens": 1500, "ignore_eos": True})
-            await sync
-    assert r.metrics["llm_pause_retries"] >= 1 and r.metrics["llm_failovers"] == 0
-    assert r.num_turns == 2 and len(llm.returned) == 2
-    assert r.weight_versions == [1, 2] or r.weight_versions == [2]
+            try:
+                r = await loop.run(START, backend=lambda ex: pool.acquire("pause-job", exclude=ex),
+                                   sampling_params={"max_tokens": 1700, "ignore_eos": True})
+            finally:
+                await sync
+    return r, llm.returned
+
+
+async def test_pause_for_weight_sync_aborts_the_turn_and_it_is_retried(vllm_server, tokenizer, hf_model):
+    # The first turn generates for ~4 s. On this shared 2-core machine the test process can be starved for
+    # seconds, so the /pause may miss the turn; then the fault was not injected and the scenario is rerun.
+    for attempt in range(3):
+        r, returned = await paused_rollout(vllm_server.address, tokenizer)
+        if r.metrics["llm_pause_retries"] >= 1:
+            break
+    assert r.metrics["llm_pause_retries"] >= 1, "the /pause never landed inside a generation"
+    assert r.metrics["llm_failovers"] == 0
+    assert r.num_turns == 2 and len(returned) == 2
+    assert r.weight_versions in ([1, 2], [2])
     assert 2 in r.trajectories[0].weight_versions
-    assert_tokens_are_vllms(r.trajectories, llm.returned)  # the aborted partial turn left nothing behind
+    assert_tokens_are_vllms(r.trajectories, returned)  # the aborted partial turn left nothing behind
     assert_logprobs_match_forward_pass(hf_model, r.trajectories[0])
 
 
@@ -236,39 +243,37 @@ async def test_backend_killed_mid_rollout_fails_over_without_duplicating_tokens(
     pool = BackendPool()
     pool.add(second_vllm_server.address, weight_version=7)  # added first: the job's sticky backend
     pool.add(vllm_server.address, weight_version=8)
-    # 300 tokens take ~0.7 s here; the kill lands while the third turn is being generated.
-    job = Job(job_id="failover", instance={}, sampling_params={"max_tokens": 300, "ignore_eos": True},
+    job = Job(job_id="failover", instance={}, sampling_params={"max_tokens": 64, "ignore_eos": True},
               handler=None, handler_name="test", timeout_s=None, pool=pool)
-    calls = {"n": 0}
-    killer = []
+    armed = {"on": False}
 
-    async def echo_then_kill(args):
-        calls["n"] += 1
-        if calls["n"] == 2:  # kill the backend while the next turn is being generated on it
-            async def later():
-                async with aiohttp.ClientSession() as session:
-                    await wait_until_generating(session, second_vllm_server.address)
-                second_vllm_server.kill()
-            killer.append(asyncio.create_task(later()))
+    async def echo_then_arm(args):
+        armed["on"] = armed["on"] or len(llm.returned) == 2  # the next request is the one to kill
         return "echo: " + args["text"]
 
-    tools = {"echo": (ECHO["echo"][0], echo_then_kill)}
-    async with SpyLLM(pool=pool) as llm:
+    async def on_chunk_sent(session, ctx, params):
+        # The third turn's request is on the wire to the second server: kill it now, before it answers.
+        # (Synchronously: on this shared 2-core machine a timer in the test process can fire seconds late,
+        # after the turn is done.)
+        if armed["on"] and str(params.url).startswith(second_vllm_server.address + "/v1/completions"):
+            armed["on"] = False
+            second_vllm_server.kill()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(on_chunk_sent)
+    tools = {"echo": (ECHO["echo"][0], echo_then_arm)}
+    async with aiohttp.ClientSession(trace_configs=[trace]) as session, SpyLLM(session, pool=pool) as llm:
         loop = AgentLoop(tokenizer, llm, tools, AgentConfig(max_turns=4, parser=EveryTurnCallsEcho()))
         r = await loop.run(START, backend=job, sampling_params=job.sampling_params)
-        await asyncio.gather(*killer)
     assert r.num_turns == 4 and r.finish_reason == "max_turns"
     failures = [rec.getMessage() for rec in caplog.records if "LLM call failed" in rec.getMessage()]
-    # mid-request (reset / disconnected), not a refused connection to an already dead server
+    # the request was sent and never answered (reset / disconnected), not refused by a dead server
     assert len(failures) == 1 and ("reset" in failures[0] or "Disconnected" in failures[0]), failures
     assert r.metrics["llm_failovers"] == 1
     assert r.backend == vllm_server.address and pool.holder("failover").address == vllm_server.address
     assert not pool.get(second_vllm_server.address).healthy
     assert r.weight_versions == [7, 8]
-    # The kill is armed after turn 2; on a loaded machine it may land in turn 4 instead of turn 3.
-    backends = [c.backend for c in llm.returned]
-    k = backends.count(second_vllm_server.address)
-    assert k in (2, 3) and backends == [second_vllm_server.address] * k + [vllm_server.address] * (4 - k)
+    assert [c.backend for c in llm.returned] == [second_vllm_server.address] * 2 + [vllm_server.address] * 2
     assert_tokens_are_vllms(r.trajectories, llm.returned)  # nothing from the killed request, nothing twice
     assert_logprobs_match_forward_pass(hf_model, r.trajectories[0])
 
