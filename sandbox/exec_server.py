@@ -59,13 +59,15 @@ class _Conn:
         if not data:
             self.close()
             return
+        start = len(self.rbuf)  # only new bytes can hold the next newline: large uploads stay linear
         self.rbuf += data
         while True:
-            i = self.rbuf.find(b"\n")
+            i = self.rbuf.find(b"\n", start)
             if i < 0:
                 break
             line = bytes(self.rbuf[:i])
             del self.rbuf[:i + 1]
+            start = 0
             self.server.dispatch(self, line)
             if self.closed:
                 return
