@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -274,12 +275,20 @@ class SandboxRuntime(abc.ABC):
         return None
 
     # ---------------------------------------------------------------------------------------- interface
-    async def start(self, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
-        """Start a sandbox and wait until its execution server answers. Raises :class:`SandboxStartError`
-        (with the launcher's log tail) if it exits or does not answer within ``start_timeout_s``.
-        Cancelling the caller is safe at any point: the start finishes in the background and the sandbox is
-        closed at once (``close_all`` waits for that too)."""
-        task = asyncio.ensure_future(self._start(spec or SandboxSpec()))
+    async def start(self, spec: "SandboxSpec | dict[str, Any] | None" = None, **fields: Any) -> SandboxHandle:
+        """Start a sandbox and wait until its execution server answers. ``spec``: a :class:`SandboxSpec`, a
+        dict of its fields (e.g. from a config file), or ``None`` for the defaults; ``fields`` override single
+        fields (``start(image=..., network="loopback")``). Raises ``TypeError``/``ValueError`` for a bad spec,
+        :class:`SandboxStartError` (with the launcher's log tail) if the sandbox exits or does not answer
+        within ``start_timeout_s``. Cancelling the caller is safe at any point: the start finishes in the
+        background and the sandbox is closed at once (``close_all`` waits for that too)."""
+        if spec is None:
+            spec = SandboxSpec(**fields)
+        elif isinstance(spec, dict):
+            spec = SandboxSpec(**{**spec, **fields})
+        elif fields:
+            spec = dataclasses.replace(spec, **fields)
+        task = asyncio.ensure_future(self._start(spec))
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
         try:

@@ -79,3 +79,13 @@ async def test_loopback_sandboxes_get_distinct_addresses_released_on_close(bwrap
     await a.close()
     await b.close()
     assert os.listdir(lease_dir) == []
+
+
+async def test_spec_from_dict_and_field_overrides(bwrap_runtime):
+    h = await bwrap_runtime.start({"env": {"TASK": "from-dict"}, "limits": {"max_processes": 50}}, workdir="/task")
+    r = await h.bash('echo "$TASK"; pwd; ulimit -u')
+    assert r.output == "from-dict\n/task\n50\n"
+    assert h.spec.limits.max_processes == 50
+    await h.close()
+    with pytest.raises(ValueError, match="network"):
+        await bwrap_runtime.start(network="internet")
