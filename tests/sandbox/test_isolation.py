@@ -47,14 +47,18 @@ async def test_network_host_reaches_host_services_control(bwrap_runtime, host_tc
     await h.close()
 
 
-async def test_writes_outside_workspace_fail_and_tmp_is_private(sandbox):
+async def test_writes_outside_workspace_fail_and_tmp_is_private(sandbox, short_tmp):
     r = await sandbox.bash("for p in /etc/x /usr/x /work/x /home/x; do touch $p 2>/dev/null && echo wrote $p; done; "
                            "echo private > /tmp/t.txt && echo in-ws > w.txt && echo done")
     assert r.output == "done\n"
     assert open(os.path.join(sandbox.workspace, "w.txt")).read() == "in-ws\n"
     assert not os.path.exists("/etc/x")
-    # /tmp inside is a fresh tmpfs: nothing leaks to the host's /tmp.
-    assert (await sandbox.bash("ls /tmp")).output == "t.txt\n"
+    # /tmp inside is a fresh tmpfs: the host's /tmp is not visible and nothing written there reaches the host.
+    host_file = os.path.join(short_tmp, "host-only.txt")
+    open(host_file, "w").write("host")
+    r = await sandbox.bash(f"cat /tmp/t.txt; test -e {host_file} && echo host-tmp-visible")
+    assert r.output == "private\n"
+    assert not os.path.exists("/tmp/t.txt") or open("/tmp/t.txt").read() != "private\n"
 
 
 async def test_loopback_sandboxes_get_distinct_addresses_released_on_close(bwrap_runtime, runtime_options):
