@@ -20,8 +20,10 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -187,6 +189,7 @@ def build(out: os.PathLike | str, *, force: bool = False, vocab_size: int = 4096
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     marker = out / "prorl_tiny_model.json"
     params = {"vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings, "format": 1}
     if not force and marker.exists():
@@ -196,12 +199,20 @@ def build(out: os.PathLike | str, *, force: bool = False, vocab_size: int = 4096
         except (ValueError, OSError):
             pass
     t0 = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size=vocab_size, model_max_length=max_position_embeddings)
     model = build_model(tokenizer, max_position_embeddings=max_position_embeddings)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    marker.write_text(json.dumps(params))
+    # A new directory appears atomically (built aside, then renamed), so concurrent test sessions sharing
+    # a cache directory never load a half-written model; an existing directory is overwritten in place.
+    target = out if out.exists() else Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tokenizer.save_pretrained(target)
+    model.save_pretrained(target)
+    (target / marker.name).write_text(json.dumps(params))
+    if target != out:
+        os.chmod(target, 0o755)  # mkdtemp makes it private
+        try:
+            os.rename(target, out)
+        except OSError:  # another process finished first: use its build
+            shutil.rmtree(target, ignore_errors=True)
     log.info("built tiny model in %s in %.1f s", out, time.monotonic() - t0)
     return out
 

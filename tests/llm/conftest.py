@@ -16,6 +16,7 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from prorl_server.tiny_model import build
 
