@@ -5,11 +5,12 @@ tmux send-keys/capture-pane bash that other rollout systems use as the baseline.
 Floors: a bare persistent pty bash driven directly by this process (no socket, no sandbox); a bare
 jupyter-client AsyncKernelManager/AsyncKernelClient in this process; an asyncio Unix-socket JSON-line echo;
 a bare bwrap running /bin/true and one running ``python -S -c pass`` (the least any Python-served sandbox
-costs to start). The machine's load moves all of these together: compare ratios, not absolute numbers.
+costs to start). Every measurement is taken in interleaved rounds (a slice of each per round), so that a
+change of machine load during the run moves a measurement and its floor together.
 Targets (issue 3): bash builtin p50 < 1 ms and >= 10x faster than tmux; ipython within 1.5x of bare
 jupyter-client; bubblewrap sandbox start p50 < 50 ms (kernel started lazily, so not included).
 
-Usage: python benchmarks/tool_latency.py [--n 200] [--starts 30]
+Usage: python benchmarks/tool_latency.py [--n 200] [--starts 30] [--rounds 10]
 Prints medians, p95 and ratios; the last line is one JSON object.
 """
 from __future__ import annotations
@@ -32,133 +33,148 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sandbox import SandboxSpec, make_runtime  # noqa: E402
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50": statistics.median(xs), "p95": pct(xs, 0.95), "n": len(xs)}
+    s = sorted(xs)
+    return {"p50": statistics.median(s), "p95": s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))], "n": len(s)}
 
 
-# --------------------------------------------------------------------------------------------------- floors
-def floor_pty_bash(n: int, command: str) -> list[float]:
-    """Bare persistent bash on a pty, same prompt-marker technique, no socket and no sandbox (ms)."""
-    import ptyprocess
+class PtyBashFloor:
+    """Bare persistent bash on a pty, same prompt-marker technique, no socket and no sandbox."""
 
-    nonce = secrets.token_hex(8)
-    marker = re.compile((r"\x1e" + nonce + r":(\d+)\x1f").encode())
-    p = ptyprocess.PtyProcess.spawn(["/bin/bash", "--noediting", "--norc", "--noprofile", "-i"], echo=False)
+    def __init__(self) -> None:
+        import ptyprocess
 
-    def until_marker() -> None:
+        nonce = secrets.token_hex(8)
+        self.marker = re.compile((r"\x1e" + nonce + r":(\d+)\x1f").encode())
+        self.p = ptyprocess.PtyProcess.spawn(["/bin/bash", "--noediting", "--norc", "--noprofile", "-i"],
+                                             echo=False)
+        os.write(self.p.fd, f"PS1=$'\\x1e'{nonce}:'$?'$'\\x1f'; PS2=''; stty -echo\n".encode())
+        self._until_marker()
+
+    def _until_marker(self) -> None:
         buf = b""
-        while not marker.search(buf):
-            buf += os.read(p.fd, 65536)
+        while not self.marker.search(buf):
+            buf += os.read(self.p.fd, 65536)
 
-    os.write(p.fd, f"PS1=$'\\x1e'{nonce}:'$?'$'\\x1f'; PS2=''; stty -echo\n".encode())
-    until_marker()
-    out = []
-    line = (command + "\n").encode()
-    for _ in range(n + 10):
-        t0 = time.perf_counter()
-        os.write(p.fd, line)
-        until_marker()
-        out.append((time.perf_counter() - t0) * 1000)
-    p.terminate(force=True)
-    return out[10:]
-
-
-async def floor_ipython(n: int) -> list[float]:
-    """Bare jupyter-client (in-process async API), ``1+1`` until the kernel is idle again (ms)."""
-    from jupyter_client import AsyncKernelManager
-
-    km = AsyncKernelManager()
-    await km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    await kc.wait_for_ready(timeout=60)
-    out = []
-    try:
-        for _ in range(n + 5):
+    def run(self, command: str, n: int) -> list[float]:
+        out, line = [], (command + "\n").encode()
+        for _ in range(n):
             t0 = time.perf_counter()
-            msg_id = kc.execute("1+1")
+            os.write(self.p.fd, line)
+            self._until_marker()
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    def close(self) -> None:
+        self.p.terminate(force=True)
+
+
+class KernelFloor:
+    """Bare jupyter-client (in-process async API): a cell until the kernel is idle again."""
+
+    async def start(self) -> "KernelFloor":
+        from jupyter_client import AsyncKernelManager
+
+        self.km = AsyncKernelManager()
+        await self.km.start_kernel()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        await self.kc.wait_for_ready(timeout=60)
+        return self
+
+    async def run(self, code: str, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            msg_id = self.kc.execute(code)
             while True:
-                msg = await kc.get_iopub_msg(timeout=30)
+                msg = await self.kc.get_iopub_msg(timeout=30)
                 if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
                         and msg["content"]["execution_state"] == "idle"):
                     break
             out.append((time.perf_counter() - t0) * 1000)
-    finally:
-        kc.stop_channels()
-        await km.shutdown_kernel(now=True)
-    return out[5:]
+        return out
+
+    async def close(self) -> None:
+        self.kc.stop_channels()
+        await self.km.shutdown_kernel(now=True)
 
 
-async def floor_uds(n: int) -> list[float]:
-    """asyncio Unix-socket JSON-line echo round trip (ms)."""
-    d = tempfile.mkdtemp(prefix="prorl-uds-")
-    path = os.path.join(d, "s")
+class UdsFloor:
+    """asyncio Unix-socket JSON-line echo round trip."""
 
-    async def echo(reader, writer):
-        while line := await reader.readline():
-            writer.write(json.dumps(json.loads(line)).encode() + b"\n")
+    async def start(self) -> "UdsFloor":
+        self.dir = tempfile.mkdtemp(prefix="prorl-uds-")
 
-    server = await asyncio.start_unix_server(echo, path)
-    reader, writer = await asyncio.open_unix_connection(path)
-    out = []
-    for i in range(n + 10):
-        t0 = time.perf_counter()
-        writer.write(json.dumps({"id": i, "op": "ping"}).encode() + b"\n")
-        json.loads(await reader.readline())
-        out.append((time.perf_counter() - t0) * 1000)
-    writer.close()
-    server.close()
-    shutil.rmtree(d, ignore_errors=True)
-    return out[10:]
+        async def echo(reader, writer):
+            while line := await reader.readline():
+                writer.write(json.dumps(json.loads(line)).encode() + b"\n")
+
+        self.server = await asyncio.start_unix_server(echo, os.path.join(self.dir, "s"))
+        self.reader, self.writer = await asyncio.open_unix_connection(os.path.join(self.dir, "s"))
+        return self
+
+    async def run(self, n: int) -> list[float]:
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            self.writer.write(json.dumps({"id": i, "op": "ping"}).encode() + b"\n")
+            json.loads(await self.reader.readline())
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    async def close(self) -> None:
+        self.writer.close()
+        self.server.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def floor_bwrap(n: int, python: bool) -> list[float]:
+async def bwrap_floor(n: int, python: bool) -> list[float]:
     """Bare ``bwrap --unshare-all --die-with-parent`` of the host root running ``/bin/true`` or
-    ``python -S -c pass``, spawned from asyncio and waited for (ms): the floor of a sandbox start."""
+    ``python -S -c pass``, spawned from asyncio and waited for."""
     cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
     cmd += [sys.executable, "-S", "-c", "pass"] if python else ["/bin/true"]
     out = []
-    for _ in range(n + 2):
+    for _ in range(n):
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(*cmd)
         await proc.wait()
         out.append((time.perf_counter() - t0) * 1000)
-    return out[2:]
+    return out
 
 
-def tmux_bash(n: int) -> list[float]:
-    """The baseline: tmux send-keys, then capture-pane polled (no sleep between polls) until the command's
-    end marker shows (ms)."""
-    sock = f"prorl-bench-{os.getpid()}"
-    tmux = ["tmux", "-L", sock]
-    subprocess.run(tmux + ["new-session", "-d", "-s", "b", "-x", "200", "-y", "50", "bash --norc --noprofile"],
-                   check=True)
-    out = []
-    try:
-        for i in range(n + 3):
-            mark = f"DONE{i}x"
+class TmuxBaseline:
+    """tmux send-keys, then capture-pane polled (no sleep between polls, the baseline's best case) until the
+    command's end marker shows."""
+
+    def __init__(self) -> None:
+        self.tmux = ["tmux", "-L", f"prorl-bench-{os.getpid()}"]
+        subprocess.run(self.tmux + ["new-session", "-d", "-s", "b", "-x", "200", "-y", "50",
+                                    "bash --norc --noprofile"], check=True)
+        self.i = 0
+
+    def run(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            self.i += 1
+            mark = f"DONE{self.i}x"
             t0 = time.perf_counter()
-            subprocess.run(tmux + ["send-keys", "-t", "b", f"echo hi; echo {mark[:4]}''{mark[4:]}", "Enter"],
+            # The marker is split in the typed text so that only the command's output matches it.
+            subprocess.run(self.tmux + ["send-keys", "-t", "b", f"echo hi; echo {mark[:4]}''{mark[4:]}", "Enter"],
                            check=True)
-            while True:
-                cap = subprocess.run(tmux + ["capture-pane", "-p", "-t", "b"], capture_output=True, text=True).stdout
-                if re.search(rf"^{mark}$", cap, re.M):
-                    break
+            while not re.search(rf"^{mark}$", subprocess.run(self.tmux + ["capture-pane", "-p", "-t", "b"],
+                                                             capture_output=True, text=True).stdout, re.M):
+                pass
             out.append((time.perf_counter() - t0) * 1000)
-            if i % 20 == 0:
-                subprocess.run(tmux + ["send-keys", "-t", "b", "clear", "Enter"], check=True)
-                subprocess.run(tmux + ["clear-history", "-t", "b"], check=True)
-    finally:
-        subprocess.run(tmux + ["kill-server"], capture_output=True)
-    return out[3:]
+            if self.i % 20 == 0:
+                subprocess.run(self.tmux + ["send-keys", "-t", "b", "clear", "Enter"], check=True)
+                subprocess.run(self.tmux + ["clear-history", "-t", "b"], check=True)
+        return out
+
+    def close(self) -> None:
+        subprocess.run(self.tmux + ["kill-server"], capture_output=True)
 
 
-# -------------------------------------------------------------------------------------------------- project
 async def timed(n: int, fn) -> list[float]:
     out = []
     for _ in range(n):
@@ -168,90 +184,99 @@ async def timed(n: int, fn) -> list[float]:
     return out
 
 
-async def project(n: int, starts: int, state_dir: str) -> dict[str, list[float]]:
-    rt = make_runtime("bubblewrap", state_dir=state_dir, workspace_root=os.path.join(state_dir, "ws"))
-    res: dict[str, list[float]] = {"start": [], "close": []}
-    for _ in range(starts + 2):
-        t0 = time.perf_counter()
-        h = await rt.start(SandboxSpec())
-        t1 = time.perf_counter()
-        await h.close()
-        res["start"].append((t1 - t0) * 1000)
-        res["close"].append((time.perf_counter() - t1) * 1000)
-    res["start"], res["close"] = res["start"][2:], res["close"][2:]
-    h = await rt.start(SandboxSpec())
-    try:
-        await h.bash("true")
-        await h.editor("create", "f.py", file_text="".join(f"line {i}\n" for i in range(100)))
-        await timed(10, lambda: h.bash("echo hi"))
-        res["bash_builtin"] = await timed(n, lambda: h.bash("echo hi"))
-        res["bash_fork"] = await timed(n, lambda: h.bash("/bin/true"))
-        res["editor_view"] = await timed(n, lambda: h.editor("view", "f.py"))
-        await h.ipython("1+1")  # starts the kernel (lazy)
-        await timed(5, lambda: h.ipython("1+1"))
-        res["ipython"] = await timed(n, lambda: h.ipython("1+1"))
-    finally:
-        await h.close()
-    return res
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200, help="calls per tool")
     ap.add_argument("--starts", type=int, default=30, help="sandbox start/close cycles")
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds the calls are split into")
     args = ap.parse_args()
+    k, ks = max(1, args.n // args.rounds), max(1, args.starts // args.rounds)
     state_dir = tempfile.mkdtemp(prefix="prorl-bench-")
+    rt = make_runtime("bubblewrap", state_dir=state_dir, workspace_root=os.path.join(state_dir, "ws"))
+    res: dict[str, list[float]] = {}
+
+    def add(key: str, xs: list[float]) -> None:
+        res.setdefault(key, []).extend(xs)
+
+    pty, kernel, uds = PtyBashFloor(), await KernelFloor().start(), await UdsFloor().start()
+    tmux = TmuxBaseline() if shutil.which("tmux") else None
+    h = await rt.start(SandboxSpec())
     try:
-        floors = {"bash_builtin": floor_pty_bash(args.n, "echo hi"), "bash_fork": floor_pty_bash(args.n, "/bin/true"),
-                  "ipython": await floor_ipython(args.n), "uds": await floor_uds(args.n),
-                  "bwrap_true": await floor_bwrap(args.starts, python=False),
-                  "bwrap_python": await floor_bwrap(args.starts, python=True)}
-        proj = await project(args.n, args.starts, state_dir)
-        tmux = tmux_bash(min(args.n, 100)) if shutil.which("tmux") else None
+        await h.editor("create", "f.py", file_text="".join(f"line {i}\n" for i in range(100)))
+        await h.ipython("1+1")  # the kernel starts lazily: not part of any measurement
+        for warm in (True,) + (False,) * args.rounds:  # one warm-up round, discarded
+            got = {
+                "floor_bash_builtin": pty.run("echo hi", k), "floor_bash_fork": pty.run("/bin/true", k),
+                "floor_ipython": await kernel.run("1+1", k), "floor_uds": await uds.run(k),
+                "bash_builtin": await timed(k, lambda: h.bash("echo hi")),
+                "bash_fork": await timed(k, lambda: h.bash("/bin/true")),
+                "ipython": await timed(k, lambda: h.ipython("1+1")),
+                "editor_view": await timed(k, lambda: h.editor("view", "f.py")),
+                "floor_bwrap_true": await bwrap_floor(ks, python=False),
+                "floor_bwrap_python": await bwrap_floor(ks, python=True),
+            }
+            if tmux:
+                got["tmux"] = tmux.run(max(1, k // 2))
+            for _ in range(ks):
+                t0 = time.perf_counter()
+                s = await rt.start(SandboxSpec())
+                t1 = time.perf_counter()
+                await s.close()
+                got.setdefault("start", []).append((t1 - t0) * 1000)
+                got.setdefault("close", []).append((time.perf_counter() - t1) * 1000)
+            if not warm:
+                for key, xs in got.items():
+                    add(key, xs)
     finally:
+        await h.close()
+        await rt.close_all()
+        pty.close()
+        await kernel.close()
+        await uds.close()
+        if tmux:
+            tmux.close()
         shutil.rmtree(state_dir, ignore_errors=True)
 
-    rows = [("bash builtin `echo hi`", "bash_builtin", "bash_builtin"),
-            ("bash fork+exec `/bin/true`", "bash_fork", "bash_fork"),
-            ("ipython `1+1`", "ipython", "ipython"),
-            ("editor view (100 lines)", "editor_view", "uds"),
-            ("sandbox start (bwrap, until ready)", "start", "bwrap_python"),
-            ("sandbox close (no process left)", "close", None)]
-    print(f"{'measure':38} {'p50 ms':>9} {'p95 ms':>9} {'floor p50':>10} {'ratio':>7}")
-    for label, key, fkey in rows:
-        s = summary(proj[key])
-        f = summary(floors[fkey])["p50"] if fkey else None
-        fs = f"{f:.3f}" if f is not None else "-"
-        ratio = f"{s['p50'] / f:.2f}x" if f else "-"
-        print(f"{label:38} {s['p50']:9.3f} {s['p95']:9.3f} {fs:>10} {ratio:>7}")
-    for label, key in (("floor: UDS JSON-line echo", "uds"), ("floor: bwrap /bin/true", "bwrap_true"),
-                       ("floor: bwrap python -S -c pass", "bwrap_python")):
-        print(f"{label:38} {summary(floors[key])['p50']:9.3f} {summary(floors[key])['p95']:9.3f}")
-    builtin = summary(proj["bash_builtin"])["p50"]
+    p50 = {key: summary(xs)["p50"] for key, xs in res.items()}
+    rows = [("bash builtin `echo hi`", "bash_builtin", "floor_bash_builtin"),
+            ("bash fork+exec `/bin/true`", "bash_fork", "floor_bash_fork"),
+            ("ipython `1+1`", "ipython", "floor_ipython"),
+            ("editor view (100 lines)", "editor_view", "floor_uds"),
+            ("sandbox start (bwrap, until ready)", "start", "floor_bwrap_python"),
+            ("sandbox close (no process left)", "close", None),
+            ("floor: pty bash `echo hi`", "floor_bash_builtin", None),
+            ("floor: pty bash `/bin/true`", "floor_bash_fork", None),
+            ("floor: bare jupyter-client `1+1`", "floor_ipython", None),
+            ("floor: UDS JSON-line echo", "floor_uds", None),
+            ("floor: bwrap /bin/true", "floor_bwrap_true", None),
+            ("floor: bwrap python -S -c pass", "floor_bwrap_python", None)]
     if tmux:
-        t = summary(tmux)
-        print(f"{'baseline: tmux send-keys/capture-pane':38} {t['p50']:9.3f} {t['p95']:9.3f} {'':>10} "
-              f"{'':>7}\n  -> project bash builtin is {t['p50'] / builtin:.1f}x faster than tmux (target >= 10x)")
-    ip, fip = summary(proj["ipython"])["p50"], summary(floors["ipython"])["p50"]
-    print(f"  -> bash builtin p50 {builtin:.3f} ms (target < 1 ms); ipython {ip / fip:.2f}x bare jupyter-client "
-          f"(target <= 1.5x); start p50 {summary(proj['start'])['p50']:.1f} ms (target < 50 ms)")
+        rows.append(("baseline: tmux send-keys/capture-pane", "tmux", None))
+    print(f"{'measure':40} {'p50 ms':>9} {'p95 ms':>9} {'n':>5} {'floor p50':>10} {'ratio':>7}")
+    for label, key, fkey in rows:
+        s = summary(res[key])
+        fs = f"{p50[fkey]:.3f}" if fkey else "-"
+        ratio = f"{s['p50'] / p50[fkey]:.2f}x" if fkey else "-"
+        print(f"{label:40} {s['p50']:9.3f} {s['p95']:9.3f} {s['n']:5d} {fs:>10} {ratio:>7}")
+    builtin = p50["bash_builtin"]
+    if tmux:
+        print(f"  -> bash builtin is {p50['tmux'] / builtin:.1f}x faster than the tmux baseline (target >= 10x)")
+    ipy = p50["ipython"] / p50["floor_ipython"]
+    print(f"  -> bash builtin p50 {builtin:.3f} ms (target < 1 ms); ipython {ipy:.2f}x bare jupyter-client "
+          f"(target <= 1.5x); start p50 {p50['start']:.1f} ms (target < 50 ms)")
+    r4 = lambda x: round(x, 4)  # noqa: E731
     print(json.dumps({
-        "bash_builtin_p50_ms": round(builtin, 4),
-        "bash_builtin_p95_ms": round(summary(proj["bash_builtin"])["p95"], 4),
-        "bash_fork_p50_ms": round(summary(proj["bash_fork"])["p50"], 4),
-        "ipython_p50_ms": round(ip, 4),
-        "editor_view_p50_ms": round(summary(proj["editor_view"])["p50"], 4),
-        "tmux_bash_p50_ms": round(summary(tmux)["p50"], 4) if tmux else None,
-        "sandbox_start_p50_ms": round(summary(proj["start"])["p50"], 4),
-        "sandbox_close_p50_ms": round(summary(proj["close"])["p50"], 4),
-        "floor_bash_p50_ms": round(summary(floors["bash_builtin"])["p50"], 4),
-        "floor_bash_fork_p50_ms": round(summary(floors["bash_fork"])["p50"], 4),
-        "floor_ipython_p50_ms": round(fip, 4),
-        "floor_uds_p50_ms": round(summary(floors["uds"])["p50"], 4),
-        "floor_bwrap_true_p50_ms": round(summary(floors["bwrap_true"])["p50"], 4),
-        "floor_bwrap_python_p50_ms": round(summary(floors["bwrap_python"])["p50"], 4),
-        "tmux_over_bash_builtin": round(summary(tmux)["p50"] / builtin, 2) if tmux else None,
-        "ipython_over_floor": round(ip / fip, 3),
+        "bash_builtin_p50_ms": r4(builtin), "bash_builtin_p95_ms": r4(summary(res["bash_builtin"])["p95"]),
+        "bash_fork_p50_ms": r4(p50["bash_fork"]), "ipython_p50_ms": r4(p50["ipython"]),
+        "editor_view_p50_ms": r4(p50["editor_view"]), "tmux_bash_p50_ms": r4(p50["tmux"]) if tmux else None,
+        "sandbox_start_p50_ms": r4(p50["start"]), "sandbox_close_p50_ms": r4(p50["close"]),
+        "floor_bash_p50_ms": r4(p50["floor_bash_builtin"]), "floor_bash_fork_p50_ms": r4(p50["floor_bash_fork"]),
+        "floor_ipython_p50_ms": r4(p50["floor_ipython"]), "floor_uds_p50_ms": r4(p50["floor_uds"]),
+        "floor_bwrap_true_p50_ms": r4(p50["floor_bwrap_true"]),
+        "floor_bwrap_python_p50_ms": r4(p50["floor_bwrap_python"]),
+        "tmux_over_bash_builtin": round(p50["tmux"] / builtin, 2) if tmux else None,
+        "ipython_over_floor": round(p50["ipython"] / p50["floor_ipython"], 3),
+        "start_over_floor": round(p50["start"] / p50["floor_bwrap_python"], 3),
     }))
 
 
