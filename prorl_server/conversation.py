@@ -92,10 +92,10 @@ class ChatTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def _render_view(message: dict) -> dict:
-    """What the template sees of a message: an assistant turn is rendered from its raw generated text only
-    (its parsed ``tool_calls`` are informational and would otherwise be rendered a second time)."""
-    if message.get("role") == "assistant" and "tool_calls" in message:
+def _generated_view(message: dict) -> dict:
+    """What the template sees of a *generated* assistant turn: its raw text only. Its tool calls are inside
+    that text verbatim; a ``tool_calls`` key added for information would be rendered a second time."""
+    if "tool_calls" in message:
         return {k: v for k, v in message.items() if k != "tool_calls"}
     return message
 
@@ -160,8 +160,9 @@ class Conversation:
             raise ValueError("a conversation needs at least one message")
         self.max_context_tokens = int(max_context_tokens)
         self.window = window
-        self._head = [_render_view(m) for m in self.messages[:_head_len(self.messages)]]
-        text = self.tok.render([_render_view(m) for m in self.messages], add_generation_prompt=True)
+        self._generated: set[int] = set()  # id() of the assistant messages this conversation generated
+        self._head = self.messages[:_head_len(self.messages)]
+        text = self.tok.render(self.messages, add_generation_prompt=True)
         ids = self.tok.encode(text)
         if len(ids) >= self.max_context_tokens:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context holds {self.max_context_tokens}")
@@ -239,6 +240,7 @@ class Conversation:
                 seg.weight_versions.append(v)
         message = {"role": "assistant", "content": content}
         self.messages.append(message)
+        self._generated.add(id(message))
         self._pending = _Pending(index=len(self.messages) - 1, content=content, stop_text=stop_text)
         self.metrics["generated_tokens"] += len(ids)
         return message
@@ -288,20 +290,24 @@ class Conversation:
         self._pending = None
         return True
 
+    def _views(self, messages: Sequence[dict]) -> list[dict]:
+        gen = self._generated
+        return [_generated_view(m) if id(m) in gen else m for m in messages]
+
     def _plan_delta(self, new: list[dict]) -> tuple[str, list[int], str, Optional[str]]:
         """("append", delta ids, rendering, None) or ("split", full prompt ids, rendering, reason)."""
         p = self._pending
         assert p is not None
-        views = [_render_view(m) for m in new]
+        views = new
         if self.window:
             if self._anchor_text is None:
                 self._anchor_text = self.tok.render(self._head, add_generation_prompt=True)
             prefix = self._anchor_text
-            window = self._head + [_render_view(m) for m in self.messages[p.index:]] + views
+            window = self._head + self._views(self.messages[p.index:]) + views
             text = self.tok.render(window, add_generation_prompt=True)
         else:
             prefix = self._prefix_text
-            text = self.tok.render([_render_view(m) for m in self.messages] + views, add_generation_prompt=True)
+            text = self.tok.render(self._views(self.messages) + views, add_generation_prompt=True)
         reason = None
         if not text.startswith(prefix):
             reason = "template_not_append_only: the new rendering changes text before the latest turn"
@@ -309,7 +315,7 @@ class Conversation:
             reason = "template_not_append_only: the template renders the latest assistant turn differently " \
                      "from the generated text"
         if reason is not None:
-            full = self.tok.render([_render_view(m) for m in self.messages] + views, add_generation_prompt=True)
+            full = self.tok.render(self._views(self.messages) + views, add_generation_prompt=True)
             return "split", self.tok.encode(full), full, reason
         pos = len(prefix) + len(p.content)
         if p.stop_text and text.startswith(p.stop_text, pos):

@@ -173,3 +173,17 @@ async def test_large_observation_is_tokenized_off_the_event_loop(tokenizer, monk
     (traj,) = conv.trajectories()
     assert tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False) == \
         render(tokenizer, conv.messages, add_generation_prompt=True)
+
+
+async def test_given_tool_calls_are_rendered_and_generated_ones_are_not_rendered_twice(tokenizer):
+    few_shot = {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"cmd": "pwd"}}}]}
+    msgs = START + [few_shot, {"role": "tool", "content": "/root"}, {"role": "user", "content": "Now list."}]
+    conv = Conversation(tokenizer, msgs, tools=TOOLS, max_context_tokens=4096)
+    assert '{"name": "bash", "arguments": {"cmd": "pwd"}}' in tokenizer.decode(conv.token_ids)
+    generated = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
+    msg = conv.add_completion(gen(tokenizer, generated))
+    msg["tool_calls"] = [{"type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]
+    assert await conv.add_messages([{"role": "tool", "content": "a.py"}])
+    text = tokenizer.decode(conv.token_ids, skip_special_tokens=False)
+    assert text.count('"cmd": "ls"') == 1 and conv.metrics["splits"] == 0
