@@ -11,7 +11,6 @@ asyncio or psutil at start.
 """
 from __future__ import annotations
 
-import importlib
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -33,5 +32,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        import importlib
+
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'sandbox' has no attribute {name!r}")

@@ -11,7 +11,7 @@ import heapq
 import itertools
 import selectors
 import socket
-import threading
+import _thread  # not `threading`: a lock is all that is needed, and its import is not free
 import time
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
@@ -41,7 +41,7 @@ class EventLoop:
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._ready: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)

@@ -16,7 +16,7 @@ Imports are kept minimal (no asyncio, no pydantic) because this module's start t
 """
 from __future__ import annotations
 
-import base64
+import binascii
 import json
 import os
 import signal
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 from . import protocol
 from .protocol import UNKNOWN_REQUEST
 from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES, BashSession
-from .editor import Editor
 from .errors import FileTransferError, SandboxError
 from .eventloop import EventLoop
 
@@ -121,11 +120,19 @@ class ExecServer:
         self._ipython_args = dict(workspace=self.workspace, env=env, run_dir=self.run_dir, limits=limits,
                                   sessions_file=config.get("sessions_file"))
         self._ipython = None
-        self.editor = Editor(self.workspace)
+        self._editor = None
         self._running: dict[Any, Optional[_Conn]] = {}
         self._recent: "OrderedDict[Any, dict]" = OrderedDict()
         self._listener: Optional[socket.socket] = None
         self._warmed = False
+
+    @property
+    def editor(self):
+        if self._editor is None:
+            from .editor import Editor  # lazily, like the kernel: the server's start time is the sandbox's
+
+            self._editor = Editor(self.workspace)
+        return self._editor
 
     @property
     def ipython(self):
@@ -245,7 +252,7 @@ class ExecServer:
 
     def _upload(self, args: dict[str, Any]) -> dict[str, Any]:
         path = self._path(str(args["path"]))
-        data = base64.b64decode(args.get("data_b64", ""))
+        data = binascii.a2b_base64(args.get("data_b64", ""))
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "wb") as f:
@@ -266,7 +273,7 @@ class ExecServer:
             raise FileTransferError(f"download of {path} failed: {e.strerror or e}") from None
         if len(data) > limit:
             raise FileTransferError(f"download of {path} refused: larger than max_bytes={limit}")
-        return {"path": path, "data_b64": base64.b64encode(data).decode("ascii")}
+        return {"path": path, "data_b64": binascii.b2a_base64(data, newline=False).decode("ascii")}
 
 
 def _error_dict(e: BaseException) -> dict[str, str]:
