@@ -1,5 +1,5 @@
-"""Fixtures of the LLM tier: the tiny model (built once, cached under ``<repo>/.cache/tiny-model``), its
-tokenizer, and one real vLLM CPU server per session (started on first use, stopped at the end)."""
+"""Fixtures of the LLM tier beyond the shared ones in tests/conftest.py (``tiny_model_dir``, ``tokenizer``,
+``vllm_server``: one server for the whole session): a second server for failover tests."""
 from __future__ import annotations
 
 import os
@@ -8,50 +8,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# The test server's context: small enough that the context-limit test fills it in seconds.
-MAX_MODEL_LEN = 2048
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from prorl_server.tiny_model import build
-
-    return build(ROOT / ".cache" / "tiny-model")
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def start_server(model_dir: Path, tag: str):
-    pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
-
-    log = ROOT / ".cache" / "logs" / f"vllm-{tag}-{os.getpid()}.log"
-    # max_num_batched_tokens = max_model_len: no chunked prefill, so seeded requests are safe on CPU
-    # (see prorl_server.vllm_launcher.plan_vllm).
-    return start_vllm(model_dir, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_MODEL_LEN,
-                      log_path=log, timeout_s=300)
-
-
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir):
-    """The session's vLLM server (``.address``); dev mode on, so ``/pause`` and ``/resume`` work."""
-    server = start_server(tiny_model_dir, "main")
-    yield server
-    server.stop()
 
 
 @pytest.fixture
-def second_vllm_server(tiny_model_dir):
-    """A second server for failover tests (the test may kill it; stopping a dead one is a no-op)."""
-    server = start_server(tiny_model_dir, "second")
+def second_vllm_server(tiny_model_dir, vllm_server):
+    """A second server like ``vllm_server`` (same context length) that a failover test may kill; stopping a
+    dead one is a no-op."""
+    pytest.importorskip("vllm")
+    from prorl_server.vllm_launcher import start_vllm
+
+    limit = vllm_server.plan.argv[vllm_server.plan.argv.index("--max-model-len") + 1]
+    server = start_vllm(tiny_model_dir, max_model_len=int(limit), max_num_batched_tokens=int(limit),
+                        log_path=ROOT / ".cache" / "logs" / f"vllm-second-{os.getpid()}.log", timeout_s=300)
     yield server
     server.stop()
