@@ -199,12 +199,14 @@ async def paused_rollout(address: str, tokenizer):
     async def weight_sync(session):
         await sent.wait()
         await asyncio.sleep(0.3)  # let the request reach the scheduler: /pause queues requests not yet in
-        async with session.post(f"{address}/pause", params={"mode": "abort"}) as resp:
-            assert resp.status == 200, await resp.text()
-        pool.add(address, weight_version=2)
-        await asyncio.sleep(0.5)
-        async with session.post(f"{address}/resume") as resp:
-            assert resp.status == 200
+        try:
+            async with session.post(f"{address}/pause", params={"mode": "abort"}) as resp:
+                assert resp.status == 200, await resp.text()
+            pool.add(address, weight_version=2)
+            await asyncio.sleep(0.5)
+        finally:  # never leave the session's shared server paused
+            async with session.post(f"{address}/resume") as resp:
+                assert resp.status == 200
 
     trace = aiohttp.TraceConfig()
     trace.on_request_chunk_sent.append(on_chunk_sent)
