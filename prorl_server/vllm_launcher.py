@@ -40,11 +40,20 @@ class VLLMStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it; a race with other binders remains,
-    which :func:`start_vllm` handles by retrying on a new port)."""
+    """A TCP port that is free on ``host`` right now (the OS picks it; a race with other binders remains)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something accepts connections on ``host:port``.
+
+    vLLM's server binds with ``SO_REUSEPORT``, so starting a second server on a port that one already
+    listens on does not fail: both would share the port and split the requests. Hence this check."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
 
 
 @dataclass
@@ -219,11 +228,15 @@ def start_vllm(model: os.PathLike | str, *, wait: bool = True, timeout_s: float 
     plan's log file. Servers still running at interpreter exit are stopped.
 
     Raises:
-        VLLMStartError: it did not become healthy (after ``port_retries`` retries on a fresh port when the
-            log says the port was taken).
+        VLLMStartError: the requested port is in use (see :func:`port_in_use`), or the server did not become
+            healthy (after ``port_retries`` retries on a fresh port when the log says the port was taken).
     """
     for attempt in range(port_retries + 1):
         plan = plan_vllm(model, **plan_kwargs)
+        if port_in_use(plan.host, plan.port):
+            if plan_kwargs.get("port") or attempt == port_retries:
+                raise VLLMStartError(f"{plan.host}:{plan.port} is already in use")
+            continue
         env = dict(os.environ)
         env.update(plan.env)
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)

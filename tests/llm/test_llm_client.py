@@ -142,3 +142,18 @@ def test_launcher_shows_its_plan_without_running(capsys, tmp_path):
     assert main(["--model", str(tmp_path), "--port", "1234", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--port 1234" in out and "--dtype float32" in out  # printed, nothing started
+
+
+def test_launcher_refuses_a_port_something_listens_on(tmp_path):
+    import socket
+
+    from prorl_server.vllm_launcher import VLLMStartError, port_in_use, start_vllm
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_in_use("127.0.0.1", port)
+        with pytest.raises(VLLMStartError, match="already in use"):
+            start_vllm(tmp_path, port=port)  # vLLM would silently share it (SO_REUSEPORT)
+    assert not port_in_use("127.0.0.1", port)
