@@ -11,12 +11,14 @@ asyncio or psutil at start.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "make_runtime": "runtime", "SandboxRuntime": "runtime", "SandboxHandle": "runtime",
     "SandboxSpec": "spec", "Bind": "spec", "Limits": "spec", "BashResult": "spec", "IPythonResult": "spec",
     "EditorResult": "spec",
@@ -26,7 +28,7 @@ _EXPORTS = {
     "SandboxClosedError": "errors", "ProtocolError": "errors", "ToolTimeout": "errors", "ToolError": "errors",
     "EditorError": "errors", "PathOutsideWorkspaceError": "errors", "KernelDiedError": "errors",
     "FileTransferError": "errors",
-}
+})
 __all__ = sorted(_EXPORTS)
 
 

@@ -14,6 +14,8 @@ within the timeout plus a grace period.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 
 class SandboxError(Exception):
     """Base class of every error raised by the sandbox layer."""
@@ -60,9 +62,9 @@ class FileTransferError(ToolError):
 
 
 # Names the execution server may put in an error response, mapped back to classes by the host client.
-ERRORS_BY_NAME: dict[str, type[SandboxError]] = {
+ERRORS_BY_NAME: "MappingProxyType[str, type[SandboxError]]" = MappingProxyType({
     cls.__name__: cls
     for cls in (SandboxError, SandboxStartError, SandboxDeadError, SandboxClosedError, ProtocolError,
                 ToolTimeout, ToolError, EditorError, PathOutsideWorkspaceError, KernelDiedError,
                 FileTransferError)
-}
+})

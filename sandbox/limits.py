@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import resource
+from types import MappingProxyType
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Mapping, Optional
 
-_RLIMITS = {
+_RLIMITS = MappingProxyType({
     "max_processes": resource.RLIMIT_NPROC,
     "max_memory_bytes": resource.RLIMIT_AS,
     "cpu_seconds": resource.RLIMIT_CPU,
     "max_file_bytes": resource.RLIMIT_FSIZE,
     "max_open_files": resource.RLIMIT_NOFILE,
-}
+})
 
 
 def apply_limits(limits: Mapping[str, Optional[int]]) -> None:
