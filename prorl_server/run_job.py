@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -132,34 +133,34 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
+async def _start_local_server(stack: contextlib.AsyncExitStack, args: argparse.Namespace,
+                              backends: list[str]) -> str:
+    """A rollout server in this process on a free loopback port; returns its URL."""
+    from aiohttp import web
+
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    runtime = args.sandbox_runtime or ("bubblewrap" if shutil.which("bwrap") else "local")
+    settings = ServerSettings(port=0, backends=backends, sandbox_runtime=runtime, init_workers=args.concurrency,
+                              run_workers=args.concurrency, eval_workers=args.concurrency)
+    runner = web.AppRunner(create_app(settings), access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the main job; returns the summary (also written to ``OUT/summary.json``).
+
+    Raises:
+        DatasetError: the dataset spec is unknown or malformed.
+        RuntimeError: the server refused a job (e.g. unknown handler, no backend).
+    """
     instances = load_dataset(args.dataset, limit=args.limit, seed=args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runner = None
-    embedded = None
-    if not args.server and not args.backend and _needs_llm(instances):
-        embedded = await start_embedded_llm(args.model, args.max_model_len, out)
-        args.backend = [embedded.address]
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    if args.server:
-        url = args.server.rstrip("/")
-    else:
-        from aiohttp import web
-
-        from prorl_server.app import create_app
-        from prorl_server.config import ServerSettings
-
-        runtime = args.sandbox_runtime or ("bubblewrap" if shutil.which("bwrap") else "local")
-        settings = ServerSettings(port=0, backends=args.backend, sandbox_runtime=runtime,
-                                  init_workers=args.concurrency, run_workers=args.concurrency,
-                                  eval_workers=args.concurrency)
-        runner = web.AppRunner(create_app(settings), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        headers = {}
     sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     jobs = [(inst, k) for inst in instances for k in range(args.samples)]
     summary = Summary()
@@ -168,60 +169,68 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    t0 = time.monotonic()
-    bar = tqdm(total=len(jobs), unit="rollout", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-    try:
-        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as http:
-            if args.server:
-                for b in args.backend:
-                    async with http.post(f"{url}/add_llm_server", json={"address": b}) as r:
-                        r.raise_for_status()
-            queue = iter(jobs)
-            with (out / "trajectories.jsonl").open("w") as sink:
-                async def worker() -> None:
-                    for inst, k in queue:
-                        if stop.is_set():
-                            return
-                        job_id = f"{inst.get('instance_id', 'job')}-s{k}-{uuid.uuid4().hex[:8]}"
-                        body = {"instance": inst, "sampling_params": sampling, "job_id": job_id}
-                        if args.timeout_s:
-                            body["timeout_s"] = args.timeout_s
-                        outstanding.add(job_id)
-                        try:
-                            async with http.post(f"{url}/process", json=body) as r:
-                                result = await r.json()
-                                if r.status != 200:
-                                    raise RuntimeError(f"server refused job {job_id}: {result}")
-                        finally:
-                            outstanding.discard(job_id)
-                        summary.add(result)
-                        sink.write(json.dumps(result) + "\n")
-                        bar.update(1)
-                        bar.set_postfix(mean_reward=f"{summary.mean_reward:.3f}",
-                                        rps=f"{len(summary.results) / (time.monotonic() - t0):.2f}")
+    async with contextlib.AsyncExitStack() as stack:
+        backends = list(args.backend)
+        if not args.server and not backends and _needs_llm(instances):
+            embedded = await start_embedded_llm(args.model, args.max_model_len, out)
+            stack.push_async_callback(embedded.stop_async)
+            backends = [embedded.address]
+        headers = {"Authorization": f"Bearer {args.token}"} if args.token and args.server else {}
+        url = args.server.rstrip("/") if args.server else await _start_local_server(stack, args, backends)
+        http = await stack.enter_async_context(
+            aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)))
+        if args.server:
+            for b in backends:
+                async with http.post(f"{url}/add_llm_server", json={"address": b}) as r:
+                    r.raise_for_status()
+        sink = stack.enter_context((out / "trajectories.jsonl").open("w"))
+        bar = stack.enter_context(tqdm(total=len(jobs), unit="rollout", dynamic_ncols=True, file=sys.stderr,
+                                       mininterval=0.5))
+        queue = iter(jobs)
+        t0 = time.monotonic()
 
-                workers = [asyncio.create_task(worker()) for _ in range(max(1, args.concurrency))]
-                stopper = asyncio.create_task(stop.wait())
-                done, _ = await asyncio.wait([stopper, asyncio.gather(*workers)],
-                                             return_when=asyncio.FIRST_COMPLETED)
+        async def worker() -> None:
+            for inst, k in queue:
                 if stop.is_set():
-                    print(f"\ninterrupted: cancelling {len(outstanding)} outstanding job(s)", file=sys.stderr)
-                    await asyncio.gather(*(http.post(f"{url}/cancel", json={"job_id": j}) for j in
-                                           list(outstanding)), return_exceptions=True)
-                    await asyncio.wait(workers, timeout=30)
-                    for w in workers:
-                        w.cancel()
-                else:
-                    stopper.cancel()
-                    for d in done:
-                        d.result()  # re-raise a worker error
-    finally:
-        bar.close()
-        if runner is not None:
-            await runner.cleanup()
-        if embedded is not None:
-            await embedded.stop_async()
-    s = summary.to_dict(time.monotonic() - t0, len(jobs))
+                    return
+                job_id = f"{inst.get('instance_id', 'job')}-s{k}-{uuid.uuid4().hex[:8]}"
+                body = {"instance": inst, "sampling_params": sampling, "job_id": job_id}
+                if args.timeout_s:
+                    body["timeout_s"] = args.timeout_s
+                outstanding.add(job_id)
+                try:
+                    async with http.post(f"{url}/process", json=body) as r:
+                        result = await r.json()
+                        if r.status != 200:
+                            raise RuntimeError(f"server refused job {job_id}: {result}")
+                finally:
+                    outstanding.discard(job_id)
+                summary.add(result)
+                sink.write(json.dumps(result) + "\n")
+                bar.update(1)
+                bar.set_postfix(mean_reward=f"{summary.mean_reward:.3f}",
+                                rps=f"{len(summary.results) / (time.monotonic() - t0):.2f}")
+
+        async def cancel(job_id: str) -> None:
+            async with http.post(f"{url}/cancel", json={"job_id": job_id}):
+                pass
+
+        workers = [asyncio.create_task(worker()) for _ in range(max(1, args.concurrency))]
+        stopper = asyncio.create_task(stop.wait())
+        all_done = asyncio.gather(*workers)
+        await asyncio.wait([stopper, all_done], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            print(f"\ninterrupted: cancelling {len(outstanding)} outstanding job(s)", file=sys.stderr)
+            await asyncio.gather(*(cancel(j) for j in list(outstanding)), return_exceptions=True)
+            await asyncio.wait(workers, timeout=30)  # their /process calls return the cancelled results
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(all_done, return_exceptions=True)
+        else:
+            stopper.cancel()
+            all_done.result()  # re-raise a worker error
+        wall = time.monotonic() - t0
+    s = summary.to_dict(wall, len(jobs))
     s.update({"dataset": args.dataset, "samples": args.samples, "interrupted": stop.is_set()})
     (out / "summary.json").write_text(json.dumps(s, indent=2))
     print(Summary.table(s))
@@ -237,6 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DatasetError as e:
         print(f"prorl-run: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, aiohttp.ClientError, OSError) as e:
+        print(f"prorl-run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 130 if s["interrupted"] else 0
 
 
