@@ -294,6 +294,9 @@ class Pipeline:
         self.metrics.jobs_in_flight.set(self.in_flight)
         self.metrics.jobs_total.labels(job.handler_name, critical_error or "ok").inc()
         self.metrics.reward.labels(job.handler_name).observe(result.reward)
+        malformed = (job.extra.get("agent") or {}).get("malformed_tool_calls")  # see AgentResult.apply_to
+        if malformed:
+            self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)
         job.done.set_result(result)
 
     # ------------------------------------------------------------------ status

@@ -41,6 +41,8 @@ class ScriptedHandler(AgentHandler):
             raise TimeoutError("the handler's own timeout (e.g. a tool call), not the job's")
         if job.instance.get("fail_in") == stage:
             raise RuntimeError(f"injected failure in {stage}")
+        if stage == "run" and "malformed_tool_calls" in job.instance:
+            job.extra["agent"] = {"malformed_tool_calls": job.instance["malformed_tool_calls"]}
         if stage == "eval":
             job.reward = float(job.instance.get("reward", 1.0))
             job.resolved = job.reward > 0

@@ -119,8 +119,9 @@ async def test_failing_jobs_never_kill_the_worker_pool(make_client):
 async def test_metrics_count_jobs_by_outcome_and_stage_latency(make_client):
     client = await make_client()
     await client.post("/process", json=scripted_job())
-    await client.post("/process", json=scripted_job(fail_in="eval"))
+    await client.post("/process", json=scripted_job(fail_in="eval", malformed_tool_calls=3))
     text = await (await client.get("/metrics")).text()
+    assert 'prorl_tool_parse_errors_total{handler="scripted"} 3.0' in text
     assert 'prorl_jobs_total{handler="scripted",outcome="ok"} 1.0' in text
     assert 'prorl_jobs_total{handler="scripted",outcome="eval"} 1.0' in text
     assert 'prorl_stage_latency_seconds_count{stage="run"} 2.0' in text
