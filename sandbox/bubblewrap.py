@@ -120,10 +120,12 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
     if spec.writable_tmpfs and not overlay:
         raise SandboxError("writable_tmpfs needs bubblewrap >= 0.9 (--overlay-src/--tmp-overlay); this bwrap lacks it")
     args += ["--tmpfs", "/"]
+    provided: set[str] = set()  # top-level entries that come from the image
     for name in sorted(os.listdir(root)):
         src = os.path.join(root, name)
         if name in _SKIP or (name == "root" and ctx.run_as):
             continue
+        provided.add(name)
         if os.path.islink(src):
             args += ["--symlink", os.readlink(src), "/" + name]
         elif os.path.isdir(src) and spec.writable_tmpfs:
@@ -133,16 +135,24 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     if spec.image is None:
         args += ["--ro-bind-try", "/sys", "/sys"]
-    hidden = {"root"} if ctx.run_as else set()
+    made: set[str] = set()
+
+    def parents(path: str) -> list[str]:
+        # bwrap creates missing parents of a mount point 0700, which the unprivileged sandbox user could not
+        # traverse: create those that the image does not provide 0755 first.
+        out, parts = [], path.strip("/").split("/")
+        for i in range(1, len(parts)):
+            d = "/" + "/".join(parts[:i])
+            if parts[0] not in provided and d not in ("/tmp", "/run") and d not in made:
+                made.add(d)
+                out += ["--perms", "0755", "--dir", d]
+        return out
+
     for p in _needed_paths(ctx):
-        parts = p.strip("/").split("/")
-        if parts[0] in hidden:
-            # bwrap would create these parents 0700 as root: make them traversable for the unprivileged user.
-            for i in range(1, len(parts)):
-                args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
-        args += ["--ro-bind", p, p]
+        args += parents(p) + ["--ro-bind", p, p]
     for b in spec.binds:
-        args += ["--ro-bind" if b.ro else "--bind", b.host, b.container]
-    args += ["--bind", ctx.run_dir, ctx.sandbox_run_dir, "--bind", ctx.workspace, ctx.sandbox_workspace,
-             "--chdir", ctx.sandbox_workspace, "--"]
+        args += parents(b.container) + ["--ro-bind" if b.ro else "--bind", b.host, b.container]
+    args += parents(ctx.sandbox_run_dir) + ["--bind", ctx.run_dir, ctx.sandbox_run_dir]
+    args += parents(ctx.sandbox_workspace) + ["--bind", ctx.workspace, ctx.sandbox_workspace,
+                                              "--chdir", ctx.sandbox_workspace, "--"]
     return args + ctx.server_argv()

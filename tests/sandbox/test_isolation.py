@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 
 import pytest
 
@@ -93,3 +94,38 @@ async def test_spec_from_dict_and_field_overrides(bwrap_runtime):
     await h.close()
     with pytest.raises(ValueError, match="network"):
         await bwrap_runtime.start(network="internet")
+
+
+@pytest.fixture(scope="module")
+def tiny_rootfs(tmp_path_factory):
+    """A minimal root file system: bash and a few tools, hard-linked from the host (no download), plus a marker
+    in /etc. The project and its interpreter are bound in by the runtime itself."""
+    root = tmp_path_factory.mktemp("rootfs")
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "usr" / "lib").mkdir()
+    (root / "etc").mkdir()
+    (root / "etc" / "marker").write_text("from the image\n")
+    for tool in ("bash", "sh", "cat", "stty", "ls", "touch"):
+        src = os.path.join("/usr/bin", tool)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), root / "usr" / "bin" / tool)
+        elif os.path.exists(src):
+            os.link(os.path.realpath(src), root / "usr" / "bin" / tool)
+    multiarch = "/usr/lib/x86_64-linux-gnu"
+    if not os.path.isdir(multiarch):
+        pytest.skip("the tiny rootfs is assembled from a Debian x86_64 layout")
+    subprocess.run(["cp", "-al", multiarch, str(root / "usr" / "lib")], check=True)
+    if os.path.isdir("/usr/lib64"):
+        subprocess.run(["cp", "-al", "/usr/lib64", str(root / "usr")], check=True)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        os.symlink(f"usr/{name}", root / name)
+    return str(root)
+
+
+async def test_rootfs_image_replaces_the_host_root(bwrap_runtime, tiny_rootfs):
+    h = await bwrap_runtime.start(SandboxSpec(image=tiny_rootfs, workdir="/srv/task"))
+    r = await h.bash("cat /etc/marker; pwd; touch /etc/x 2>/dev/null || echo ro")
+    assert r.output == "from the image\n/srv/task\nro\n"
+    assert (await h.bash("test -e /etc/debian_version && echo host-etc-visible")).exit_code == 1
+    assert (await h.ipython("import os; os.getcwd()")).text == "'/srv/task'\n"
+    await h.close()
