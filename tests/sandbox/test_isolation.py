@@ -129,3 +129,20 @@ async def test_rootfs_image_replaces_the_host_root(bwrap_runtime, tiny_rootfs):
     assert (await h.bash("test -e /etc/debian_version && echo host-etc-visible")).exit_code == 1
     assert (await h.ipython("import os; os.getcwd()")).text == "'/srv/task'\n"
     await h.close()
+
+
+async def test_user_namespace_mode_isolates_network_and_maps_fakeroot(runtime_options):
+    # run_as=False takes the path an unprivileged server takes (bwrap --unshare-all, user namespace) even here.
+    from sandbox import make_runtime
+
+    rt = make_runtime("bubblewrap", run_as=False, **runtime_options)
+    try:
+        h = await rt.start(SandboxSpec(network="none", fakeroot=True))
+        r = await h.bash("id -u; grep -c : /proc/net/dev; echo x > f && cat f")
+        assert r.output == "0\n1\nx\n"
+        assert (await h.ipython("2*21")).text == "42\n"
+        h2 = await rt.start(SandboxSpec(network="host"))
+        host_interfaces = sum(":" in line for line in open("/proc/net/dev"))
+        assert int((await h2.bash("grep -c : /proc/net/dev")).output) == host_interfaces
+    finally:
+        await rt.close_all()
