@@ -294,7 +294,7 @@ class SandboxRuntime(abc.ABC):
         return None
 
     # ---------------------------------------------------------------------------------------- interface
-    async def start(self, spec: "SandboxSpec | dict[str, Any] | None" = None, **fields: Any) -> SandboxHandle:
+    async def start(self, spec: SandboxSpec | dict[str, Any] | None = None, **fields: Any) -> SandboxHandle:
         """Start a sandbox and wait until its execution server answers. ``spec``: a :class:`SandboxSpec`, a
         dict of its fields (e.g. from a config file), or ``None`` for the defaults; ``fields`` override single
         fields (``start(image=..., network="loopback")``). Raises ``TypeError``/``ValueError`` for a bad spec,
