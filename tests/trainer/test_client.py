@@ -1,0 +1,202 @@
+"""The rollout client against real rollout servers (the project's app on loopback TCP, over HTTP)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from trainer_plugins.admission import WindowedFIFO
+from trainer_plugins.client import RolloutClient
+from trainer_plugins.servers import ServerEntry, write_servers
+
+
+def item(i, rewards=(0, 1), sleeps=(0,)):
+    return {"data_source": "varied", "id": f"p{i}", "rewards": list(rewards), "sleeps": list(sleeps)}
+
+
+async def drain(client, limit=100):
+    batches = []
+    for _ in range(limit):
+        try:
+            batches.append(await client.next_batch())
+        except StopAsyncIteration:
+            return batches
+        await client.update_weights(register=False)
+    raise AssertionError("the dataset never ran out")
+
+
+async def test_replenishment_walks_every_epoch_not_the_first_batch_again(start_server, varied):
+    url = await start_server()
+    data = [item(i) for i in range(3)]
+    async with RolloutClient([url], data, groups_per_step=2, n_samples=2, max_epochs=2, shuffle=True,
+                             seed=1, max_staleness=None) as client:
+        batches = await drain(client)
+    uids = [g.uid for b in batches for g in b.groups]
+    assert sorted(uids) == sorted(f"e{e}-i{i}" for e in (0, 1) for i in range(3))
+    assert [b.metrics.groups for b in batches] == [2, 2, 2]
+    assert sum(varied.started.values()) == 12  # 3 prompts x 2 epochs x 2 samples, nothing resubmitted
+
+
+async def test_early_termination_cancels_unneeded_jobs_on_the_server(start_server, varied, job_state):
+    url = await start_server()
+    data = [item(0), item(1, sleeps=(30,)), item(2, sleeps=(30,))]
+    client = RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=0, oversubscribe=2,
+                           max_epochs=1, job_prefix="et")
+    async with client:
+        for _ in range(200):  # all three groups submitted (the slow ones are running)
+            if len(varied.seen) == 6:
+                break
+            await asyncio.sleep(0.02)
+        batch = await asyncio.wait_for(client.next_batch(), 10)
+        assert [g.uid for g in batch.groups] == ["e0-i0"]
+        assert batch.metrics.cancelled_jobs == 4 and batch.metrics.stale_groups == 2
+        slow = [j for j in varied.seen if "-i0-" not in j]
+        for jid in slow:
+            for _ in range(200):
+                s = await job_state(url, jid)
+                if s["state"] == "done":
+                    break
+                await asyncio.sleep(0.02)
+            assert s["state"] == "done" and s["result"]["critical_error"] == "cancelled", s
+    assert len(slow) == 4
+
+
+async def test_without_carry_over_unfinished_groups_are_cancelled_every_step(start_server, varied):
+    url = await start_server()
+    data = [item(0, sleeps=(0, 30)), item(1)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=1,
+                             carry_over=False, max_epochs=1) as client:
+        batch = await asyncio.wait_for(client.next_batch(), 10)
+    assert [g.uid for g in batch.groups] == ["e0-i1"]
+    assert batch.metrics.cancelled_jobs == 1 and batch.metrics.carried_groups == 0
+
+
+async def test_carry_over_keeps_finished_siblings_of_incomplete_groups(start_server, varied):
+    url = await start_server()
+    data = [item(0, sleeps=(0, 1.0)), item(1)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=1,
+                             max_epochs=1) as client:
+        first = await asyncio.wait_for(client.next_batch(), 10)
+        assert [g.uid for g in first.groups] == ["e0-i1"]
+        assert first.metrics.carried_groups == 1
+        assert first.metrics.carried_finished_jobs == 1 and first.metrics.carried_inflight_jobs == 1
+        carried = client.queue.get(client.queue.head)
+        finished_before = [s.job_id for s in carried.samples if s.done]
+        await client.update_weights(register=False)
+        second = await asyncio.wait_for(client.next_batch(), 10)
+    (g,) = second.groups
+    assert g.uid == "e0-i0" and sorted(g.rewards) == [0.0, 1.0]
+    assert finished_before[0] in [r["job_id"] for r in g.results]  # the sibling was kept, not rerun
+    assert varied.started["p0"] == 2
+    assert second.metrics.lag == [1]
+
+
+async def test_all_equal_groups_are_dropped_and_counted(start_server):
+    url = await start_server()
+    data = [item(0, rewards=(1, 1)), item(1), item(2, rewards=(0, 0)), item(3)]
+    async with RolloutClient([url], data, groups_per_step=2, n_samples=2, max_staleness=None,
+                             max_epochs=1) as client:
+        batch = await asyncio.wait_for(client.next_batch(), 10)
+    assert sorted(g.uid for g in batch.groups) == ["e0-i1", "e0-i3"]
+    assert batch.metrics.dropped_groups == 2
+    assert batch.metrics.mean_reward == 0.5
+
+
+@pytest.mark.parametrize("window", [1, 2, None])
+async def test_windowed_fifo_never_hands_out_a_group_outside_the_window(start_server, window):
+    url = await start_server()
+    # later prompts finish first: greedy takes them out of order, FIFO waits for the head
+    data = [{"data_source": "varied", "id": f"p{i}", "sleeps": [(6 - i) * 0.12]} for i in range(6)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=1, window=window,
+                             dynamic_sampling=False, max_staleness=None, max_outstanding_groups=6,
+                             max_epochs=1) as client:
+        order = [b.groups[0].index for b in await drain(client)]
+    assert sorted(order) == list(range(6))
+    for k, idx in enumerate(order):
+        head = min(set(range(6)) - set(order[:k]))
+        assert window is None or idx - head < window, (order, k)
+    if window == 1:
+        assert order == list(range(6))
+    if window is None:
+        assert order[0] != 0  # greedy really took a later group first (so the bound above can fail)
+
+
+def test_window_refuses_a_ready_item_outside_it():
+    q = WindowedFIFO(2)
+    a, b, c = q.push("a"), q.push("b"), q.push("c")
+    q.mark_ready(c)
+    assert q.takeable() == []
+    with pytest.raises(ValueError):
+        q.take(c)
+    q.mark_ready(b)
+    assert q.take(b) == "b"
+    assert q.takeable() == []  # taking b does not slide the window: c is still outside
+    q.remove(a)
+    assert q.take(c) == "c"
+
+
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+async def test_staleness_bound_holds_when_versions_advance_mid_step(start_server, varied, policy):
+    url = await start_server()
+    data = [item(0, sleeps=(0, 1.5))] + [item(i) for i in range(1, 5)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=1,
+                             staleness_policy=policy, max_epochs=1) as client:
+        batches = [await asyncio.wait_for(client.next_batch(), 10)]
+        assert "e0-i0" not in [g.uid for g in batches[0].groups]
+        await client.update_weights(register=False)
+        await client.update_weights(register=False)  # two versions in one step: e0-i0 now has lag 2
+        assert len(client.queue) <= client.capacity
+        while True:
+            try:
+                batches.append(await asyncio.wait_for(client.next_batch(), 10))
+            except StopAsyncIteration:
+                break
+            await client.update_weights(register=False)
+    lags = [lag for b in batches for lag in b.metrics.lag]
+    assert max(lags) <= 1
+    uids = [g.uid for b in batches for g in b.groups]
+    stale = sum(b.metrics.stale_groups for b in batches)
+    assert stale >= 1
+    if policy == "drop":
+        assert "e0-i0" not in uids
+    else:
+        assert "e0-i0" in uids and varied.started["p0"] >= 4  # regenerated at the new version
+        assert sum(b.metrics.regenerated_groups for b in batches) == stale
+
+
+async def test_rollout_side_stops_submitting_at_the_staleness_bound(start_server, varied):
+    url = await start_server()
+    data = [item(i) for i in range(50)]
+    async with RolloutClient([url], data, groups_per_step=2, n_samples=2, max_staleness=1) as client:
+        await client.start()
+        await asyncio.sleep(0.5)
+        assert sum(varied.started.values()) == 2 * 2 * 2  # (K + 1) * B groups, n jobs each
+        await client.next_batch()
+        await asyncio.sleep(0.3)
+        assert sum(varied.started.values()) == 2 * 2 * 3  # one step consumed: B more groups
+
+
+async def test_servers_json_same_node_first_and_backends_registered_everywhere(start_server, tmp_path):
+    urls = [await start_server(), await start_server()]
+    entries = [ServerEntry(url=u, node=node, host="127.0.0.1", port=int(u.rsplit(":", 1)[1]),
+                           llm_backends=(f"http://127.0.0.{k + 2}:8000",))
+               for k, (u, node) in enumerate(zip(urls, ["node-a", "node-b"]))]
+    path = write_servers(tmp_path / "servers.json", "42", None, entries)
+    data = [item(i) for i in range(4)]
+    async with RolloutClient(path, data, groups_per_step=2, n_samples=2, local_node="node-b",
+                             max_staleness=0, max_epochs=1) as client:
+        assert client.urls == [urls[1], urls[0]]
+        batch = await asyncio.wait_for(client.next_batch(), 10)
+        servers = [s.server for g in batch.groups for s in g.samples]
+        assert servers[0] == urls[1]  # same node first
+        assert sorted(servers) == sorted(urls * 2)  # then round-robin
+        await client.update_weights(7)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            for k, u in enumerate(urls):
+                async with s.get(f"{u}/status") as r:
+                    backends = (await r.json())["backends"]
+                assert [(b["address"], b["weight_version"]) for b in backends] == [(f"http://127.0.0.{k + 2}:8000", 7)]
+    assert json.loads(path.read_text())["job_id"] == "42"

@@ -1,0 +1,613 @@
+"""Trainer-agnostic asyncio rollout client: groups, replenishment, DAPO dynamic sampling, Windowed FIFO,
+bounded staleness, carry-over, and per-step metrics, over one or many rollout servers.
+
+A trainer drives it step by step::
+
+    async with RolloutClient("/shared/run1/servers.json", dataset, groups_per_step=64, n_samples=8,
+                             window=16, max_staleness=1) as client:
+        for step in range(num_steps):
+            batch = await client.next_batch()        # 64 informative groups, lag <= 1
+            train_on(batch.groups); log(batch.metrics.as_dict())
+            await client.update_weights(step + 1)    # clear + re-register vLLM backends, version step + 1
+
+What it does (DESIGN.md "Trainer side", issue 6):
+
+- **Servers**: a URL list, or ``servers.json`` read with :mod:`trainer_plugins.servers` (same-node servers
+  first, bearer token from the file). Each job goes to the server with the fewest of this client's jobs in
+  flight, ties broken in that order: same node first, then round-robin.
+- **Groups**: every dataset item is sampled ``n_samples`` times (one job each, ``POST /process`` with a
+  client-chosen ``job_id`` so it can be cancelled at once); a group is complete when all its jobs ended.
+- **Replenishment**: a background task keeps ``(max_staleness + 1) * groups_per_step + oversubscribe``
+  groups outstanding (submitted and not yet consumed or discarded), drawing from a real iterator over
+  epochs (``max_epochs``, optional per-epoch shuffle). Submission stops whenever one more group could not be
+  consumed within the staleness bound (AReaL's rule: the groups of ``K + 1`` steps at most).
+- **DAPO dynamic sampling** (Yu et al. 2025, "DAPO", section 3.2): a complete group whose rewards are all equal
+  carries no advantage signal and is dropped (its jobs' seconds are counted as wasted).
+- **Early termination**: when a step has its groups, groups that would exceed the staleness bound at the
+  next weight version can no longer be used: their in-flight jobs are cancelled on the server
+  (``POST /cancel``). With ``carry_over=False`` (the reference behaviour) every unfinished group is cancelled.
+- **Carry-over**: every other unfinished group stays queued for the next step, *including the finished
+  jobs of incomplete groups* (the reference implementation throws those away).
+- **Windowed FIFO** (:class:`trainer_plugins.admission.WindowedFIFO`): groups are numbered in submission
+  order and the trainer may take a complete group only from the first ``window`` positions; ``None`` is
+  greedy, ``1`` strict FIFO.
+- **Staleness**: a group's version is the oldest weight version its trajectories were generated with (the
+  version current when it was submitted, or older versions the server reports). ``lag = current - version``
+  never exceeds ``max_staleness`` for a consumed group. A group that would: ``staleness_policy="drop"``
+  discards it (the prompt is lost, the next item replaces it); ``"wait"`` cancels it and regenerates the same
+  prompt at the current version, and the step waits for the fresh samples (no prompt is lost, so the data
+  distribution is kept at the price of rollout time).
+
+Everything runs on the caller's event loop; nothing blocks it (servers.json is read in a thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import aiohttp
+
+from trainer_plugins.admission import WindowedFIFO
+from trainer_plugins.servers import ServersFile, load_servers
+
+log = logging.getLogger(__name__)
+
+Instance = dict[str, Any]
+Dataset = Union[Sequence[Any], Callable[[int], Iterable[Any]]]
+"""A sequence (re-read every epoch, shuffled if asked) or ``epoch -> iterable`` for streamed data."""
+
+
+# ------------------------------------------------------------------------------------------------ types
+
+
+@dataclass
+class Sample:
+    """One job of a group. ``result`` is the server's job result (a dict, see README "HTTP API")."""
+
+    job_id: str
+    server: str
+    result: Optional[dict] = None
+    submitted_at: float = 0.0
+    finished_at: Optional[float] = None
+    cancel_requested: bool = False
+    task: Optional[asyncio.Task] = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @property
+    def counted_s(self) -> float:
+        """Seconds the server spent on the job (init + run + eval), 0 when unknown."""
+        if self.result is None:
+            return 0.0
+        return float((self.result.get("timing") or {}).get("counted_s") or 0.0)
+
+
+@dataclass
+class Group:
+    """``n`` samples of one dataset item. ``uid`` is ``e<epoch>-i<index>`` (stable across regenerations)."""
+
+    uid: str
+    item: Any
+    instance: Instance
+    epoch: int
+    index: int
+    submit_version: int
+    attempt: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    seq: int = -1
+    discarded: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.samples) and all(s.done for s in self.samples)
+
+    @property
+    def results(self) -> list[dict]:
+        """Job results in sample order (complete groups only)."""
+        return [s.result for s in self.samples if s.result is not None]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(r.get("reward", 0.0)) for r in self.results]
+
+    @property
+    def informative(self) -> bool:
+        """DAPO's filter: not every reward is the same (a group of one is never informative)."""
+        return len(set(self.rewards)) > 1
+
+    @property
+    def version(self) -> int:
+        """Oldest weight version the group was generated with: the version at submission, or an older one
+        the server reports (``result.weight_version`` / ``trajectories[].weight_versions``)."""
+        versions = [self.submit_version]
+        for r in self.results:
+            if isinstance(r.get("weight_version"), int):
+                versions.append(r["weight_version"])
+            for t in r.get("trajectories") or ():
+                versions.extend(v for v in t.get("weight_versions") or () if isinstance(v, int))
+        return min(versions)
+
+    @property
+    def trajectories(self) -> list[dict]:
+        """Every trajectory of every sample (``prompt_ids``, ``response_ids``, ``response_logprobs``,
+        ``loss_mask``, ...), with the sample's ``reward`` added."""
+        out = []
+        for r in self.results:
+            for t in r.get("trajectories") or ():
+                out.append({**t, "reward": float(r.get("reward", 0.0)), "job_id": r.get("job_id")})
+        return out
+
+
+@dataclass
+class StepMetrics:
+    """What one :meth:`RolloutClient.next_batch` call saw. Counts are since the previous call.
+
+    ``lag``: weight-version lag of each consumed group (``current - group.version``); ``lag_hist``:
+    ``{lag: groups}``. ``cancelled_jobs``: jobs this client cancelled on a server; ``dropped_groups``:
+    complete groups with all-equal rewards (DAPO filter); ``stale_groups``: groups over the staleness bound
+    (discarded or, with ``staleness_policy="wait"``, regenerated: ``regenerated_groups``);
+    ``carried_groups``: groups left queued for the next step, of which ``carried_finished_jobs`` jobs already
+    finished and ``carried_inflight_jobs`` still run; ``wasted_rollout_s``: server seconds (counted time) of
+    jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
+    ``trainer_wait_s``: how long ``next_batch`` waited for data.
+    """
+
+    step: int
+    weight_version: int
+    groups: int = 0
+    samples: int = 0
+    lag: list[int] = field(default_factory=list)
+    submitted_jobs: int = 0
+    cancelled_jobs: int = 0
+    failed_jobs: int = 0
+    dropped_groups: int = 0
+    stale_groups: int = 0
+    regenerated_groups: int = 0
+    carried_groups: int = 0
+    carried_finished_jobs: int = 0
+    carried_inflight_jobs: int = 0
+    wasted_rollout_s: float = 0.0
+    mean_reward: Optional[float] = None
+    trainer_wait_s: float = 0.0
+    epoch: int = 0
+
+    @property
+    def lag_hist(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.lag).items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat dict for a logger (``rollout/…`` keys are the trainer's business)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "lag"}
+        d["lag_mean"] = sum(self.lag) / len(self.lag) if self.lag else None
+        d["lag_max"] = max(self.lag) if self.lag else None
+        d["lag_hist"] = self.lag_hist
+        return d
+
+
+@dataclass
+class StepBatch:
+    """The groups of one step, in the order they were taken (oldest submission first within a take)."""
+
+    groups: list[Group]
+    metrics: StepMetrics
+
+
+# ------------------------------------------------------------------------------------------------ client
+
+
+def _normalise_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]],
+                       local_node: Optional[str]) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")):
+        servers = load_servers(servers)
+    if isinstance(servers, ServersFile):
+        ordered = servers.ordered(local_node)
+        return [s.url for s in ordered], servers.headers, {s.url: list(s.llm_backends) for s in ordered}
+    if isinstance(servers, str):
+        servers = [servers]
+    urls = [u.rstrip("/") for u in servers]
+    if not urls:
+        raise ValueError("no rollout server given")
+    return urls, {}, {u: [] for u in urls}
+
+
+class RolloutClient:
+    """Async rollout scheduler over one or many rollout servers (see the module docstring).
+
+    Args:
+        servers: base URLs (same-node first), a :class:`ServersFile`, or the path of ``servers.json`` (file
+            or directory; read once, at construction).
+        dataset: :data:`Dataset`. Items are instances (dicts with ``data_source``) unless ``instance_fn``
+            maps them.
+        groups_per_step: B, informative groups per :meth:`next_batch`.
+        n_samples: jobs per group (GRPO/DAPO ``n``).
+        window: Windowed FIFO width W in groups (None: greedy; 1: strict FIFO).
+        max_staleness: K, the largest weight-version lag of a consumed group (None: unbounded, then
+            ``max_outstanding_groups`` or ``2 * B`` bounds submission).
+        staleness_policy: ``"drop"`` or ``"wait"`` (regenerate), see the module docstring.
+        oversubscribe: groups submitted beyond the staleness budget, to make up for DAPO drops; those that
+            cannot be used in time are cancelled.
+        dynamic_sampling: drop all-equal-reward groups (DAPO). carry_over: keep unfinished groups across
+            steps (False cancels them at every step, the reference behaviour).
+        max_epochs: stop after this many passes over the dataset (None: forever). shuffle/seed: per-epoch
+            shuffle of a sequence dataset with ``random.Random(seed + epoch)``.
+        sampling_params, timeout_s: sent with every job (``timeout_s`` in seconds of counted time).
+        headers: extra HTTP headers (the token of a ServersFile is added automatically); token: bearer token.
+        local_node: node name for same-node-first ordering of a ServersFile (default: this node).
+        job_prefix: prefix of the job ids (default: a random one per client).
+    """
+
+    def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
+                 groups_per_step: int, n_samples: int = 1, window: Optional[int] = None,
+                 max_staleness: Optional[int] = 1, staleness_policy: str = "drop", oversubscribe: int = 0,
+                 dynamic_sampling: bool = True, carry_over: bool = True, max_epochs: Optional[int] = None,
+                 shuffle: bool = False, seed: int = 0, sampling_params: Optional[dict] = None,
+                 timeout_s: Optional[float] = None, headers: Optional[Mapping[str, str]] = None,
+                 token: Optional[str] = None, local_node: Optional[str] = None,
+                 instance_fn: Optional[Callable[[Any], Instance]] = None,
+                 max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
+                 initial_weight_version: int = 0) -> None:
+        if groups_per_step < 1 or n_samples < 1:
+            raise ValueError("groups_per_step and n_samples must be >= 1")
+        if staleness_policy not in ("drop", "wait"):
+            raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {staleness_policy!r}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 or None")
+        self.urls, file_headers, self.server_backends = _normalise_servers(servers, local_node)
+        self.headers = {**file_headers, **(headers or {})}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.dataset = dataset
+        self.B = groups_per_step
+        self.n = n_samples
+        self.max_staleness = max_staleness
+        self.staleness_policy = staleness_policy
+        self.oversubscribe = oversubscribe
+        self.dynamic_sampling = dynamic_sampling
+        self.carry_over = carry_over
+        self.max_epochs = max_epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self.sampling_params = dict(sampling_params or {})
+        self.timeout_s = timeout_s
+        self.instance_fn = instance_fn
+        self.max_outstanding_groups = max_outstanding_groups
+        self.job_prefix = job_prefix or uuid.uuid4().hex[:8]
+        self.weight_version = initial_weight_version
+
+        self.queue: WindowedFIFO[Group] = WindowedFIFO(window)
+        self.step = 0
+        self.epoch = 0
+        self.exhausted = False
+        self._items: Optional[Iterator[tuple[int, int, Any]]] = None
+        self._regen: deque[Group] = deque()
+        self._in_flight: dict[str, int] = {u: 0 for u in self.urls}
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._replenisher: Optional[asyncio.Task] = None
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._counters: Counter = Counter()
+        self._wasted_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> "RolloutClient":
+        """Open the HTTP session and start replenishing (idempotent)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self.headers,
+                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+        if self._replenisher is None:
+            self._replenisher = asyncio.create_task(self._replenish_forever())
+        return self
+
+    async def close(self, cancel_jobs: bool = True) -> None:
+        """Stop submitting; with ``cancel_jobs`` cancel every job still running on a server; close HTTP."""
+        self._closed = True
+        if self._replenisher is not None:
+            self._replenisher.cancel()
+            await asyncio.gather(self._replenisher, return_exceptions=True)
+        if cancel_jobs:
+            await self._cancel_groups([g for _, g in self.queue] + list(self._regen), "close")
+        tasks = [s.task for _, g in self.queue for s in g.samples if s.task is not None and not s.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "RolloutClient":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StepBatch:
+        return await self.next_batch()
+
+    # ------------------------------------------------------------------ data
+    def _iter_items(self) -> Iterator[tuple[int, int, Any]]:
+        for epoch in itertools.count():
+            if self.max_epochs is not None and epoch >= self.max_epochs:
+                return
+            self.epoch = epoch
+            if callable(self.dataset):
+                items = enumerate(self.dataset(epoch))
+            else:
+                order = list(range(len(self.dataset)))
+                if self.shuffle:
+                    random.Random(self.seed + epoch).shuffle(order)
+                items = ((i, self.dataset[i]) for i in order)
+            empty = True
+            for index, item in items:
+                empty = False
+                yield epoch, index, item
+            if empty:
+                return
+
+    def _next_group(self) -> Optional[Group]:
+        if self._regen:
+            old = self._regen.popleft()
+            return Group(uid=old.uid, item=old.item, instance=old.instance, epoch=old.epoch, index=old.index,
+                         submit_version=self.weight_version, attempt=old.attempt + 1)
+        if self.exhausted:
+            return None
+        if self._items is None:
+            self._items = self._iter_items()
+        try:
+            epoch, index, item = next(self._items)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        instance = self.instance_fn(item) if self.instance_fn else item
+        if not isinstance(instance, dict) or "data_source" not in instance:
+            raise ValueError(f"dataset item {index} of epoch {epoch} is not an instance with data_source")
+        return Group(uid=f"e{epoch}-i{index}", item=item, instance=instance, epoch=epoch, index=index,
+                     submit_version=self.weight_version)
+
+    # ------------------------------------------------------------------ submission
+    @property
+    def capacity(self) -> int:
+        """Most groups outstanding at once (submitted, not consumed or discarded)."""
+        if self.max_staleness is None:
+            return self.max_outstanding_groups or 2 * self.B
+        cap = (self.max_staleness + 1) * self.B + self.oversubscribe
+        return min(cap, self.max_outstanding_groups) if self.max_outstanding_groups else cap
+
+    def _pick_server(self) -> str:
+        # Fewest of our jobs in flight, ties to the earliest in order: with equal servers this is round-robin
+        # that starts on the same node, and a slow server gets fewer new jobs.
+        return min(self.urls, key=lambda u: self._in_flight[u])
+
+    async def _replenish_forever(self) -> None:
+        while not self._closed:
+            while len(self.queue) < self.capacity:
+                group = self._next_group()
+                if group is None:
+                    break
+                self._submit(group)
+            self._changed.set()
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _submit(self, group: Group) -> None:
+        group.seq = self.queue.push(group)
+        for i in range(self.n):
+            server = self._pick_server()
+            self._in_flight[server] += 1
+            jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{i}"
+            sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic())
+            group.samples.append(sample)
+            sample.task = asyncio.create_task(self._run_sample(group, sample))
+        self._counters["submitted_jobs"] += self.n
+
+    async def _run_sample(self, group: Group, sample: Sample) -> None:
+        body: dict[str, Any] = {"instance": group.instance, "sampling_params": self.sampling_params,
+                                "job_id": sample.job_id}
+        if self.timeout_s is not None:
+            body["timeout_s"] = self.timeout_s
+        try:
+            async with self._session.post(f"{sample.server}/process", json=body) as r:
+                data = await r.json(content_type=None)
+                if r.status != 200:
+                    err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+                    raise RuntimeError(f"{sample.server} answered {r.status}: {err.get('message', data)}")
+            result = data
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a server that fails or vanishes must not stall the step
+            log.warning("job %s on %s failed: %s", sample.job_id, sample.server, e)
+            result = {"job_id": sample.job_id, "reward": 0.0, "critical_error": "client", "error": str(e),
+                      "trajectories": []}
+        finally:
+            self._in_flight[sample.server] -= 1
+        sample.result = result
+        sample.finished_at = time.monotonic()
+        if result.get("critical_error") and result.get("critical_error") != "cancelled":
+            self._counters["failed_jobs"] += 1
+        self._on_sample_done(group, sample)
+
+    def _on_sample_done(self, group: Group, sample: Sample) -> None:
+        if group.discarded:
+            self._wasted_s += sample.counted_s
+            return
+        if group.complete:
+            if self.dynamic_sampling and not group.informative:
+                self._discard(group)
+                self._counters["dropped_groups"] += 1
+                self._wasted_s += sum(s.counted_s for s in group.samples)
+            else:
+                self.queue.mark_ready(group.seq)
+        self._changed.set()
+        self._wake.set()
+
+    def _discard(self, group: Group) -> None:
+        group.discarded = True
+        if group.seq in self.queue:
+            self.queue.remove(group.seq)
+        self._wake.set()
+        self._changed.set()
+
+    async def _cancel_groups(self, groups: Iterable[Group], why: str) -> None:
+        """Discard groups; cancel their running jobs on the servers; count finished jobs as wasted."""
+        calls = []
+        for g in groups:
+            if not g.discarded:
+                self._discard(g)
+                self._wasted_s += sum(s.counted_s for s in g.samples if s.done)
+            for s in g.samples:
+                if not s.done and not s.cancel_requested:
+                    s.cancel_requested = True
+                    calls.append(self._cancel_job(s))
+        if calls:
+            log.debug("cancelling %d job(s): %s", len(calls), why)
+            await asyncio.gather(*calls)
+
+    async def _cancel_job(self, sample: Sample, patience_s: float = 5.0) -> None:
+        # /process may not have reached the server yet (404): retry until the job is known or has ended.
+        deadline = time.monotonic() + patience_s
+        while not sample.done:
+            try:
+                async with self._session.post(f"{sample.server}/cancel", json={"job_id": sample.job_id}) as r:
+                    if r.status == 200:
+                        self._counters["cancelled_jobs"] += 1
+                        return
+                    if r.status != 404:
+                        log.warning("cancel %s on %s: HTTP %d", sample.job_id, sample.server, r.status)
+                        return
+            except aiohttp.ClientError as e:
+                log.warning("cancel %s on %s: %s", sample.job_id, sample.server, e)
+                return
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ staleness
+    def lag(self, group: Group, version: Optional[int] = None) -> int:
+        return (self.weight_version if version is None else version) - group.version
+
+    def _over_bound(self, group: Group, version: Optional[int] = None) -> bool:
+        return self.max_staleness is not None and self.lag(group, version) > self.max_staleness
+
+    async def _handle_stale(self, groups: list[Group]) -> None:
+        if not groups:
+            return
+        self._counters["stale_groups"] += len(groups)
+        await self._cancel_groups(groups, "stale")
+        if self.staleness_policy == "wait":
+            self._regen.extend(groups)
+            self._counters["regenerated_groups"] += len(groups)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ trainer API
+    async def next_batch(self) -> StepBatch:
+        """Wait for ``groups_per_step`` informative groups admissible under the window and the staleness
+        bound; take them; cancel what can no longer be used (early termination); report metrics.
+
+        Returns fewer groups only when the dataset is exhausted. Raises ``StopAsyncIteration`` when it is
+        exhausted and nothing is left.
+        """
+        await self.start()
+        t0 = time.monotonic()
+        taken: list[Group] = []
+        while len(taken) < self.B:
+            for seq in self.queue.takeable():
+                if not self.queue.in_window(seq):  # a stale group before it was just removed
+                    continue
+                group = self.queue.get(seq)
+                if self._over_bound(group):
+                    await self._handle_stale([group])
+                    continue
+                taken.append(self.queue.take(seq))
+                if len(taken) == self.B:
+                    break
+            if len(taken) == self.B:
+                break
+            if self.exhausted and not self._regen and len(self.queue) == 0:
+                break
+            self._changed.clear()
+            self._wake.set()
+            await self._changed.wait()
+        waited = time.monotonic() - t0
+        if not taken:
+            raise StopAsyncIteration
+
+        # Early termination: what cannot be consumed within the bound at the next version is cancelled now.
+        remaining = [g for _, g in self.queue]
+        if not self.carry_over:
+            await self._cancel_groups(remaining, "no carry-over")
+        else:
+            await self._handle_stale([g for g in remaining if self._over_bound(g, self.weight_version + 1)])
+
+        m = StepMetrics(step=self.step, weight_version=self.weight_version, epoch=self.epoch)
+        m.groups = len(taken)
+        m.samples = sum(len(g.samples) for g in taken)
+        m.lag = [self.lag(g) for g in taken]
+        rewards = [r for g in taken for r in g.rewards]
+        m.mean_reward = sum(rewards) / len(rewards) if rewards else None
+        m.trainer_wait_s = waited
+        for k in ("submitted_jobs", "cancelled_jobs", "failed_jobs", "dropped_groups", "stale_groups",
+                  "regenerated_groups"):
+            setattr(m, k, self._counters.pop(k, 0))
+        carried = [g for _, g in self.queue]
+        m.carried_groups = len(carried)
+        m.carried_finished_jobs = sum(1 for g in carried for s in g.samples if s.done)
+        m.carried_inflight_jobs = sum(1 for g in carried for s in g.samples if not s.done)
+        m.wasted_rollout_s, self._wasted_s = self._wasted_s, 0.0
+        self.step += 1
+        self._wake.set()
+        return StepBatch(groups=taken, metrics=m)
+
+    async def update_weights(self, version: Optional[int] = None,
+                             backends: Union[None, Sequence[str], Mapping[str, Sequence[str]]] = None,
+                             register: bool = True) -> int:
+        """Advance the weight version (default: +1) after the trainer pushed new weights to its vLLM
+        servers; with ``register``, clear and re-register the LLM backends on every rollout server with the
+        new ``weight_version`` (``backends``: one list for all servers, ``{server_url: [backend, ...]}``, or
+        None for the ``llm_backends`` of servers.json; nothing is registered where the list is empty).
+        Groups now over the staleness bound are handled by the policy. Returns the new version.
+
+        Raises:
+            RuntimeError: a server refused the registration (its answer is in the message).
+        """
+        await self.start()
+        version = self.weight_version + 1 if version is None else version
+        if register:
+            if backends is None:
+                per_server = self.server_backends
+            elif isinstance(backends, Mapping):
+                per_server = {u: list(backends.get(u, ())) for u in self.urls}
+            else:
+                per_server = {u: list(backends) for u in self.urls}
+            await asyncio.gather(*(self._register(u, per_server.get(u, []), version) for u in self.urls
+                                   if per_server.get(u)))
+        self.weight_version = version
+        await self._handle_stale([g for _, g in self.queue if self._over_bound(g)])
+        self._wake.set()
+        return version
+
+    async def _register(self, server: str, backends: Sequence[str], version: int) -> None:
+        async with self._session.post(f"{server}/clear_llm_server") as r:
+            if r.status != 200:
+                raise RuntimeError(f"{server}/clear_llm_server answered {r.status}: {await r.text()}")
+        for b in backends:
+            async with self._session.post(f"{server}/add_llm_server",
+                                          json={"address": b, "weight_version": version}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{server}/add_llm_server {b} answered {r.status}: {await r.text()}")
+
+    def in_flight(self) -> dict[str, int]:
+        """This client's running jobs per server URL."""
+        return dict(self._in_flight)
