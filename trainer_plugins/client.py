@@ -523,18 +523,15 @@ class RolloutClient:
         t0 = time.monotonic()
         taken: list[Group] = []
         while len(taken) < self.B:
-            for seq in self.queue.takeable():
-                if not self.queue.in_window(seq):  # a stale group before it was just removed
-                    continue
-                group = self.queue.get(seq)
+            # One at a time: taking the head slides the window and may bring ready groups into it.
+            ready = self.queue.takeable()
+            if ready:
+                group = self.queue.get(ready[0])
                 if self._over_bound(group):
                     await self._handle_stale([group])
-                    continue
-                taken.append(self.queue.take(seq))
-                if len(taken) == self.B:
-                    break
-            if len(taken) == self.B:
-                break
+                else:
+                    taken.append(self.queue.take(ready[0]))
+                continue
             if self.exhausted and not self._regen and len(self.queue) == 0:
                 break
             self._changed.clear()
