@@ -32,9 +32,14 @@ class Metrics:
         self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
                                          "Malformed tool calls turned into error observations",
                                          ["handler"], registry=r)
-        for stage in ("init", "run", "eval"):
-            self.queue_depth.labels(stage).set(0)
-            self.active.labels(stage).set(0)
+        # Per-stage children resolved once: labels() costs a lock and a dict lookup on every job's hot path.
+        stages = ("init", "run", "eval")
+        self.stage_queue_depth = {s: self.queue_depth.labels(s) for s in stages}
+        self.stage_active = {s: self.active.labels(s) for s in stages}
+        self.stage_seconds = {s: self.stage_latency.labels(s) for s in stages}
+        for s in stages:
+            self.stage_queue_depth[s].set(0)
+            self.stage_active[s].set(0)
 
     def backend_changed(self, backend) -> None:
         self.backend_in_flight.labels(backend.address).set(backend.in_flight)

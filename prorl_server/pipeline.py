@@ -11,6 +11,7 @@ closes the job's resources, releases its backend, builds the result and complete
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import traceback
@@ -66,7 +67,8 @@ class Pipeline:
         self.llm = llm
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
-        self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones (insertion order)
+        self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones
+        self._finished: collections.deque[Job] = collections.deque()  # finish order, for retention
         self.in_flight = 0
         self.accepting = True
         self._worker_tasks: list[asyncio.Task] = []
@@ -131,7 +133,6 @@ class Pipeline:
         self.in_flight += 1
         self.metrics.jobs_in_flight.set(self.in_flight)
         self._enqueue(job, "init")
-        self._trim_finished()
         return job
 
     def get(self, job_id: str) -> Optional[Job]:
@@ -141,14 +142,15 @@ class Pipeline:
         job.status = _QUEUED[stage]
         job.enqueued_at = time.monotonic()
         self.queues[stage].put_nowait(job)
-        self.metrics.queue_depth.labels(stage).set(self.queues[stage].qsize())
+        self.metrics.stage_queue_depth[stage].set(self.queues[stage].qsize())
 
-    def _trim_finished(self) -> None:
-        excess = len(self.jobs) - self.in_flight - self.keep_finished
-        if excess <= 0:
-            return
-        for jid in [jid for jid, j in self.jobs.items() if j.finished][:excess]:
-            del self.jobs[jid]
+    def _retain(self, job: Job) -> None:
+        """Keep the newest ``keep_finished`` finished jobs queryable; forget older ones (O(1) per job)."""
+        self._finished.append(job)
+        while len(self._finished) > self.keep_finished:
+            old = self._finished.popleft()
+            if self.jobs.get(old.job_id) is old:  # not resubmitted under the same id since
+                del self.jobs[old.job_id]
 
     # ------------------------------------------------------------------ cancellation
     async def cancel(self, job_id: str, reason: str = "cancelled by request") -> tuple[bool, JobState]:
@@ -178,12 +180,12 @@ class Pipeline:
         queue = self.queues[stage]
         while True:
             job = await queue.get()
-            self.metrics.queue_depth.labels(stage).set(queue.qsize())
+            self.metrics.stage_queue_depth[stage].set(queue.qsize())
             if job.finished:
                 continue
             job.timing.queue_s += time.monotonic() - job.enqueued_at
             self.active[stage] += 1
-            self.metrics.active.labels(stage).set(self.active[stage])
+            self.metrics.stage_active[stage].set(self.active[stage])
             try:
                 await self._run_stage(job, stage)
             except asyncio.CancelledError:
@@ -197,7 +199,7 @@ class Pipeline:
                     await self._finish(job, stage, "internal error", traceback.format_exc())
             finally:
                 self.active[stage] -= 1
-                self.metrics.active.labels(stage).set(self.active[stage])
+                self.metrics.stage_active[stage].set(self.active[stage])
 
     async def _run_stage(self, job: Job, stage: Stage) -> None:
         handler = job.handler
@@ -215,7 +217,7 @@ class Pipeline:
         finally:
             dt = job.timer.pause()
             setattr(job.timing, f"{stage}_s", getattr(job.timing, f"{stage}_s") + dt)
-            self.metrics.stage_latency.labels(stage).observe(time.monotonic() - t0)
+            self.metrics.stage_seconds[stage].observe(time.monotonic() - t0)
         task, job.task = job.task, None
         if stage == "run":
             await job.close_resources("run")
@@ -298,6 +300,7 @@ class Pipeline:
         if malformed:
             self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)
         job.done.set_result(result)
+        self._retain(job)
 
     # ------------------------------------------------------------------ status
     def stage_status(self) -> dict[str, StageStatus]:

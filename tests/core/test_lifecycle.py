@@ -126,3 +126,10 @@ async def test_metrics_count_jobs_by_outcome_and_stage_latency(make_client):
     assert 'prorl_jobs_total{handler="scripted",outcome="eval"} 1.0' in text
     assert 'prorl_stage_latency_seconds_count{stage="run"} 2.0' in text
     assert "prorl_stage_queue_depth" in text
+
+
+async def test_finished_jobs_are_kept_up_to_the_limit_then_forgotten_oldest_first(make_client):
+    client = await make_client(keep_finished=3)
+    ids = [(await (await client.post("/process", json=scripted_job())).json())["job_id"] for _ in range(5)]
+    states = [(await client.get(f"/jobs/{j}")).status for j in ids]
+    assert states == [404, 404, 200, 200, 200]
