@@ -276,6 +276,8 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
     app.cleanup_ctx.append(_sandbox_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
     app.cleanup_ctx.append(_health_ctx)
+    from prorl_server.gateway import setup_gateway  # noqa: E402 (the gateway imports this module)
+    setup_gateway(app)
     return app
 
 

@@ -1,0 +1,192 @@
+"""Gateway sessions without vLLM: hermes tool calls round-trip through a real ``openai`` SDK client without a
+split, whitespace in a resent message is a divergence, and every bad input gets a clear OpenAI-format 4xx
+(unknown / finished / aborted session, malformed messages, unsupported parameters, another session's key,
+the server token required for management, session limits, idle expiry)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from yarl import URL
+
+from prorl_server.gateway import GATEWAY
+from prorl_server.types import Trajectory
+
+AUTH = {"Authorization": "Bearer server-secret"}
+TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"path": {"type": "string"}}}}}]
+START = [{"role": "system", "content": "You read files."}, {"role": "user", "content": "What is in a.txt?"}]
+
+
+def read_then_answer(prompt: str, turn: int) -> str:
+    if turn == 0:
+        return 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>'
+    return f"It says: {prompt.count('<tool_response>')} response(s) seen."
+
+
+async def test_hermes_tool_calls_round_trip_through_the_sdk_as_one_trajectory(
+        gateway_server, open_session, scripted_policy, tokenizer):
+    client, app = await gateway_server([await scripted_policy(read_then_answer)])
+    s, sdk = await open_session(client)
+    r = await sdk.chat.completions.create(model="m", messages=START, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("read", {"path": "a.txt"})]
+    # the agent re-serialises the arguments with other whitespace and its own call id: same message
+    sent = {"role": "assistant", "content": msg.content, "tool_calls": [
+        {"id": "call_mine", "type": "function",
+         "function": {"name": "read", "arguments": json.dumps({"path": "a.txt"}, indent=2)}}]}
+    messages = START + [sent, {"role": "tool", "tool_call_id": "call_mine", "content": "hello"}]
+    r2 = await sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.tool_calls is None
+    assert r2.choices[0].message.content == "It says: 1 response(s) seen."
+
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
+    traj = Trajectory(**result["trajectories"][0])
+    generated = [t for t, m in zip(traj.response_ids, traj.loss_mask) if m]
+    assert generated == [t for ids, _ in scripted_policy.returned for t in ids]
+    assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
+        [lp for _, lps in scripted_policy.returned for lp in lps]
+    observation = tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if not m])
+    assert observation == "\n<|im_start|>user\n<tool_response>\nhello\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert result["messages"][2]["tool_calls"][0]["function"] == {"name": "read", "arguments": {"path": "a.txt"}}
+
+
+async def test_changed_whitespace_in_history_splits_with_the_position(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: f"answer {t}")])
+    s, sdk = await open_session(client)
+    r = await sdk.chat.completions.create(model="m", messages=START)
+    resent = START + [{"role": "assistant", "content": r.choices[0].message.content + " "},
+                      {"role": "user", "content": "and?"}]
+    await sdk.chat.completions.create(model="m", messages=resent)
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert len(result["trajectories"]) == 2
+    assert result["split_reasons"] == [result["trajectories"][0]["split_reason"]]
+    assert "message 2 (assistant) content differs from character 8" in result["split_reasons"][0]
+
+
+async def test_bad_requests_get_openai_format_4xx(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    s, sdk = await open_session(client)
+    cases = [
+        (dict(messages=[{"role": "wizard", "content": "x"}]), "invalid_messages", "messages[0].role"),
+        (dict(messages=[{"role": "user", "content": 5}]), "invalid_messages", "messages[0].content"),
+        (dict(messages=START + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "read", "arguments": "{not json"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "x"}]),
+         "invalid_messages", "messages[2].tool_calls[0].function.arguments"),
+        (dict(messages=[]), "invalid_messages", "messages"),
+        (dict(messages=START + [{"role": "assistant", "content": "partial"}]), "invalid_messages", "messages[2]"),
+        (dict(messages=START, n=2), "unsupported_parameter", "n"),
+        (dict(messages=START, tools=TOOLS, tool_choice="required"), "unsupported_parameter", "tool_choice"),
+        (dict(messages=START, extra_body={"guided_json": {}}), "unsupported_parameter", "guided_json"),
+        (dict(messages=START, response_format={"type": "json_object"}), "unsupported_parameter", "response_format"),
+        (dict(messages=START, max_tokens=0), "invalid_parameter", "max_tokens"),
+        (dict(messages=START, tools=[{"name": "read"}]), "invalid_parameter", "tools"),
+    ]
+    for kwargs, code, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            await sdk.chat.completions.create(model="m", **kwargs)
+        assert e.value.status_code == 400 and e.value.code == code and e.value.param == param, (kwargs, e.value.body)
+    r = await client.post(URL(s["base_url"]).path + "/chat/completions", data=b"{oops")
+    assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+    # none of these touched the session: a good request still starts its one trajectory
+    await sdk.chat.completions.create(model="m", messages=START)
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert len(result["trajectories"]) == 1 and result["counters"]["generated_tokens"] > 0
+
+
+async def test_capabilities_are_per_session_and_never_the_server_token(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    a, sdk_a = await open_session(client)
+    b, sdk_b = await open_session(client)
+    origin = str(client.make_url("")).rstrip("/")
+    # A's key on B's session: refused, and B's history is untouched
+    def sdk_for(path_segment):
+        return openai.AsyncOpenAI(base_url=f"{origin}/sessions/{path_segment}/v1", api_key=a["api_key"],
+                                  max_retries=0)
+
+    async with sdk_for(f"{b['session_id']}.{a['api_key']}") as cross:
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            await cross.chat.completions.create(model="m", messages=START)
+        assert e.value.code == "invalid_session_key"
+    async with sdk_for(b["session_id"]) as no_key:  # the key as a bearer only: not a capability
+        with pytest.raises(openai.PermissionDeniedError):
+            await no_key.chat.completions.create(model="m", messages=START)
+    async with sdk_for(f"sess_0123.{a['api_key']}") as unknown:
+        with pytest.raises(openai.NotFoundError) as e:
+            await unknown.chat.completions.create(model="m", messages=START)
+        assert e.value.code == "unknown_session"
+    status = await (await client.get(f"/sessions/{b['session_id']}", headers=AUTH)).json()
+    assert status["counters"]["requests"] == 0
+    # the capability opens agent routes only: management needs the server token
+    key_auth = {"Authorization": f"Bearer {a['api_key']}"}
+    for method, path in [("post", "/sessions"), ("get", f"/sessions/{a['session_id']}"),
+                         ("post", f"/sessions/{a['session_id']}/finalize"), ("get", "/status"),
+                         ("post", "/stop")]:
+        r = await getattr(client, method)(path, headers=key_auth)
+        assert r.status == 401, (path, r.status)
+    # and the server token does not open agent routes of a session whose key it is not
+    r = await client.post(f"/sessions/{a['session_id']}.server-secret/v1/chat/completions", headers=AUTH,
+                          json={"messages": START})
+    assert r.status == 403
+    assert (await sdk_a.chat.completions.create(model="m", messages=START)).choices[0].message.content == "ok"
+
+
+async def test_finished_and_aborted_sessions_refuse_work(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    s, sdk = await open_session(client)
+    await sdk.chat.completions.create(model="m", messages=START)
+    base = URL(s["base_url"]).path[:-len("/v1")]
+    r = await client.post(f"{base}/complete", json={"reward_info": {"reward": 0.5}})
+    assert r.status == 200 and (await r.json())["state"] == "completed"
+    with pytest.raises(openai.ConflictError) as e:
+        await sdk.chat.completions.create(model="m", messages=START + [{"role": "assistant", "content": "ok"},
+                                                                       {"role": "user", "content": "more"}])
+    assert e.value.code == "session_finished"
+    assert (await client.post(f"{base}/complete", json={})).status == 409
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["state"] == "completed" and result["reward_info"] == {"reward": 0.5}
+    assert len(result["trajectories"]) == 1
+
+    t, sdk_t = await open_session(client)
+    await sdk_t.chat.completions.create(model="m", messages=START)
+    r = await client.post(f"/sessions/{t['session_id']}/abort", headers=AUTH)
+    assert (await r.json())["state"] == "aborted"
+    with pytest.raises(openai.ConflictError):
+        await sdk_t.chat.completions.create(model="m", messages=START)
+    r = await client.post(f"/sessions/{t['session_id']}/finalize", headers=AUTH)
+    assert r.status == 409 and (await r.json())["error"]["code"] == "session_aborted"
+    r = await client.post("/sessions/sess_nope/finalize", headers=AUTH)
+    assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_session"
+
+
+async def test_session_state_is_bounded(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    gw = app[GATEWAY]
+    gw.max_sessions = 2
+    a, sdk_a = await open_session(client)
+    b, _ = await open_session(client)
+    r = await client.post("/sessions", json={}, headers=AUTH)
+    assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_sessions"
+    await sdk_a.chat.completions.create(model="m", messages=START)
+    assert sum(bk.in_flight for bk in gw.pool.backends) == 1  # a holds its sticky backend
+    # idle sessions expire (their tokens stay for finalize) and free their slot and backend
+    gw.idle_timeout_s = 0.0
+    assert gw.expire_idle() == 2 and not gw.open
+    assert all(bk.in_flight == 0 for bk in gw.pool.backends)
+    with pytest.raises(openai.ConflictError):
+        await sdk_a.chat.completions.create(model="m", messages=START)
+    r = await client.post(f"/sessions/{a['session_id']}/finalize", headers=AUTH)
+    assert r.status == 200 and (await r.json())["end_reason"] == "idle_timeout"
+    # ended sessions are kept up to keep_finished, oldest forgotten first
+    gw.keep_finished = 1
+    c, _ = await open_session(client)
+    assert (await client.post(f"/sessions/{c['session_id']}/abort", headers=AUTH)).status == 200
+    assert list(gw.finished) == [c["session_id"]]
+    for old in (a, b):
+        assert (await client.post(f"/sessions/{old['session_id']}/finalize", headers=AUTH)).status == 404
