@@ -17,10 +17,10 @@ What it does (DESIGN.md "Trainer side", issue 6):
   flight, ties broken in that order: same node first, then round-robin.
 - **Groups**: every dataset item is sampled ``n_samples`` times (one job each, ``POST /process`` with a
   client-chosen ``job_id`` so it can be cancelled at once); a group is complete when all its jobs ended.
-- **Replenishment**: a background task keeps ``(max_staleness + 1) * groups_per_step + oversubscribe``
-  groups outstanding (submitted and not yet consumed or discarded), drawing from a real iterator over
-  epochs (``max_epochs``, optional per-epoch shuffle). Submission stops whenever one more group could not be
-  consumed within the staleness bound (AReaL's rule: the groups of ``K + 1`` steps at most).
+- **Replenishment**: a background task keeps as many groups outstanding (submitted and not yet consumed or
+  discarded) as the staleness budget allows (:attr:`RolloutClient.capacity`: about ``(K + 1) * B`` plus
+  ``oversubscribe``), drawing from a real iterator over epochs (``max_epochs``, optional per-epoch shuffle).
+  Submission stops whenever one more group could not be consumed within the staleness bound.
 - **DAPO dynamic sampling** (Yu et al. 2025, "DAPO", section 3.2): a complete group whose rewards are all equal
   carries no advantage signal and is dropped (its jobs' seconds are counted as wasted).
 - **Early termination**: when a step has its groups, groups that would exceed the staleness bound at the
@@ -33,10 +33,12 @@ What it does (DESIGN.md "Trainer side", issue 6):
   greedy, ``1`` strict FIFO.
 - **Staleness**: a group's version is the oldest weight version its trajectories were generated with (the
   version current when it was submitted, or older versions the server reports). ``lag = current - version``
-  never exceeds ``max_staleness`` for a consumed group. A group that would: ``staleness_policy="drop"``
-  discards it (the prompt is lost, the next item replaces it); ``"wait"`` cancels it and regenerates the same
-  prompt at the current version, and the step waits for the fresh samples (no prompt is lost, so the data
-  distribution is kept at the price of rollout time).
+  never exceeds ``max_staleness`` for a consumed group. ``staleness_policy="drop"``: a group that would
+  exceed it is discarded (its running jobs cancelled; the next dataset item takes its place).
+  ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``): a step first waits for and takes
+  the groups that would exceed the bound at the next version, slow or not, so none is lost to staleness;
+  only a group already over the bound (the version jumped by more than one in a step) is cancelled and its
+  prompt regenerated at the current version.
 
 Everything runs on the caller's event loop; nothing blocks it (servers.json is read in a thread).
 """
@@ -156,6 +158,7 @@ class StepMetrics:
     ``{lag: groups}``. ``cancelled_jobs``: jobs this client cancelled on a server; ``dropped_groups``:
     complete groups with all-equal rewards (DAPO filter); ``stale_groups``: groups over the staleness bound
     (discarded or, with ``staleness_policy="wait"``, regenerated: ``regenerated_groups``);
+    ``waited_groups``: groups taken first because they would be over the bound next step (``"wait"``);
     ``carried_groups``: groups left queued for the next step, of which ``carried_finished_jobs`` jobs already
     finished and ``carried_inflight_jobs`` still run; ``wasted_rollout_s``: server seconds (counted time) of
     jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
@@ -173,6 +176,7 @@ class StepMetrics:
     dropped_groups: int = 0
     stale_groups: int = 0
     regenerated_groups: int = 0
+    waited_groups: int = 0
     carried_groups: int = 0
     carried_finished_jobs: int = 0
     carried_inflight_jobs: int = 0
@@ -233,7 +237,7 @@ class RolloutClient:
         window: Windowed FIFO width W in groups (None: greedy; 1: strict FIFO).
         max_staleness: K, the largest weight-version lag of a consumed group (None: unbounded, then
             ``max_outstanding_groups`` or ``2 * B`` bounds submission).
-        staleness_policy: ``"drop"`` or ``"wait"`` (regenerate), see the module docstring.
+        staleness_policy: ``"drop"`` or ``"wait"`` (dropless), see the module docstring.
         oversubscribe: groups submitted beyond the staleness budget, to make up for DAPO drops; those that
             cannot be used in time are cancelled.
         dynamic_sampling: drop all-equal-reward groups (DAPO). carry_over: keep unfinished groups across
@@ -283,6 +287,8 @@ class RolloutClient:
         self.max_outstanding_groups = max_outstanding_groups
         self.job_prefix = job_prefix or uuid.uuid4().hex[:8]
         self.weight_version = initial_weight_version
+        self._first_version = initial_weight_version
+        self._consumed = 0  # groups handed to the trainer, over all steps
 
         self.queue: WindowedFIFO[Group] = WindowedFIFO(window)
         self.step = 0
@@ -380,10 +386,18 @@ class RolloutClient:
     # ------------------------------------------------------------------ submission
     @property
     def capacity(self) -> int:
-        """Most groups outstanding at once (submitted, not consumed or discarded)."""
+        """Groups that may be outstanding now (submitted, not consumed or discarded).
+
+        With a staleness bound K this is AReaL's rule (Fu et al. 2025, "AReaL", section 5.1): counting
+        consumed groups too, at most ``(version + K + 1) * B`` groups may have been submitted by weight version
+        ``version`` (versions counted from the first), plus ``oversubscribe``. A group submitted now is then
+        consumed within K versions if groups are consumed in order; so after a step takes its groups, nothing
+        new is submitted until the weights advance.
+        """
         if self.max_staleness is None:
             return self.max_outstanding_groups or 2 * self.B
-        cap = (self.max_staleness + 1) * self.B + self.oversubscribe
+        versions = self.weight_version - self._first_version
+        cap = (versions + self.max_staleness + 1) * self.B + self.oversubscribe - self._consumed
         return min(cap, self.max_outstanding_groups) if self.max_outstanding_groups else cap
 
     def _pick_server(self) -> str:
@@ -501,6 +515,13 @@ class RolloutClient:
     def _over_bound(self, group: Group, version: Optional[int] = None) -> bool:
         return self.max_staleness is not None and self.lag(group, version) > self.max_staleness
 
+    def _due(self) -> set[int]:
+        """With ``staleness_policy="wait"``: ``seq`` of the queued groups that would be over the bound at the
+        next version, so this step must take them (verl's ``max_off_policy_strategy=wait``: dropless)."""
+        if self.staleness_policy != "wait" or self.max_staleness is None:
+            return set()
+        return {s for s, g in self.queue if self._over_bound(g, self.weight_version + 1)}
+
     async def _handle_stale(self, groups: list[Group]) -> None:
         if not groups:
             return
@@ -525,6 +546,15 @@ class RolloutClient:
         while len(taken) < self.B:
             # One at a time: taking the head slides the window and may bring ready groups into it.
             ready = self.queue.takeable()
+            due = self._due()
+            if due:  # "wait": groups that would be over the bound next step go first, finished or not
+                ready = [s for s in ready if s in due]
+                if not ready:
+                    self._changed.clear()
+                    self._wake.set()
+                    await self._changed.wait()
+                    continue
+                self._counters["waited_groups"] += 1
             if ready:
                 group = self.queue.get(ready[0])
                 if self._over_bound(group):
@@ -538,6 +568,7 @@ class RolloutClient:
             self._wake.set()
             await self._changed.wait()
         waited = time.monotonic() - t0
+        self._consumed += len(taken)
         if not taken:
             raise StopAsyncIteration
 
@@ -556,7 +587,7 @@ class RolloutClient:
         m.mean_reward = sum(rewards) / len(rewards) if rewards else None
         m.trainer_wait_s = waited
         for k in ("submitted_jobs", "cancelled_jobs", "failed_jobs", "dropped_groups", "stale_groups",
-                  "regenerated_groups"):
+                  "regenerated_groups", "waited_groups"):
             setattr(m, k, self._counters.pop(k, 0))
         carried = [g for _, g in self.queue]
         m.carried_groups = len(carried)

@@ -165,6 +165,25 @@ async def test_staleness_bound_holds_when_versions_advance_mid_step(start_server
         assert sum(b.metrics.regenerated_groups for b in batches) == stale
 
 
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+async def test_a_slow_group_at_the_bound_is_dropped_or_waited_for(start_server, varied, policy):
+    url = await start_server()
+    data = [item(0, sleeps=(0, 1.0))] + [item(i) for i in range(1, 6)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=1,
+                             staleness_policy=policy, max_epochs=1) as client:
+        first = await asyncio.wait_for(client.next_batch(), 10)
+        assert first.groups[0].uid != "e0-i0"
+        await client.update_weights(register=False)
+        second = await asyncio.wait_for(client.next_batch(), 10)
+    if policy == "wait":  # the step waited for the slow group rather than take a fresh one
+        assert [g.uid for g in second.groups] == ["e0-i0"] and second.metrics.lag == [1]
+        assert second.metrics.waited_groups == 1 and second.metrics.stale_groups == 0
+    else:  # a fresh group was taken; the slow one could not be used next step, so it was cancelled
+        assert second.groups[0].uid != "e0-i0"
+        assert second.metrics.stale_groups == 1 and second.metrics.cancelled_jobs == 1
+    assert varied.started["p0"] == 2
+
+
 async def test_rollout_side_stops_submitting_at_the_staleness_bound(start_server, varied):
     url = await start_server()
     data = [item(i) for i in range(50)]
@@ -174,7 +193,11 @@ async def test_rollout_side_stops_submitting_at_the_staleness_bound(start_server
         assert sum(varied.started.values()) == 2 * 2 * 2  # (K + 1) * B groups, n jobs each
         await client.next_batch()
         await asyncio.sleep(0.3)
-        assert sum(varied.started.values()) == 2 * 2 * 3  # one step consumed: B more groups
+        # a group submitted now would be consumed at version 2 at the earliest: lag 2 > K
+        assert sum(varied.started.values()) == 2 * 2 * 2
+        await client.update_weights(register=False)
+        await asyncio.sleep(0.3)
+        assert sum(varied.started.values()) == 2 * 2 * 3  # the weights advanced: B more groups
 
 
 async def test_servers_json_same_node_first_and_backends_registered_everywhere(start_server, tmp_path):
