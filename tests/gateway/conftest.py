@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from typing import Callable
 
+import psutil
 import pytest
 from aiohttp import web
 
@@ -58,6 +59,25 @@ async def open_session():
     yield make
     for sdk in clients:
         await sdk.close()
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Sandbox processes (bwrap launchers and execution servers) below this test process. Used to CHECK
+    cleanup only; nothing is ever killed by name."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "sandbox.exec_server" in cmd or p.name() == "bwrap":
+            out.append(p)
+    return out
+
+
+@pytest.fixture
+def sandbox_procs():
+    return sandbox_processes
 
 
 @pytest.fixture
