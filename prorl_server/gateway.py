@@ -32,8 +32,11 @@ the first diverging message and how it differs, and starts a new one from the re
 prompt goes token-in/token-out to the session's sticky backend (:class:`~prorl_server.llm_client.LLMClient`);
 the answer's tool calls are parsed from the generated text (hermes) while the raw tokens are kept.
 
+``stream=true`` answers in the OpenAI server-sent-events format; the turn is generated whole, so its chunks
+arrive together when it is done.
+
 Errors answer in the OpenAI format ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
-messages or unsupported parameters (``n > 1``, ``stream``, ...), 403 for a key that is not this session's,
+messages or unsupported parameters (``n > 1``, ``tool_choice="required"``, unknown ones...), 403 for a key that is not this session's,
 404 for an unknown session, 409 for a finished one, 429 when ``max_sessions`` are open, 503 when no backend
 can generate.
 """
@@ -71,9 +74,9 @@ log = logging.getLogger(__name__)
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty")
 #: Accepted and ignored: they change nothing the gateway records.
-_IGNORED = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options")
+_IGNORED = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier")
 _KNOWN = frozenset({"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "n",
-                    "stream", "logprobs", "top_logprobs", "response_format", *_PASSED, *_IGNORED})
+                    "stream", "stream_options", "logprobs", "top_logprobs", "response_format", *_PASSED, *_IGNORED})
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -204,6 +207,7 @@ class ChatRequest:
     sampling: dict[str, Any]
     stream: bool
     logprobs: bool
+    include_usage: bool = False
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -265,12 +269,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise GatewayError(400, "stream must be a boolean", "invalid_parameter", "stream")
-    if stream:
-        raise GatewayError(400, "stream=true is not supported yet: send stream=false", "unsupported_parameter",
-                           "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict)):
+        raise GatewayError(400, "stream_options needs stream=true and must be an object", "invalid_parameter",
+                           "stream_options")
     return ChatRequest(messages=messages, tools=tools, parse_tools=bool(tools) and choice != "none",
                        max_tokens=max_tokens, sampling=sampling, stream=stream,
-                       logprobs=bool(body.get("logprobs")))
+                       logprobs=bool(body.get("logprobs")),
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
 
 
 # ------------------------------------------------------------------------------------------ sessions
@@ -676,7 +682,43 @@ def _management_route(fn: Callable[[web.Request, Gateway], Awaitable[web.StreamR
 async def chat_completions(request: web.Request, gw: Gateway, s: Session) -> web.StreamResponse:
     """``POST /sessions/{ref}/v1/chat/completions``."""
     req = parse_chat_request(await _json_body(request))
-    return web.json_response(await gw.chat(s, req))
+    answer = await gw.chat(s, req)
+    if not req.stream:
+        return web.json_response(answer)
+    return await _stream(request, answer, req.include_usage)
+
+
+def stream_chunks(answer: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A whole ``chat.completion`` as ``chat.completion.chunk`` objects (OpenAI streaming format): the role,
+    the content, one chunk per tool call, the finish reason, and the usage if asked for. The turn is generated
+    whole (token-in/token-out), so the chunks come together once it is done."""
+    choice = answer["choices"][0]
+    msg = choice["message"]
+    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"]}
+
+    def chunk(delta: dict[str, Any], finish: Optional[str] = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                     "logprobs": choice["logprobs"] if finish else None}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}))
+    for k, call in enumerate(msg.get("tool_calls") or ()):
+        out.append(chunk({"tool_calls": [{"index": k, **call}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": answer["usage"]})
+    return out
+
+
+async def _stream(request: web.Request, answer: dict[str, Any], include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in stream_chunks(answer, include_usage))
+    await resp.write((body + "data: [DONE]\n\n").encode())
+    await resp.write_eof()
+    return resp
 
 
 @_capability_route

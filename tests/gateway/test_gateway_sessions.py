@@ -86,6 +86,7 @@ async def test_bad_requests_get_openai_format_4xx(gateway_server, open_session, 
         (dict(messages=START, extra_body={"guided_json": {}}), "unsupported_parameter", "guided_json"),
         (dict(messages=START, response_format={"type": "json_object"}), "unsupported_parameter", "response_format"),
         (dict(messages=START, max_tokens=0), "invalid_parameter", "max_tokens"),
+        (dict(messages=START, stream_options={"include_usage": True}), "invalid_parameter", "stream_options"),
         (dict(messages=START, tools=[{"name": "read"}]), "invalid_parameter", "tools"),
     ]
     for kwargs, code, param in cases:
@@ -190,3 +191,34 @@ async def test_session_state_is_bounded(gateway_server, open_session, scripted_p
     assert list(gw.finished) == [c["session_id"]]
     for old in (a, b):
         assert (await client.post(f"/sessions/{old['session_id']}/finalize", headers=AUTH)).status == 404
+
+
+async def test_streaming_agent_gets_sse_chunks_and_the_same_trajectory(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(read_then_answer)])
+    s, sdk = await open_session(client)
+    stream = await sdk.chat.completions.create(model="m", messages=START, tools=TOOLS, stream=True,
+                                               stream_options={"include_usage": True})
+    content, calls, finish, usage = "", {}, None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or ():
+                c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert content == "Let me look." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("read", {"path": "a.txt"})]
+    assert usage.completion_tokens == len(scripted_policy.returned[0][0])
+    # the agent rebuilds the assistant message from the chunks; the session goes on without a split
+    sent = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls.values()]}
+    messages = START + [sent, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "hello"}]
+    stream = await sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True)
+    text = "".join([ch.delta.content or "" async for chunk in stream for ch in chunk.choices])
+    assert text == "It says: 1 response(s) seen."
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["split_reasons"] == [] and result["trajectories"][0]["num_turns"] == 2
