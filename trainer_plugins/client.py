@@ -209,15 +209,21 @@ class StepBatch:
 # ------------------------------------------------------------------------------------------------ client
 
 
-def _normalise_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]],
-                       local_node: Optional[str]) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+def resolve_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]],
+                    local_node: Optional[str] = None) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    """Rollout servers from URLs, a :class:`ServersFile` or the path of ``servers.json``: ``(urls in same-node
+    first order, headers with the bearer token, {url: llm_backends})``. Reading a path blocks (small file).
+
+    Raises:
+        ValueError: no server. FileNotFoundError / ServersFileError: servers.json is missing or malformed.
+    """
     if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")):
         servers = load_servers(servers)
     if isinstance(servers, ServersFile):
         ordered = servers.ordered(local_node)
         return [s.url for s in ordered], servers.headers, {s.url: list(s.llm_backends) for s in ordered}
     if isinstance(servers, str):
-        servers = [servers]
+        servers = [u.strip() for u in servers.split(",") if u.strip()]  # "http://a:1,http://b:2"
     urls = [u.rstrip("/") for u in servers]
     if not urls:
         raise ValueError("no rollout server given")
@@ -266,7 +272,7 @@ class RolloutClient:
             raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {staleness_policy!r}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
-        self.urls, file_headers, self.server_backends = _normalise_servers(servers, local_node)
+        self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
         self.headers = {**file_headers, **(headers or {})}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"

@@ -1,10 +1,13 @@
 """Fixtures of the trainer-side tests: real rollout servers (the project's aiohttp app on a loopback TCP port,
-reached by the client over HTTP) serving a handler whose samples differ in reward and duration.
+reached by the client over HTTP) with test-double handlers:
 
-``VariedHandler`` is a test double for a real task handler (math, code): it does no task work. Each job of an
-instance is the k-th one the server has seen for that instance id and gets ``rewards[k % len]`` after
-sleeping ``sleeps[k % len]`` seconds in run, so a group of n samples has scripted rewards and one slow
-sample can be made to straddle a training step.
+- ``VariedHandler`` stands in for a real task handler (math, code) and does no task work. Each job of an
+  instance is the k-th one the server has seen for that instance id and gets ``rewards[k % len]`` after
+  sleeping ``sleeps[k % len]`` seconds in run, so a group of n samples has scripted rewards and one slow
+  sample can be made to straddle a training step.
+- ``FixedTrajectoryHandler`` stands in for an LLM handler with no LLM: it returns the trajectory the instance
+  gives (exact token ids, logprobs, mask, weight versions).
+- ``ChatHandler`` is the math handler without sandbox tools: one real LLM turn, math-verify reward.
 """
 from __future__ import annotations
 
@@ -80,3 +83,64 @@ def job_state():
                 return await r.json()
 
     return get
+
+
+class FixedTrajectoryHandler(AgentHandler):
+    """Stands in for an LLM handler when no LLM runs: returns the trajectory given in the instance
+    (``{"data_source": "fixed", "trajectory": {prompt_ids, response_ids, response_logprobs, loss_mask,
+    weight_versions}, "reward": 1.0, "sleep": 0}``), after sleeping ``sleep`` seconds in run, so the verl
+    adapter's conversion, truncation and cancellation can be checked exactly."""
+
+    name = "fixed"
+    needs_llm = False
+
+    async def run(self, job):
+        if job.instance.get("sleep"):
+            await asyncio.sleep(job.instance["sleep"])
+        from prorl_server.types import Trajectory
+
+        job.trajectories = [Trajectory(**job.instance["trajectory"])]
+        job.messages = list(job.instance.get("messages") or [])
+
+    async def eval(self, job):
+        job.reward = float(job.instance.get("reward", 0.0))
+        job.resolved = job.reward > 0
+
+
+class ChatHandler(AgentHandler):
+    """Stands in for the ``math`` handler without its sandbox tools: one assistant turn from the real LLM
+    backend through the project's token-in/token-out agent loop, scored by the math handler's scorer
+    (math-verify on the last ``\\boxed{}``; a random tiny model scores 0)."""
+
+    name = "chat"
+    needs_llm = True
+
+    async def run(self, job):
+        from handlers.tools import run_agent
+        from prorl_server.agent_loop import AgentConfig
+
+        await run_agent(job, job.instance["messages"], {}, AgentConfig(max_turns=1, finish_tool=None))
+
+    async def eval(self, job):
+        from handlers.math.scoring import score
+
+        text = next((m["content"] for m in reversed(job.messages) if m["role"] == "assistant"), "")
+        job.reward, _ = score(job.instance, text)
+        job.resolved = job.reward > 0
+
+
+@pytest.fixture
+def start_llm_server(aiohttp_server):
+    """``await start_llm_server(backends)`` -> base URL of a real rollout server serving ``fixed`` and
+    ``chat`` with the given LLM backends registered (weight version 0)."""
+
+    async def start(backends=(), **settings):
+        registry = HandlerRegistry()
+        registry.register(FixedTrajectoryHandler)
+        registry.register(ChatHandler)
+        settings.setdefault("health_interval_s", 3600)
+        server = await aiohttp_server(create_app(ServerSettings(backends=list(backends), **settings),
+                                                 registry=registry))
+        return str(server.make_url("")).rstrip("/")
+
+    return start

@@ -1,0 +1,254 @@
+"""The verl 0.9.1 adapter: the agent loop as verl instantiates and post-processes it, the shipped Hydra
+configs, and verl's DAPO/CISPO losses on batches built from rollout-server trajectories."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, DictConfigWrap, ToolListWrap  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn  # noqa: E402
+from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
+from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
+from verl.utils.import_utils import resolve_config_path  # noqa: E402
+
+from trainer_plugins.verl import CONFIG_DIR  # noqa: E402
+from trainer_plugins.verl.agent_loop import ProRLAgentLoop  # noqa: E402
+
+PROMPT_LEN, RESPONSE_LEN = 64, 16
+
+
+def compose_config(name: str, model_dir, prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name=name, overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"actor_rollout_ref.rollout.prompt_length={prompt_len}",
+            f"actor_rollout_ref.rollout.response_length={response_len}",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loop.yaml'}",
+        ])
+
+
+@pytest.fixture
+def cfg(tiny_model_dir):
+    return compose_config("prorl_dapo", tiny_model_dir)
+
+
+@pytest.fixture
+def worker(cfg, tokenizer, monkeypatch):
+    """verl's AgentLoopWorker without Ray, built the way verl's own CPU tests do (``object.__new__``), with
+    the agent loop registry read from our YAML as ``AgentLoopWorker.__init__`` reads it."""
+    w = object.__new__(AgentLoopWorker)
+    w.config = cfg
+    w.llm_client = None
+    w.teacher_client = None
+    w.reward_loop_worker_handles = None
+    w.rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    w.dataset_cls = RLHFDataset
+    w.tokenizer = tokenizer
+    w.processor = None
+    w.hf_model_type = "qwen2"
+    w.mm_processor_kwargs = {}
+    w.distillation_enabled = False
+    w.tools = []
+    for entry in OmegaConf.load(resolve_config_path(w.rollout_config.agent.agent_loop_config_path)):
+        monkeypatch.setitem(verl_agent_loop._agent_loop_registry, entry.name, entry)
+    return w
+
+
+def make_loop(cfg, tokenizer, **settings):
+    """Instantiate the YAML entry exactly as ``AgentLoopWorker._run_agent_loop`` does."""
+    entry = verl_agent_loop._agent_loop_registry["prorl"]
+    return instantiate(config=entry, trainer_config=DictConfigWrap(config=cfg), server_manager=None,
+                       tokenizer=tokenizer, processor=None, hf_model_type="qwen2", dataset_cls=RLHFDataset,
+                       data_config=DictConfigWrap(cfg.data), tools=ToolListWrap([]), **settings)
+
+
+def fixed_row(prompt_ids, response_ids, reward=1.0, versions=(3, 4), sleep=0, mask=None):
+    traj = {"prompt_ids": prompt_ids, "response_ids": response_ids,
+            "response_logprobs": [-0.5 - 0.01 * i for i in range(len(response_ids))],
+            "loss_mask": mask or [1] * len(response_ids), "weight_versions": list(versions)}
+    return {"raw_prompt": np.array([{"role": "user", "content": "hi"}], dtype=object), "data_source": "fixed",
+            "extra_info": {"index": 7, "instance": {"data_source": "fixed", "trajectory": traj,
+                                                     "reward": reward, "sleep": sleep}},
+            "index": 7}
+
+
+def test_yaml_entry_instantiates_through_hydra(cfg, worker, tokenizer, monkeypatch):
+    monkeypatch.setenv("PRORL_SERVERS", "http://127.0.0.1:1,http://127.0.0.1:2")
+    loop = make_loop(cfg, tokenizer)
+    assert isinstance(loop, ProRLAgentLoop)
+    assert loop.servers == "http://127.0.0.1:1,http://127.0.0.1:2"
+    assert (loop.prompt_length, loop.response_length) == (PROMPT_LEN, RESPONSE_LEN)
+    monkeypatch.delenv("PRORL_SERVERS")
+    with pytest.raises(Exception, match="servers"):
+        make_loop(cfg, tokenizer)
+
+
+@pytest.mark.parametrize("name, loss_mode", [("prorl_dapo", "vanilla"), ("prorl_cispo", "cispo")])
+def test_shipped_configs_compose_into_verl_dataclasses(tiny_model_dir, name, loss_mode):
+    c = compose_config(name, tiny_model_dir)
+    actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == loss_mode and actor.loss_agg_mode == "token-mean"
+    if name == "prorl_dapo":
+        assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
+    algo = omega_conf_to_dataclass(c.algorithm)
+    assert algo.filter_groups.enable and algo.filter_groups.metric == "acc"
+    assert c.algorithm.rollout_correction.rollout_is == "token"
+    rollout = omega_conf_to_dataclass(c.actor_rollout_ref.rollout)
+    assert rollout.agent.default_agent_loop == "prorl" and rollout.calculate_log_probs
+    assert c.trainer.v1.trainer_mode == "colocate_async"
+    assert c.trainer.v1.sampler.max_off_policy_threshold == 1
+
+
+async def test_output_is_truncated_and_carries_versions_and_reward_extras(cfg, worker, tokenizer,
+                                                                         start_llm_server, monkeypatch):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = make_loop(cfg, tokenizer)
+    prompt, response = list(range(10, 10 + PROMPT_LEN + 5)), list(range(500, 500 + RESPONSE_LEN + 9))
+    out = await loop.run({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True},
+                         **fixed_row(prompt, response, reward=1.0, versions=(3, 4)))
+    assert out.prompt_ids == prompt[-PROMPT_LEN:]  # left-truncated, as verl caps prompts
+    assert out.response_ids == response[:RESPONSE_LEN]
+    assert out.response_mask == [1] * RESPONSE_LEN
+    assert out.response_logprobs == pytest.approx([-0.5 - 0.01 * i for i in range(RESPONSE_LEN)])
+    assert out.reward_score == 1.0
+    assert out.extra_fields["reward_extra_info"] == {"acc": 1.0, "score": 1.0}
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)
+    assert all(type(out.extra_fields[k]) is int for k in ("min_global_steps", "max_global_steps"))
+    assert out.extra_fields["prorl"]["truncated"] is True
+
+
+async def test_cancelling_the_loop_cancels_the_job_on_the_server(cfg, worker, tokenizer, start_llm_server,
+                                                                monkeypatch, job_state):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = make_loop(cfg, tokenizer)
+    seen = []
+
+    async def process(u, headers, body, _real=loop._process):
+        seen.append(body["job_id"])
+        return await _real(u, headers, body)
+
+    loop._process = process
+    task = asyncio.create_task(loop.run({}, **fixed_row([1, 2], [3], sleep=30)))
+    for _ in range(200):
+        if seen and (await job_state(url, seen[0])).get("state") == "run":
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        s = await job_state(url, seen[0])
+        if s["state"] == "done":
+            break
+        await asyncio.sleep(0.02)
+    assert s["state"] == "done" and s["result"]["critical_error"] == "cancelled"
+
+
+async def test_request_timeout_cancels_the_job_and_yields_a_zero_reward_row(cfg, worker, tokenizer,
+                                                                           start_llm_server, monkeypatch,
+                                                                           job_state):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = make_loop(cfg, tokenizer, request_timeout_s=0.5)
+    out = await asyncio.wait_for(loop.run({}, **fixed_row([1, 2], [3], sleep=30), global_steps=5), 10)
+    assert out.reward_score == 0.0 and out.response_ids == [] and out.prompt_ids
+    assert out.extra_fields["min_global_steps"] == 5  # the server reported none: the trainer's step
+    s = await job_state(url, out.extra_fields["prorl"]["job_id"])
+    assert s["result"]["critical_error"] == "cancelled"
+
+
+def loss_batch(data: DataProto, rewards: list[float]):
+    """Advantages (GRPO, verl's estimator) for ``data``'s rows with the given outcome rewards."""
+    mask = data.batch["response_mask"].float()
+    last = mask.sum(-1).long().clamp(min=1) - 1
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(len(rewards)), last] = torch.tensor(rewards)
+    adv, _ = compute_grpo_outcome_advantage(token_rewards, mask, np.zeros(len(rewards), dtype=object))
+    return adv, mask
+
+
+def policy_log_probs(model, data: DataProto) -> torch.Tensor:
+    """Current-policy log-probs of the response tokens (the actor's forward pass, done here with HF)."""
+    input_ids, attn = data.batch["input_ids"], data.batch["attention_mask"]
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=data.batch["position_ids"]).logits
+    r = data.batch["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, -r - 1:-1].float(), dim=-1)
+    return logp.gather(-1, data.batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", ["prorl_dapo", "prorl_cispo"])
+async def test_verl_losses_run_on_a_batch_from_our_trajectories(name, tiny_model_dir, tokenizer, worker,
+                                                               start_llm_server, monkeypatch, hf_model):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    c = compose_config(name, tiny_model_dir)
+    worker.config = c
+    rows = [fixed_row(list(range(20, 40)), list(range(100 + k, 110 + k)), mask=[1] * 8 + [0, 1])
+            for k in range(4)]
+    batch = DataProto.from_single_dict({k: np.array([r[k] for r in rows], dtype=object)
+                                        for k in ("raw_prompt", "data_source", "extra_info", "index")})
+    batch.non_tensor_batch["agent_name"] = np.array(["prorl"] * 4, dtype=object)
+    data = await worker.generate_sequences(batch)
+    adv, mask = loss_batch(data, [1.0, 0.0, 1.0, 0.0])
+    actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
+    log_prob = policy_log_probs(hf_model, data)
+    loss, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        old_log_prob=data.batch["rollout_log_probs"], log_prob=log_prob, advantages=adv, response_mask=mask,
+        loss_agg_mode=actor.loss_agg_mode, config=actor)
+    assert torch.isfinite(loss)
+    hf_model.zero_grad()
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in hf_model.parameters())
+    assert "actor/pg_clipfrac" in metrics
+
+
+@pytest.mark.real
+async def test_real_llm_rows_pass_through_verls_post_processing(worker, tokenizer, start_llm_server,
+                                                               vllm_server, monkeypatch, hf_model):
+    url = await start_llm_server([vllm_server.address])
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    prompts = [[{"role": "user", "content": f"What is {k} + {k}? Answer in \\boxed{{}}."}] for k in range(2)]
+    n = 2  # a GRPO group of two samples per prompt
+    raw = [p for p in prompts for _ in range(n)]
+    batch = DataProto.from_single_dict({
+        "raw_prompt": np.array([np.array(p, dtype=object) for p in raw] + [None], dtype=object)[:-1],
+        "data_source": np.array(["chat"] * len(raw), dtype=object),
+        "reward_model": np.array([{"ground_truth": str(2 * k)} for k in range(2) for _ in range(n)], dtype=object),
+        "index": np.array([k for k in range(2) for _ in range(n)], dtype=object),
+        "global_steps": np.array([0] * len(raw), dtype=object),
+    })
+    batch.non_tensor_batch["agent_name"] = np.array(["prorl"] * len(raw), dtype=object)
+    data = await worker.generate_sequences(batch)
+
+    b, nt = data.batch, data.non_tensor_batch
+    assert b["responses"].shape == (4, RESPONSE_LEN) and b["prompts"].shape == (4, PROMPT_LEN)
+    assert "rollout_log_probs" in b.keys() and "rm_scores" in b.keys()
+    assert set(data.meta_info["reward_extra_keys"]) == {"acc", "score"}
+    assert list(nt["acc"]) == [0.0] * 4  # a random model does not solve arithmetic
+    assert all(type(v) is int for v in nt["min_global_steps"]) and list(nt["max_global_steps"]) == [0] * 4
+    mask = b["response_mask"].bool()
+    assert mask.any(axis=1).all()  # every row generated tokens
+    lp = b["rollout_log_probs"]
+    assert (lp[mask] < 0).all() and (lp[~mask] == 0).all()
+    # the server's logprobs are the policy's: verl's tensors line up with a forward pass over them
+    with torch.no_grad():
+        ours = policy_log_probs(hf_model, data)
+    assert torch.allclose(ours[mask], lp[mask], atol=2e-3)
