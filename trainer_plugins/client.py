@@ -310,6 +310,7 @@ class RolloutClient:
         self._counters: Counter = Counter()
         self._wasted_s = 0.0
         self._closed = False
+        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "RolloutClient":
@@ -329,7 +330,8 @@ class RolloutClient:
             await asyncio.gather(self._replenisher, return_exceptions=True)
         if cancel_jobs:
             await self._cancel_groups([g for _, g in self.queue] + list(self._regen), "close")
-        tasks = [s.task for _, g in self.queue for s in g.samples if s.task is not None and not s.task.done()]
+        # every request still open, including those of discarded groups waiting for their cancelled result
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -431,6 +433,8 @@ class RolloutClient:
             sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic())
             group.samples.append(sample)
             sample.task = asyncio.create_task(self._run_sample(group, sample))
+            self._tasks.add(sample.task)
+            sample.task.add_done_callback(self._tasks.discard)
         self._counters["submitted_jobs"] += self.n
 
     async def _run_sample(self, group: Group, sample: Sample) -> None:
