@@ -396,7 +396,7 @@ class RolloutClient:
     def capacity(self) -> int:
         """Groups that may be outstanding now (submitted, not consumed or discarded).
 
-        With a staleness bound K this is AReaL's rule (Fu et al. 2025, "AReaL", section 5.1): counting
+        With a staleness bound K this is the staleness-aware submission rule of AReaL (Fu et al. 2025): counting
         consumed groups too, at most ``(version + K + 1) * B`` groups may have been submitted by weight version
         ``version`` (versions counted from the first), plus ``oversubscribe``. A group submitted now is then
         consumed within K versions if groups are consumed in order; so after a step takes its groups, nothing

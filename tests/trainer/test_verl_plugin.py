@@ -3,6 +3,7 @@ configs, and verl's DAPO/CISPO losses on batches built from rollout-server traje
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,3 +253,10 @@ async def test_real_llm_rows_pass_through_verls_post_processing(worker, tokenize
     with torch.no_grad():
         ours = policy_log_probs(hf_model, data)
     assert torch.allclose(ours[mask], lp[mask], atol=2e-3)
+
+
+def test_verls_top_level_tests_package_cannot_shadow_ours():
+    # verl's wheel installs site-packages/tests; ours stays a plain folder collected by path (importlib mode)
+    root = Path(__file__).resolve().parents[2]
+    assert Path(__file__).resolve().parent == root / "tests" / "trainer"
+    assert not list((root / "tests").rglob("__init__.py"))
