@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from prorl_server.balancer import NoBackendError
 from prorl_server.conversation import ContextLengthError, Conversation
 from prorl_server.llm_client import LLMRequestError, LLMUnavailableError, backend_getter
 from prorl_server.tool_parser import get_parser
@@ -70,9 +71,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Sampling parameters passed on to vLLM as given (OpenAI names; vLLM extensions top_k, min_p,
-#: repetition_penalty).
+#: repetition_penalty, min_tokens).
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-           "repetition_penalty")
+           "repetition_penalty", "min_tokens")
 #: Accepted and ignored: they change nothing the gateway records.
 _IGNORED = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier")
 _KNOWN = frozenset({"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "n",
@@ -284,7 +285,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 @dataclass
 class Session:
-    """One agent's session: its conversation(s) and what it is owed. Fields are the gateway's; read them."""
+    """One agent's session: its conversation(s) and what it is owed. Fields are the gateway's; read them.
+
+    ``counters``: ``requests``; ``generated_tokens``; ``prompt_tokens_added`` (tokens the gateway rendered and
+    tokenized itself); ``splits``; seconds: ``llm_s`` (in the token-in/token-out client), ``backend_http_s``
+    (its HTTP exchanges with the backend), ``gateway_s`` (everything else of a request inside the gateway).
+    """
 
     session_id: str
     key: str
@@ -303,7 +309,7 @@ class Session:
     split_reasons: list[str] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: {
         "requests": 0, "generated_tokens": 0, "prompt_tokens_added": 0, "splits": 0, "llm_s": 0.0,
-        "gateway_s": 0.0})
+        "backend_http_s": 0.0, "gateway_s": 0.0})
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     completed: asyncio.Event = field(default_factory=asyncio.Event)
     backend_key: Optional[str] = None  # pool assignment of a session without a job
@@ -442,9 +448,11 @@ class Gateway:
         self._end(s, "aborted", reason)
 
     def expire_idle(self, now: Optional[float] = None) -> int:
-        """Expire open sessions idle longer than ``idle_timeout_s`` (not those inside a request)."""
+        """Expire open sessions idle longer than ``idle_timeout_s`` (not those inside a request, nor those of a
+        job: the job's timeout and cancellation bound them)."""
         now = time.monotonic() if now is None else now
-        stale = [s for s in self.open.values() if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+        stale = [s for s in self.open.values()
+                 if s.job is None and now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
         for s in stale:
             self._end(s, "expired", "idle_timeout")
         self.counters["expired"] += len(stale)
@@ -478,10 +486,10 @@ class Gateway:
             get = backend_getter(self._backend_source(s))
             try:
                 backend = await get(frozenset())
-            except Exception as e:
+                tok = await self.llm.tokenizer(backend)
+                info = await self.llm.client.model_info(backend.address)
+            except (NoBackendError, LLMUnavailableError) as e:
                 raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
-            tok = await self.llm.tokenizer(backend)
-            info = await self.llm.client.model_info(backend.address)
             await self._advance(s, req, tok, info.max_model_len)
             conv = s.conv
             assert conv is not None
@@ -506,6 +514,7 @@ class Gateway:
             s.history.append(normalize_message(answer, len(s.history)))
             s.counters["generated_tokens"] += len(comp.token_ids)
             s.counters["llm_s"] += llm_s
+            s.counters["backend_http_s"] += comp.http_s
             s.counters["gateway_s"] += time.perf_counter() - t0 - llm_s
             s.last_used = time.monotonic()
             choice: dict[str, Any] = {"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}
@@ -659,6 +668,11 @@ def _capability_route(fn: Callable[[web.Request, Gateway, Session], Awaitable[we
             return await fn(request, gw, s)
         except GatewayError as e:
             return e.response()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug: still answer in the format the agent's SDK understands
+            log.exception("gateway error in session %s", request.match_info.get("ref", "").partition(".")[0])
+            return GatewayError(500, f"{type(e).__name__}: {e}", "internal_error", type_="server_error").response()
 
     handler.prorl_capability = True  # type: ignore[attr-defined]
     handler.__name__ = fn.__name__

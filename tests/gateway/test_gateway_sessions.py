@@ -222,3 +222,16 @@ async def test_streaming_agent_gets_sse_chunks_and_the_same_trajectory(gateway_s
     assert text == "It says: 1 response(s) seen."
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
     assert result["split_reasons"] == [] and result["trajectories"][0]["num_turns"] == 2
+
+
+async def test_no_backend_is_a_503_and_the_session_can_retry(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([])
+    s, sdk = await open_session(client)
+    with pytest.raises(openai.InternalServerError) as e:
+        await sdk.chat.completions.create(model="m", messages=START)
+    assert e.value.status_code == 503 and e.value.code == "no_backend"
+    r = await client.post("/add_llm_server", json={"address": await scripted_policy(lambda p, t: "ok")}, headers=AUTH)
+    assert r.status == 200
+    assert (await sdk.chat.completions.create(model="m", messages=START)).choices[0].message.content == "ok"
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert len(result["trajectories"]) == 1 and result["counters"]["requests"] == 2
