@@ -31,8 +31,8 @@ What it does (DESIGN.md "Trainer side", issue 6):
 - **Windowed FIFO** (:class:`trainer_plugins.admission.WindowedFIFO`): groups are numbered in submission
   order and the trainer may take a complete group only from the first ``window`` positions; ``None`` is
   greedy, ``1`` strict FIFO.
-- **Staleness**: a group's version is the oldest weight version its trajectories were generated with (the
-  version current when it was submitted, or older versions the server reports). ``lag = current - version``
+- **Staleness**: a group's version is the oldest weight version its trajectories were generated with (as the
+  server reports it, else the version current when it was submitted). ``lag = current - version``
   never exceeds ``max_staleness`` for a consumed group. ``staleness_policy="drop"``: a group that would
   exceed it is discarded (its running jobs cancelled; the next dataset item takes its place).
   ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``): a step first waits for and takes
@@ -129,15 +129,16 @@ class Group:
 
     @property
     def version(self) -> int:
-        """Oldest weight version the group was generated with: the version at submission, or an older one
-        the server reports (``result.weight_version`` / ``trajectories[].weight_versions``)."""
-        versions = [self.submit_version]
+        """Oldest weight version the group was generated with: what the server reports
+        (``result.weight_version`` / ``trajectories[].weight_versions``, the versions its backends were
+        registered with), else the version current at submission."""
+        versions = []
         for r in self.results:
             if isinstance(r.get("weight_version"), int):
                 versions.append(r["weight_version"])
             for t in r.get("trajectories") or ():
                 versions.extend(v for v in t.get("weight_versions") or () if isinstance(v, int))
-        return min(versions)
+        return min(versions) if versions else self.submit_version
 
     @property
     def trajectories(self) -> list[dict]:
@@ -254,6 +255,9 @@ class RolloutClient:
         headers: extra HTTP headers (the token of a ServersFile is added automatically); token: bearer token.
         local_node: node name for same-node-first ordering of a ServersFile (default: this node).
         job_prefix: prefix of the job ids (default: a random one per client).
+        initial_weight_version: the version before the first :meth:`update_weights`.
+        unavailable_retry_s: how long a job the server answers 503 (no LLM backend yet, server stopped) is
+            offered again, every 0.25 s, before it counts as failed.
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
@@ -265,7 +269,7 @@ class RolloutClient:
                  token: Optional[str] = None, local_node: Optional[str] = None,
                  instance_fn: Optional[Callable[[Any], Instance]] = None,
                  max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
-                 initial_weight_version: int = 0) -> None:
+                 initial_weight_version: int = 0, unavailable_retry_s: float = 120.0) -> None:
         if groups_per_step < 1 or n_samples < 1:
             raise ValueError("groups_per_step and n_samples must be >= 1")
         if staleness_policy not in ("drop", "wait"):
@@ -292,6 +296,7 @@ class RolloutClient:
         self.instance_fn = instance_fn
         self.max_outstanding_groups = max_outstanding_groups
         self.job_prefix = job_prefix or uuid.uuid4().hex[:8]
+        self.unavailable_retry_s = unavailable_retry_s
         self.weight_version = initial_weight_version
         self._first_version = initial_weight_version
         self._consumed = 0  # groups handed to the trainer, over all steps
@@ -442,12 +447,20 @@ class RolloutClient:
                                 "job_id": sample.job_id}
         if self.timeout_s is not None:
             body["timeout_s"] = self.timeout_s
+        deadline = time.monotonic() + self.unavailable_retry_s
         try:
-            async with self._session.post(f"{sample.server}/process", json=body) as r:
-                data = await r.json(content_type=None)
+            while True:
+                async with self._session.post(f"{sample.server}/process", json=body) as r:
+                    data = await r.json(content_type=None)
+                # 503: no LLM backend registered yet (or being swapped in a weight update), or the server is
+                # stopped: both pass, so the job is offered again until unavailable_retry_s runs out.
+                if r.status == 503 and not sample.cancel_requested and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)
+                    continue
                 if r.status != 200:
                     err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
                     raise RuntimeError(f"{sample.server} answered {r.status}: {err.get('message', data)}")
+                break
             result = data
         except asyncio.CancelledError:
             raise

@@ -223,3 +223,26 @@ async def test_servers_json_same_node_first_and_backends_registered_everywhere(s
                     backends = (await r.json())["backends"]
                 assert [(b["address"], b["weight_version"]) for b in backends] == [(f"http://127.0.0.{k + 2}:8000", 7)]
     assert json.loads(path.read_text())["job_id"] == "42"
+
+
+@pytest.mark.real
+async def test_weight_versions_come_from_the_backends_the_client_registered(start_llm_server, vllm_server):
+    url = await start_llm_server()  # no backend until the client registers one
+    data = [{"data_source": "chat", "messages": [{"role": "user", "content": f"Say {k}."}], "answer": str(k)}
+            for k in range(4)]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, dynamic_sampling=False,
+                             max_staleness=1, sampling_params={"temperature": 1.0, "max_tokens": 8},
+                             initial_weight_version=4, max_epochs=1) as client:
+        await client.update_weights(5, backends=[vllm_server.address])
+        first = await asyncio.wait_for(client.next_batch(), 120)
+        await client.update_weights(6, backends=[vllm_server.address])
+        second = await asyncio.wait_for(client.next_batch(), 120)
+    for g in first.groups + second.groups:
+        for r in g.results:
+            assert r["critical_error"] is None, r["error"]
+            assert r["weight_version"] in (5, 6)
+            assert all(t["weight_versions"] == [r["weight_version"]] for t in r["trajectories"])
+            assert r["trajectories"][0]["response_ids"]
+    assert first.metrics.lag == [0]
+    # submitted while version 5 was registered: the server generated it with 5 and the lag says so
+    assert second.groups[0].version == 5 and second.metrics.lag == [1]
