@@ -235,3 +235,24 @@ async def test_no_backend_is_a_503_and_the_session_can_retry(gateway_server, ope
     assert (await sdk.chat.completions.create(model="m", messages=START)).choices[0].message.content == "ok"
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
     assert len(result["trajectories"]) == 1 and result["counters"]["requests"] == 2
+
+
+async def test_a_per_session_unix_socket_serves_its_own_session_only(gateway_server, open_session, scripted_policy,
+                                                                    tmp_path):
+    import aiohttp
+
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    gw = app[GATEWAY]
+    a, b = gw.create_session(), gw.create_session()
+    runner = await gw.serve_unix(a, str(tmp_path / "a.sock"))
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(tmp_path / "a.sock"))) as http:
+            async with http.post(f"http://x/sessions/{a.ref}/v1/chat/completions", json={"messages": START}) as r:
+                assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "ok"
+            async with http.post(f"http://x/sessions/{b.ref}/v1/chat/completions", json={"messages": START}) as r:
+                assert r.status == 404  # B's valid capability is useless on A's socket
+            async with http.post(f"http://x/sessions/{a.session_id}/finalize") as r:
+                assert r.status == 404  # no management route there
+    finally:
+        await runner.cleanup()
+    assert b.counters["requests"] == 0 and a.counters["requests"] == 1
