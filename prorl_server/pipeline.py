@@ -207,7 +207,7 @@ class Pipeline:
         job.status = _ACTIVE[stage]
         t0 = time.monotonic()
         job.timer.resume()
-        job.task = asyncio.create_task(self._guarded(getattr(handler, stage)(job), remaining),
+        job.task = asyncio.create_task(self._guarded(getattr(handler, stage), job, remaining),
                                        name=f"{stage}:{job.job_id}")
         try:
             await asyncio.wait({job.task})
@@ -250,15 +250,16 @@ class Pipeline:
         await self._finish(job, stage, msg, tb)
 
     @staticmethod
-    async def _guarded(coro, remaining: Optional[float]) -> Any:
+    async def _guarded(stage_fn, job: Job, remaining: Optional[float]) -> Any:
+        # The handler's coroutine is created here, inside the task: a task cancelled before it first runs
+        # then leaves no never-awaited coroutine behind.
         if remaining is None:
-            return await coro
+            return await stage_fn(job)
         if remaining <= 0:
-            coro.close()
             raise _JobTimeout()
         try:
             async with asyncio.timeout(remaining) as deadline:
-                return await coro
+                return await stage_fn(job)
         except TimeoutError as e:
             # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
             if deadline.expired():
