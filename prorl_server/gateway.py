@@ -506,6 +506,12 @@ class Gateway:
                 raise GatewayError(503, str(e), "backend_unavailable", type_="server_error") from None
             except LLMRequestError as e:
                 raise GatewayError(400, f"the backend refused the request: {e}", "backend_rejected") from None
+            finally:
+                if not s.is_open and s.backend_key is not None:  # ended meanwhile: a retry may have re-acquired
+                    self.pool.release(s.backend_key)
+            if not s.is_open:  # aborted or finalized while generating: the turn is not recorded
+                raise GatewayError(409, f"session {s.session_id} ended while this turn was generated "
+                                   f"({s.state})", "session_finished")
             llm_s = time.perf_counter() - t_llm
             msg = conv.add_completion(comp)
             s.awaiting = False
