@@ -256,3 +256,31 @@ async def test_a_per_session_unix_socket_serves_its_own_session_only(gateway_ser
     finally:
         await runner.cleanup()
     assert b.counters["requests"] == 0 and a.counters["requests"] == 1
+
+
+async def test_abort_while_a_turn_is_generated_records_nothing_and_frees_the_backend(
+        gateway_server, open_session, scripted_policy):
+    import asyncio
+
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    gw = app[GATEWAY]
+    # FAULT INJECTION: a generation that lasts until the test lets it finish (a slow backend)
+    release, started = asyncio.Event(), asyncio.Event()
+    real = gw.llm.client.complete
+
+    async def slow(*a, **kw):
+        started.set()
+        await release.wait()
+        return await real(*a, **kw)
+
+    gw.llm.client.complete = slow
+    s, sdk = await open_session(client)
+    turn = asyncio.ensure_future(sdk.chat.completions.create(model="m", messages=START))
+    await started.wait()
+    assert sum(b.in_flight for b in gw.pool.backends) == 1
+    assert (await client.post(f"/sessions/{s['session_id']}/abort", headers=AUTH)).status == 200
+    release.set()
+    with pytest.raises(openai.ConflictError):
+        await turn
+    assert sum(b.in_flight for b in gw.pool.backends) == 0
+    assert gw.finished[s["session_id"]].history == [] and gw.finished[s["session_id"]].trajectories() == []
