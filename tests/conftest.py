@@ -50,3 +50,85 @@ def vllm_server(tiny_model_dir):
     server = start_vllm_server(tiny_model_dir, "main")
     yield server
     server.stop()
+
+
+# ------------------------------------------------------------------------------------------ sandboxes
+def sandbox_processes() -> list:
+    """Sandbox processes (bwrap launchers and execution servers) below this test process. Used to CHECK
+    cleanup only; nothing is ever killed by name."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "sandbox.exec_server" in cmd or p.name() == "bwrap":
+            out.append(p)
+    return out
+
+
+@pytest.fixture
+def sandbox_procs():
+    """The :func:`sandbox_processes` check, for tests."""
+    return sandbox_processes
+
+
+@pytest.fixture
+def bwrap_runtime():
+    import shutil
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap; .ci/install does it)")
+    from sandbox import make_runtime
+
+    return make_runtime("bubblewrap")
+
+
+# ------------------------------------------------------------------------------------------ scripted policy
+@pytest.fixture
+def scripted_policy(aiohttp_server, tokenizer, tiny_model_dir):
+    """A labelled TEST DOUBLE standing in for a capable model (the random tiny model writes no tool calls):
+    an OpenAI-compatible ``/v1/completions`` server in vLLM's token-in/token-out dialect (``prompt`` = token
+    ids; ``token_ids`` and ``logprobs`` in the answer) that replays a fixed script of assistant turns,
+    tokenized with the tiny model's real tokenizer and ended with ``<|im_end|>`` as vLLM does.
+
+    ``async (script) -> base URL``; ``script(prompt_text, turn) -> str`` is assistant turn ``turn`` (0-based)
+    of the conversation whose rendered prompt is ``prompt_text``. Every completion returned is appended to
+    ``start.returned`` as ``(token_ids, logprobs)``; a turn longer than ``max_tokens`` is cut
+    (``finish_reason="length"``)."""
+    from aiohttp import web
+
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def start(script) -> str:
+        async def models(request):
+            return web.json_response({"data": [{"id": str(tiny_model_dir), "max_model_len": 16384}]})
+
+        async def health(request):
+            return web.Response()
+
+        async def completions(request):
+            body = await request.json()
+            prompt = tokenizer.decode(body["prompt"])
+            turn = prompt.count("<|im_start|>assistant") - 1
+            ids = tokenizer.encode(script(prompt, turn), add_special_tokens=False) + [end_id]
+            finish = "stop"
+            if len(ids) > body["max_tokens"]:
+                ids, finish = ids[:body["max_tokens"]], "length"
+            lps = [-0.25 - 0.001 * k for k in range(len(ids))]
+            start.returned.append((ids, lps))
+            return web.json_response({"choices": [{
+                "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
+                "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": lps}}]})
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completions)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/")
+
+    start.returned = []
+    return start
