@@ -147,8 +147,8 @@ class BackendPool:
                 return self.assign(job_id, exclude)
             except NoBackendError:
                 remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise
+                if remaining <= 0 or any(b.healthy for b in self._backends.values()):
+                    raise  # healthy backends exist but are all excluded: waiting would not help
                 self._available.clear()
                 try:
                     await asyncio.wait_for(self._available.wait(), min(remaining, 1.0))
@@ -175,6 +175,22 @@ class BackendPool:
             b.healthy = False
             if self._on_change:
                 self._on_change(b)
+
+    def report_failure(self, address: str, reason: str = "", threshold: int = 2) -> None:
+        """A request to ``address`` failed to connect: after ``threshold`` such failures in a row the backend
+        leaves rotation (one dropped keep-alive connection does not take the only backend out)."""
+        b = self.get(address)
+        if b is None:
+            return
+        b.consecutive_failures += 1
+        if b.consecutive_failures >= threshold:
+            self.mark_unhealthy(address, f"{b.consecutive_failures} failures in a row; last: {reason}")
+
+    def report_success(self, address: str) -> None:
+        """A request to ``address`` succeeded: its failure streak is over."""
+        b = self._backends.get(address)
+        if b is not None:
+            b.consecutive_failures = 0
 
     def mark_healthy(self, address: str) -> None:
         b = self.get(address)

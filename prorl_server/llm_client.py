@@ -9,6 +9,7 @@ Failure handling (one :meth:`LLMClient.complete` call never appends partial outp
 duplicate nor lose tokens):
 
 - connection refused/reset, server disconnect, 5xx, per-call timeout: the backend is excluded for this call
+  (and, after repeated connection failures, taken out of the pool until its health probe answers)
   (and, for connection failures, marked unhealthy in the pool); the next backend comes from the job
   (``job.backend(exclude=...)``) or pool; after ``max_attempts`` failures :class:`LLMUnavailableError`.
 - a backend that is paused for weight sync: vLLM's ``/pause`` (mode ``abort``) ends in-flight requests with
@@ -252,7 +253,15 @@ class LLMClient:
             try:
                 b = await get(frozenset(exclude))
             except NoBackendError as e:
-                raise LLMUnavailableError(f"no LLM backend available ({e}); last error: {last_error}") from e
+                if not exclude:
+                    raise LLMUnavailableError(f"no LLM backend available ({e}); last error: {last_error}") from e
+                # Every backend left has failed this call once. A single failure is often transient (a
+                # keep-alive connection the server just closed): try them again after a short back-off
+                # rather than ending the rollout; max_attempts still bounds the call.
+                exclude.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
             version_before = b.weight_version
             try:
                 if self.model is None and b.address not in self._models:
@@ -285,7 +294,7 @@ class LLMClient:
                 log.warning("LLM call failed on %s (%s); attempt %d/%d", b.address, reason, failures,
                             self.max_attempts)
                 if connection and self.pool is not None:
-                    self.pool.mark_unhealthy(b.address, reason)
+                    self.pool.report_failure(b.address, reason)
                 self._models.pop(b.address, None)
                 if failures >= self.max_attempts:
                     raise LLMUnavailableError(f"LLM call failed {failures} times; last: {last_error}") from None
@@ -294,6 +303,8 @@ class LLMClient:
                 self.counters["failovers"] += 1
                 continue
             self.counters["requests"] += 1
+            if self.pool is not None:
+                self.pool.report_success(b.address)
             return self._completion(choice, b, version_before, http_s, failures + pause_retries + 1, failovers,
                                     pause_retries)
 

@@ -135,3 +135,38 @@ async def test_dead_backend_leaves_rotation_and_returns_when_it_answers(unused_t
         await pool.probe_once(session, timeout_s=2)
         assert len(pool) == 1 and pool.assign("new").address == f"http://127.0.0.1:{port}"
         await runner.cleanup()
+
+
+async def test_one_dropped_connection_does_not_take_out_the_only_backend(aiohttp_server):
+    """Fault injection: a stand-in for vLLM's /v1/completions that drops the first connection (as a server
+    closing an idle keep-alive connection does) and answers afterwards."""
+    from prorl_server.llm_client import LLMClient
+
+    calls = []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+
+    async def completions(request):
+        calls.append(1)
+        if len(calls) == 1:
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"choices": [{"text": "x", "token_ids": [5], "finish_reason": "stop",
+                                               "logprobs": {"token_logprobs": [-0.5]}}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    pool = BackendPool()
+    address = str(server.make_url("")).rstrip("/")
+    pool.add(address)
+    async with LLMClient(pool=pool, pause_backoff_s=0.01) as client:
+        c = await client.complete([1, 2, 3], backend=lambda ex: pool.acquire("j", exclude=ex),
+                                  max_tokens=4)
+    assert c.token_ids == [5] and c.backend == address and len(calls) == 2
+    assert len(pool) == 1 and pool.get(address).consecutive_failures == 0
+    pool.report_failure(address, "refused")
+    pool.report_failure(address, "refused")
+    assert len(pool) == 0  # repeated failures do take it out (the health probe brings it back)

@@ -77,7 +77,8 @@ async def test_aborted_turn_during_weight_sync_is_retried_and_nothing_partial_is
     assert len(seen) == 2 and seen[0]["prompt"] == seen[1]["prompt"] == [1]
 
 
-async def test_connection_failure_fails_over_and_marks_the_backend_unhealthy(aiohttp_server, unused_tcp_port):
+async def test_connection_failure_fails_over_and_repeated_failures_mark_the_backend_unhealthy(aiohttp_server,
+                                                                                           unused_tcp_port):
     app, _ = fake_vllm([(200, choice([4]))])
     server = await aiohttp_server(app)
     pool = BackendPool()
@@ -87,8 +88,10 @@ async def test_connection_failure_fails_over_and_marks_the_backend_unhealthy(aio
     async with LLMClient(pool=pool) as llm:
         c = await llm.complete([1], backend=backend_getter(None, pool=pool, job_id="j"), max_tokens=1)
     assert c.token_ids == [4] and c.failovers == 1 and c.weight_versions == [2]
-    assert not pool.get(dead).healthy
+    assert pool.get(dead).consecutive_failures == 1 and pool.get(dead).healthy  # one failure may be transient
     assert pool.holder("j").address == str(server.make_url("")).rstrip("/")
+    pool.report_failure(dead, "refused again")  # the next failure in a row takes it out of rotation
+    assert not pool.get(dead).healthy
 
 
 async def test_server_error_is_retried_elsewhere_then_gives_up(aiohttp_server):
