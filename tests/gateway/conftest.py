@@ -51,3 +51,21 @@ async def open_session():
     yield make
     for sdk in clients:
         await sdk.close()
+
+
+@pytest.fixture
+def tap_llm():
+    """``tap_llm(gateway) -> calls``: record ``(prompt_ids, Completion)`` of every call the gateway's real LLM
+    client makes to vLLM (a spy on the real client, not a stand-in)."""
+    def tap(gateway):
+        calls = []
+        real = gateway.llm.client.complete
+
+        async def complete(prompt_ids, **kw):
+            c = await real(prompt_ids, **kw)
+            calls.append((list(prompt_ids), c))
+            return c
+
+        gateway.llm.client.complete = complete
+        return calls
+    return tap

@@ -52,19 +52,6 @@ if len(sys.argv) > 1:  # this agent also compresses its history before it ends w
 '''
 
 
-def tap(gateway):
-    calls = []
-    real = gateway.llm.client.complete
-
-    async def complete(prompt_ids, **kw):
-        c = await real(prompt_ids, **kw)
-        calls.append((list(prompt_ids), c))
-        return c
-
-    gateway.llm.client.complete = complete
-    return calls
-
-
 @pytest.fixture
 def registry():
     r = HandlerRegistry()
@@ -72,10 +59,10 @@ def registry():
     return r
 
 
-async def test_agent_script_in_bubblewrap_is_trained_through_the_gateway(
+async def test_agent_script_in_bubblewrap_is_trained_through_the_gateway(tap_llm,
         gateway_server, registry, bwrap_runtime, vllm_server, tokenizer, sandbox_procs):
     client, app = await gateway_server([vllm_server.address], registry=registry, runtime=bwrap_runtime)
-    calls = tap(app[GATEWAY])
+    calls = tap_llm(app[GATEWAY])
     problem = humaneval_problems()["HumanEval/0"]
     solved = {**to_instance(problem), "data_source": "cli_agent", "command": f"{sys.executable} agent.py",
               "files": {"agent.py": AGENT, "answer.txt": problem["prompt"] + problem["canonical_solution"]},

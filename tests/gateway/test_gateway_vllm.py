@@ -31,20 +31,6 @@ class EveryTurnCallsEcho:
         return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
 
 
-def tap(gateway):
-    """Record (prompt_ids, Completion) of every call the gateway's real LLM client makes to vLLM."""
-    calls = []
-    real = gateway.llm.client.complete
-
-    async def complete(prompt_ids, **kw):
-        c = await real(prompt_ids, **kw)
-        calls.append((list(prompt_ids), c))
-        return c
-
-    gateway.llm.client.complete = complete
-    return calls
-
-
 def generated_spans(traj: Trajectory) -> list[tuple[int, list[int]]]:
     """(offset in prompt+response where the span starts, token ids) of each run of loss_mask == 1."""
     out, start, cur = [], None, []
@@ -82,12 +68,12 @@ async def finalize(client, session_id):
     return await r.json()
 
 
-async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_tokens(
+async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_tokens(tap_llm,
         gateway_server, open_session, vllm_server, tokenizer):
     client, app = await gateway_server([vllm_server.address])
     gw = app[GATEWAY]
     gw.parser = EveryTurnCallsEcho()
-    calls = tap(gw)
+    calls = tap_llm(gw)
     s, sdk = await open_session(client)
     messages = [SYSTEM, {"role": "user", "content": "Echo things."}]
     observations = []
@@ -124,10 +110,10 @@ async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_token
         await sdk.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=4)
 
 
-async def test_history_compression_yields_two_prefix_consistent_trajectories_with_the_split_reason(
+async def test_history_compression_yields_two_prefix_consistent_trajectories_with_the_split_reason(tap_llm,
         gateway_server, open_session, vllm_server, tokenizer):
     client, app = await gateway_server([vllm_server.address])
-    calls = tap(app[GATEWAY])
+    calls = tap_llm(app[GATEWAY])
     s, sdk = await open_session(client)
     task = {"role": "user", "content": "Count to three."}
     messages = [SYSTEM, task]
