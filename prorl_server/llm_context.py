@@ -44,10 +44,8 @@ class LLMContext:
         if tok is not None:
             return tok
         fut = self._loading.get(name)
-        if fut is None:
-            from transformers import AutoTokenizer
-
-            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(AutoTokenizer.from_pretrained, name))
+        if fut is None:  # importing transformers takes seconds: in the thread too, not on the event loop
+            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, name))
         try:
             tok = await asyncio.shield(fut)
         except BaseException:
@@ -58,3 +56,9 @@ class LLMContext:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
