@@ -48,6 +48,9 @@ _RESERVED = frozenset({"prompt", "model", "stream", "echo", "n", "logprobs", "re
 _TOKEN_PREFIX = "token_id:"
 
 
+#: Seconds an idle keep-alive connection to a backend is kept (below vLLM's 5 s server-side timeout).
+KEEPALIVE_S = 4.0
+
 class LLMError(RuntimeError):
     """Base of the client's errors."""
 
@@ -176,9 +179,12 @@ class LLMClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # Connection reuse matters (keep-alive to each backend); no per-host limit below vLLM's own.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-                                                  json_serialize=json.dumps)
+            # Connection reuse matters (keep-alive to each backend); no per-host limit below vLLM's own. Idle
+            # connections are dropped after KEEPALIVE_S, before vLLM's server closes them (uvicorn,
+            # VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s): reusing one the server is closing fails the request.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
+                json_serialize=json.dumps)
             self._own_session = True
         return self._session
 
