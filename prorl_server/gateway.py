@@ -35,6 +35,9 @@ the answer's tool calls are parsed from the generated text (hermes) while the ra
 ``stream=true`` answers in the OpenAI server-sent-events format; the turn is generated whole, so its chunks
 arrive together when it is done.
 
+Every chat answer carries a ``Server-Timing`` header (W3C Server Timing): ``backend;dur=`` (ms of HTTP exchange
+with the LLM backend) and ``gateway;dur=`` (ms of the gateway's own work on the request).
+
 Errors answer in the OpenAI format ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 messages or unsupported parameters (``n > 1``, ``tool_choice="required"``, unknown ones...), 403 for a key that is not this session's,
 404 for an unknown session, 409 for a finished one, 429 when ``max_sessions`` are open, 503 when no backend
@@ -469,8 +472,12 @@ class Gateway:
         s.backend_key = f"gateway:{s.session_id}"
         return backend_getter(None, self.pool, s.backend_key)
 
-    async def chat(self, s: Session, req: ChatRequest) -> dict[str, Any]:
+    async def chat(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
         """Answer one Chat Completions request of session ``s`` (serialised per session).
+
+        Returns:
+            ``(answer, backend_http_s)``: the ``chat.completion`` object and the seconds this turn spent in
+            HTTP exchanges with the backend (all attempts).
 
         Raises:
             GatewayError: 409 session ended; 400 context full or backend refusal; 503 no backend.
@@ -532,7 +539,7 @@ class Gateway:
             return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                     "model": info.id, "choices": [choice],
                     "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(comp.token_ids),
-                              "total_tokens": conv.num_tokens}}
+                              "total_tokens": conv.num_tokens}}, comp.http_s
 
     def _answer(self, text: str, req: ChatRequest, finish: str) -> tuple[dict[str, Any], str]:
         """The assistant message as served: text outside well-formed tool calls, and those calls."""
@@ -700,12 +707,24 @@ def _management_route(fn: Callable[[web.Request, Gateway], Awaitable[web.StreamR
 
 @_capability_route
 async def chat_completions(request: web.Request, gw: Gateway, s: Session) -> web.StreamResponse:
-    """``POST /sessions/{ref}/v1/chat/completions``."""
+    """``POST /sessions/{ref}/v1/chat/completions``.
+
+    The answer carries a ``Server-Timing`` header (W3C Server Timing): ``backend;dur=`` the milliseconds of
+    the turn's HTTP exchanges with the LLM backend, ``gateway;dur=`` the rest of the time in this handler
+    (body parsing, prefix check, tokenization, parsing, recording).
+    """
+    t0 = time.perf_counter()
     req = parse_chat_request(await _json_body(request))
-    answer = await gw.chat(s, req)
+    answer, backend_s = await gw.chat(s, req)
+    timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
     if not req.stream:
-        return web.json_response(answer)
-    return await _stream(request, answer, req.include_usage)
+        return web.json_response(answer, headers={"Server-Timing": timing})
+    return await _stream(request, answer, req.include_usage, timing)
+
+
+def server_timing(backend_s: float, gateway_s: float) -> str:
+    """A ``Server-Timing`` header value (W3C Server Timing, durations in milliseconds)."""
+    return f"backend;dur={backend_s * 1e3:.3f}, gateway;dur={gateway_s * 1e3:.3f}"
 
 
 def stream_chunks(answer: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
@@ -732,8 +751,10 @@ def stream_chunks(answer: dict[str, Any], include_usage: bool) -> list[dict[str,
     return out
 
 
-async def _stream(request: web.Request, answer: dict[str, Any], include_usage: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _stream(request: web.Request, answer: dict[str, Any], include_usage: bool,
+                  timing: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "Server-Timing": timing})
     await resp.prepare(request)
     body = "".join(f"data: {json.dumps(c)}\n\n" for c in stream_chunks(answer, include_usage))
     await resp.write((body + "data: [DONE]\n\n").encode())
@@ -816,7 +837,8 @@ async def _capability_bypass(request: web.Request, handler: Handler) -> web.Stre
 def setup_gateway(app: web.Application, *, max_sessions: int = 1024, idle_timeout_s: float = 900.0,
                   keep_finished: int = 1024, parser: str = "hermes") -> None:
     """Add the gateway's routes, its capability middleware and its lifetime to an app built by
-    :func:`prorl_server.app.create_app` (call it last there: the pipeline must start before it).
+    :func:`prorl_server.app.create_app` (call it last there: the pipeline must start before it). The limits are
+    :class:`Gateway`'s arguments (``create_app`` passes the ``gateway_*`` server settings).
 
     The capability middleware goes right after the error middleware, ahead of the bearer-token check, and
     hands agent routes straight to their handler (which authorizes by capability); every other request goes

@@ -5,6 +5,7 @@ the server token required for management, session limits, idle expiry)."""
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -167,9 +168,8 @@ async def test_finished_and_aborted_sessions_refuse_work(gateway_server, open_se
 
 
 async def test_session_state_is_bounded(gateway_server, open_session, scripted_policy):
-    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")], gateway_max_sessions=2)
     gw = app[GATEWAY]
-    gw.max_sessions = 2
     a, sdk_a = await open_session(client)
     b, _ = await open_session(client)
     r = await client.post("/sessions", json={}, headers=AUTH)
@@ -284,3 +284,28 @@ async def test_abort_while_a_turn_is_generated_records_nothing_and_frees_the_bac
         await turn
     assert sum(b.in_flight for b in gw.pool.backends) == 0
     assert gw.finished[s["session_id"]].history == [] and gw.finished[s["session_id"]].trajectories() == []
+
+
+async def test_answers_say_where_their_time_went_in_server_timing(gateway_server, open_session, scripted_policy):
+    def slow(prompt, turn):  # the policy takes 50 ms to answer
+        time.sleep(0.05)
+        return f"answer {turn}"
+
+    client, app = await gateway_server([await scripted_policy(slow)])
+    s, sdk = await open_session(client)
+    messages = list(START)
+    for stream in (False, True):
+        raw = await sdk.chat.completions.with_raw_response.create(model="m", messages=messages, stream=stream)
+        timing = {}
+        for part in raw.headers["server-timing"].split(","):
+            name, _, dur = part.strip().partition(";dur=")
+            timing[name] = float(dur)
+        assert set(timing) == {"backend", "gateway"}
+        assert 50 <= timing["backend"] < 5000 and 0 < timing["gateway"] < 5000  # the first loads the tokenizer
+        if stream:
+            [ch async for ch in raw.parse()]
+        else:
+            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content},
+                         {"role": "user", "content": "again"}]
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["split_reasons"] == [] and result["trajectories"][0]["num_turns"] == 2
