@@ -277,7 +277,8 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
     app.cleanup_ctx.append(_pipeline_ctx)
     app.cleanup_ctx.append(_health_ctx)
     from prorl_server.gateway import setup_gateway  # noqa: E402 (the gateway imports this module)
-    setup_gateway(app)
+    setup_gateway(app, max_sessions=settings.gateway_max_sessions, idle_timeout_s=settings.gateway_idle_timeout_s,
+                  keep_finished=settings.gateway_keep_finished, parser=settings.gateway_tool_parser)
     return app
 
 

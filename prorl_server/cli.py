@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Any, Coroutine, Optional, Sequence
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
     p.add_argument("--ready-file", help="write {host, port, pid, url} as JSON here once listening")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"],
+                   help="auto (default): uvloop when installed, else asyncio's")
     return p
 
 
@@ -80,8 +82,28 @@ async def serve(settings: ServerSettings, app: Optional[web.Application] = None)
 def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = settings_from_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings))
+    run_event_loop(serve(settings), settings.event_loop)
     return 0
+
+
+def run_event_loop(main: Coroutine[Any, Any, Any], event_loop: str = "auto") -> Any:
+    """Run ``main`` to completion on uvloop (``"uvloop"``, or ``"auto"`` when it is installed) or on
+    asyncio's default loop.
+
+    Raises:
+        SystemExit: ``"uvloop"`` was asked for and is not installed.
+    """
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                main.close()
+                raise SystemExit("prorl-server: --event-loop uvloop, but uvloop is not installed "
+                                 "(pip install uvloop)") from None
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 if __name__ == "__main__":

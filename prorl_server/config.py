@@ -40,7 +40,27 @@ class ServerSettings(BaseModel):
                                          "(a .sif for singularity, a rootfs directory for bubblewrap)")
     ready_file: Optional[str] = Field(default=None,
                                       description="write {host, port, pid, url} here once listening")
+    gateway_max_sessions: int = Field(default=1024, ge=1, description="open gateway sessions at most "
+                                      "(POST /sessions answers 429 beyond)")
+    gateway_idle_timeout_s: float = Field(default=900.0, gt=0, description="an open gateway session without a "
+                                          "job, unused this long, expires (its tokens stay for finalize)")
+    gateway_keep_finished: int = Field(default=1024, ge=0, description="ended gateway sessions kept for "
+                                       "finalize and GET /sessions/{id}")
+    gateway_tool_parser: str = Field(default="hermes", description="how the gateway parses tool calls out of "
+                                     "generated text (prorl_server.tool_parser.PARSERS)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "
+        "requests), else asyncio's own")
+
+    @field_validator("gateway_tool_parser")
+    @classmethod
+    def _known_parser(cls, v: str) -> str:
+        from prorl_server.tool_parser import PARSERS
+
+        if v not in PARSERS:
+            raise ValueError(f"unknown tool parser {v!r}; registered: {sorted(PARSERS)}")
+        return v
 
     @field_validator("log_level", mode="before")
     @classmethod

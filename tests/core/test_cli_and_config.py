@@ -1,6 +1,7 @@
 """Settings layering, handler registration, and the real `prorl-server` process."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from handlers.base import AgentHandler
 from handlers.registry import HandlerRegistry, UnknownHandlerError
-from prorl_server.cli import settings_from_args
+from prorl_server.cli import run_event_loop, settings_from_args
 from prorl_server.config import build_settings
 
 
@@ -49,6 +50,8 @@ def test_bad_setting_is_a_clear_error(tmp_path):
         build_settings(str(unknown))
     with pytest.raises(SystemExit):
         settings_from_args(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ValidationError, match="unknown tool parser 'nope'; registered: \\['hermes'\\]"):
+        build_settings(overrides={"gateway_tool_parser": "nope"})
 
 
 def test_registry_resolves_aliases_and_entry_points():
@@ -66,6 +69,23 @@ def test_registry_resolves_aliases_and_entry_points():
 
 
 @pytest.mark.real
+def test_event_loop_setting_picks_uvloop_when_installed(monkeypatch):
+    import uvloop
+
+    async def loop_type():
+        return type(asyncio.get_running_loop())
+
+    assert settings_from_args([]).event_loop == "auto"
+    assert settings_from_args(["--event-loop", "asyncio"]).event_loop == "asyncio"
+    assert run_event_loop(loop_type(), "auto") is uvloop.Loop
+    assert run_event_loop(loop_type(), "uvloop") is uvloop.Loop
+    assert not issubclass(run_event_loop(loop_type(), "asyncio"), uvloop.Loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed: import fails
+    assert not issubclass(run_event_loop(loop_type(), "auto"), uvloop.Loop)
+    with pytest.raises(SystemExit, match="uvloop is not installed"):
+        run_event_loop(loop_type(), "uvloop")
+
+
 def test_server_process_serves_and_exits_cleanly_on_sigterm(tmp_path):
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file", str(ready),
