@@ -1,34 +1,48 @@
 """Per-request latency through the gateway against the same chat request sent directly to vLLM.
 
 Same run, same vLLM CPU server (the tiny model), same messages. Each agent (one gateway session) runs a
-conversation of N turns; at every turn the same ``messages`` go, in alternating order, to
+conversation of N turns. Every turn, all agents of a scenario start together, and each sends the same
+``messages`` at the same moment to
 
 - **direct**: vLLM's own ``POST /v1/chat/completions`` (vLLM renders the template and tokenizes the whole
   history itself);
 - **gateway**: ``POST {session base_url}/chat/completions`` on a rollout server in its own process
-  (``python -m prorl_server``, as in production; prefix check, only the new messages tokenized, token-in/token-out ``/v1/completions`` to the same vLLM,
-  tool-call parsing, trajectory recording).
+  (``python -m prorl_server``, as in production: prefix check, only the new messages tokenized,
+  token-in/token-out ``/v1/completions`` to the same vLLM, tool-call parsing, trajectory recording).
 
-Both generate exactly ``--gen-tokens`` tokens a turn (``min_tokens = max_tokens``). The conversation then
-continues with the gateway's answer and a new user message, so both sides always see identical messages.
+The two requests of a pair land in the same vLLM batch, so the engine's step-to-step variance (large on a
+2-core machine: hundreds of ms at 32 sessions) cancels out of their difference. Both generate exactly
+``--gen-tokens`` tokens (``min_tokens = max_tokens``) and both ask for the sampled tokens' logprobs: the
+gateway needs them for training (they are the behaviour policy's logprobs in each trajectory), so the direct
+baseline does the same generation work. What vLLM itself spends producing those logprobs is printed
+separately (1 session: direct alone with minus direct alone without). The cost is per engine step, paid once
+by a batch in which any request asks for logprobs, as every request does in training. The conversation continues with the gateway's answer and a
+new user message, so both sides always see identical messages.
 
-``added`` = the gateway request's latency seen by the agent minus the time of the gateway's own HTTP exchange
-with vLLM (``backend_http_s``): what the gateway adds on top of generation (HTTP hop, JSON, prefix check,
-tokenization, parsing, recording), taken from the session's counters (``GET /sessions/{id}``, outside the
-timed requests). ``inside`` = the part of it spent inside the gateway's handler (the rest is the HTTP hop and
-waiting for the server's event loop, which 32 concurrent sessions on a busy 2-core machine share with vLLM).
-The end-to-end p50/p99 of both sides are printed beside it.
+Per request:
 
-Scenarios: 1 and 32 concurrent sessions with 8 turns, 1 session with 64 turns.
+- ``added`` = gateway latency − direct latency of the same pair, as the agent sees them (the target: p50 under
+  2 ms, flat in turn count).
+- ``outside_backend`` = gateway latency − the gateway's own HTTP exchange with vLLM (``backend`` in the
+  response's ``Server-Timing`` header): the hop to the gateway plus its work plus the waiting for its event
+  loop (which, at 32 sessions, a busy 2-core machine shares with vLLM and this client).
+- ``inside`` = the gateway handler's own time (``gateway`` in ``Server-Timing``: body parsing, prefix check,
+  tokenization, tool-call parsing, recording).
+- ``server_cpu_ms_per_request``: the rollout server process's CPU time (user + system) per gateway request.
+
+Scenarios: 1 session (8 turns, 4 sessions one after another), 32 concurrent sessions (8 turns), 1 session with
+64 turns.
 
     python benchmarks/gateway_overhead.py [--address http://127.0.0.1:PORT] [--model-dir DIR]
+        [--event-loop auto|uvloop|asyncio]
 
 (a server given with ``--address`` needs ``--enable-auto-tool-choice --tool-call-parser hermes``: the requests
 carry ``tools``.)
 
 Without ``--address`` it builds the tiny model (``.cache/tiny-model``) and starts its own vLLM server.
 The last line printed is one JSON object with ``added_p50_ms_c1``, ``added_p50_ms_c32``,
-``added_p50_ms_64turns`` (and p99s, the direct and gateway p50s of each scenario).
+``added_p50_ms_64turns`` (and p99s, ``outside_backend`` and ``inside`` p50s, the direct and gateway p50s
+of each scenario, and ``logprobs_cost_p50_ms_c1``).
 """
 from __future__ import annotations
 
@@ -41,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,6 +63,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+from prorl_server.llm_client import KEEPALIVE_S  # noqa: E402
 
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
@@ -63,72 +81,96 @@ def pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """``Server-Timing`` (W3C) → ``{name: seconds}``."""
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur) / 1e3
+    return out
+
+
 async def agent(http: aiohttp.ClientSession, server: str, vllm: str, model: str, turns: int, gen: int,
-                seed: int, out: dict[str, list[float]]) -> None:
+                seed: int, out: dict[str, list[float]], without_logprobs: bool, barrier: asyncio.Barrier) -> None:
+    """One agent's conversation. Every turn, all agents of the scenario start together (``barrier``) and each
+    sends its messages direct and through the gateway at the same moment: the pair lands in the same vLLM
+    batch, so the engine's step-to-step variance cancels out of their difference."""
     async with http.post(f"{server}/sessions", json={}) as r:
         s = await r.json()
-
-    async def counters() -> dict[str, float]:
-        async with http.get(f"{server}/sessions/{s['session_id']}") as r:
-            return (await r.json())["counters"]
 
     messages = [{"role": "system", "content": "You are a coding agent."},
                 {"role": "user", "content": f"Fix the bug in file_{seed}.py."}]
     sp = {"max_tokens": gen, "min_tokens": gen, "temperature": 1.0}
     for turn in range(turns):
         body = {"model": model, "messages": messages, "tools": TOOLS, "seed": seed * 1000 + turn, **sp}
+        got: dict[str, Any] = {}
 
-        async def direct() -> float:
+        async def direct(logprobs: bool = True, key: str = "direct") -> None:
             t0 = time.perf_counter()
-            async with http.post(f"{vllm}/v1/chat/completions", json=body) as r:
+            async with http.post(f"{vllm}/v1/chat/completions", json={**body, "logprobs": logprobs}) as r:
                 data = await r.json()
+            got[key] = time.perf_counter() - t0
             assert "choices" in data, data
-            return time.perf_counter() - t0
 
-        async def gateway() -> tuple[float, dict]:
+        async def gateway() -> None:
             t0 = time.perf_counter()
             async with http.post(f"{s['base_url']}/chat/completions", json=body) as r:
                 data = await r.json()
-            total = time.perf_counter() - t0
+                timing = server_timing(r.headers["Server-Timing"])
+            got["gateway"] = time.perf_counter() - t0
             assert "choices" in data, data
-            return total, data
+            got["data"], got["timing"] = data, timing
 
-        before = await counters()
-        if turn % 2 == 0:
-            d = await direct()
-            g, data = await gateway()
-        else:
-            g, data = await gateway()
-            d = await direct()
-        after = await counters()
-        http_s = after["backend_http_s"] - before["backend_http_s"]
+        await barrier.wait()
+        await asyncio.gather(direct(), gateway())
+        if without_logprobs:
+            # vLLM's own cost of the logprobs, one request at a time: the cost is per engine step (a batch
+            # pays it once if any of its requests asks), so a pair in one batch would hide it
+            await barrier.wait()
+            await direct(key="direct_lp")
+            await barrier.wait()
+            await direct(logprobs=False, key="direct_nolp")
+            out["direct_nolp"].append(got["direct_nolp"])
+            out["logprobs_cost"].append(got["direct_lp"] - got["direct_nolp"])
+        g, d, timing = got["gateway"], got["direct"], got["timing"]
         out["direct"].append(d)
         out["gateway"].append(g)
-        out["added"].append(g - http_s)
-        out["inside"].append(after["gateway_s"] - before["gateway_s"] + after["llm_s"] - before["llm_s"] - http_s)
-        msg = data["choices"][0]["message"]
+        out["added"].append(g - d)
+        out["outside_backend"].append(g - timing["backend"])
+        out["inside"].append(timing["gateway"])
+        msg = got["data"]["choices"][0]["message"]
         messages = messages + [msg, {"role": "user", "content": f"Now run the tests ({turn})."}]
     async with http.post(f"{server}/sessions/{s['session_id']}/finalize") as r:
         result = await r.json()
     assert len(result["trajectories"]) == 1 and not result["split_reasons"], result["split_reasons"]
 
 
-async def scenario(http, server, vllm, model, sessions: int, turns: int, gen: int) -> dict:
-    out: dict[str, list[float]] = {"direct": [], "gateway": [], "added": [], "inside": []}
-    await asyncio.gather(*(agent(http, server, vllm, model, turns, gen, k, out) for k in range(sessions)))
+async def scenario(http, server, vllm, model, sessions: int, turns: int, gen: int, repeat: int = 1,
+                   without_logprobs: bool = False, server_proc: Optional[psutil.Process] = None) -> dict:
+    """``sessions`` concurrent agents of ``turns`` turns each, ``repeat`` times in a row."""
+    out: dict[str, list[float]] = {k: [] for k in ("direct", "direct_nolp", "logprobs_cost", "gateway", "added",
+                                                   "outside_backend", "inside")}
+    cpu0 = sum(server_proc.cpu_times()[:2]) if server_proc else 0.0
+    for r in range(repeat):
+        barrier = asyncio.Barrier(sessions)
+        await asyncio.gather(*(agent(http, server, vllm, model, turns, gen, r * sessions + k, out, without_logprobs,
+                                     barrier) for k in range(sessions)))
     ms = 1e3
-    return {"sessions": sessions, "turns": turns, "requests": len(out["added"]),
-            "direct_p50_ms": pct(out["direct"], 50) * ms, "gateway_p50_ms": pct(out["gateway"], 50) * ms,
-            "direct_p99_ms": pct(out["direct"], 99) * ms, "gateway_p99_ms": pct(out["gateway"], 99) * ms,
-            "added_p50_ms": pct(out["added"], 50) * ms, "added_p99_ms": pct(out["added"], 99) * ms,
-            "inside_p50_ms": pct(out["inside"], 50) * ms, "inside_p99_ms": pct(out["inside"], 99) * ms}
+    row = {"sessions": sessions, "turns": turns, "requests": len(out["added"])}
+    if server_proc:  # the rollout server's CPU time (user + system) per gateway request
+        row["server_cpu_ms_per_request"] = (sum(server_proc.cpu_times()[:2]) - cpu0) / len(out["added"]) * ms
+    for k, v in out.items():
+        if v:
+            row[f"{k}_p50_ms"] = pct(v, 50) * ms
+            row[f"{k}_p99_ms"] = pct(v, 99) * ms
+    return row
 
 
-def start_server(vllm: str) -> tuple[subprocess.Popen, str]:
+def start_server(vllm: str, event_loop: str) -> tuple[subprocess.Popen, str]:
     """A rollout server in its own process (``prorl-server``), as agents see it in production."""
     ready = Path(tempfile.mkdtemp(prefix="gw-bench-")) / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file", str(ready),
-                             "--backend", vllm, "--log-level", "WARNING"], cwd=ROOT)
+                             "--backend", vllm, "--log-level", "WARNING", "--event-loop", event_loop], cwd=ROOT)
     deadline = time.monotonic() + 120
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -138,16 +180,19 @@ def start_server(vllm: str) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(ready.read_text())["url"]
 
 
-async def run(vllm: str, gen: int) -> list[dict]:
-    proc, server = start_server(vllm)
+async def run(vllm: str, gen: int, event_loop: str) -> list[dict]:
+    proc, server = start_server(vllm, event_loop)
+    sp = psutil.Process(proc.pid)
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        async with aiohttp.ClientSession(connector=connector) as http:
             async with http.get(f"{vllm}/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
             await scenario(http, server, vllm, model, 2, 4, gen)  # warm-up: connections, tokenizer, caches
-            return [await scenario(http, server, vllm, model, 1, 8, gen),
-                    await scenario(http, server, vllm, model, 32, 8, gen),
-                    await scenario(http, server, vllm, model, 1, 64, gen)]
+            return [await scenario(http, server, vllm, model, 1, 8, gen, repeat=4, without_logprobs=True,
+                                   server_proc=sp),
+                    await scenario(http, server, vllm, model, 32, 8, gen, server_proc=sp),
+                    await scenario(http, server, vllm, model, 1, 64, gen, server_proc=sp)]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -158,6 +203,8 @@ def main() -> int:
     ap.add_argument("--address", help="an already running vLLM server (default: start one)")
     ap.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-model"))
     ap.add_argument("--gen-tokens", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="the rollout server's event loop (prorl-server --event-loop)")
     args = ap.parse_args()
 
     server = None
@@ -175,25 +222,28 @@ def main() -> int:
     else:
         address = args.address.rstrip("/")
     try:
-        rows = asyncio.run(run(address, args.gen_tokens))
+        rows = asyncio.run(run(address, args.gen_tokens, args.event_loop))
     finally:
         if server is not None:
             server.stop()
 
     cols = ["sessions", "turns", "requests", "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
-            "added_p50_ms", "added_p99_ms", "inside_p50_ms", "inside_p99_ms"]
+            "added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "inside_p99_ms",
+            "server_cpu_ms_per_request"]
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
     c1, c32, t64 = rows
-    summary = {"added_p50_ms_c1": round(c1["added_p50_ms"], 3), "added_p50_ms_c32": round(c32["added_p50_ms"], 3),
-               "added_p50_ms_64turns": round(t64["added_p50_ms"], 3),
-               "added_p99_ms_c1": round(c1["added_p99_ms"], 3), "added_p99_ms_c32": round(c32["added_p99_ms"], 3),
-               "added_p99_ms_64turns": round(t64["added_p99_ms"], 3)}
+    lp_cost = c1["logprobs_cost_p50_ms"]
+    print(f"vLLM's own cost of the logprobs the gateway records (direct alone with minus without, 1 session, p50): "
+          f"{lp_cost:.2f} ms")
+    summary = {}
     for name, r in (("c1", c1), ("c32", c32), ("64turns", t64)):
-        summary[f"inside_p50_ms_{name}"] = round(r["inside_p50_ms"], 3)
-        summary[f"direct_p50_ms_{name}"] = round(r["direct_p50_ms"], 3)
-        summary[f"gateway_p50_ms_{name}"] = round(r["gateway_p50_ms"], 3)
+        for k in ("added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "direct_p50_ms",
+                  "gateway_p50_ms", "server_cpu_ms_per_request"):
+            summary[f"{k}_{name}"] = round(r[k], 3)
+    summary["direct_nolp_p50_ms_c1"] = round(c1["direct_nolp_p50_ms"], 3)
+    summary["logprobs_cost_p50_ms_c1"] = round(lp_cost, 3)
     print(json.dumps(summary))
     return 0
 
