@@ -10,8 +10,9 @@ import hmac
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Type
+from typing import Any, Awaitable, Callable, Iterable, Optional, Type
 
 import aiohttp
 from aiohttp import web
@@ -189,17 +190,24 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_schema())
+    return web.json_response(openapi_schema(request.app[APP_ROUTES]))
 
 
 @dataclass(frozen=True)
 class Route:
+    """One endpoint: registered on the app and described in ``/openapi.json``. ``auth``: ``"bearer"`` (the
+    server token, when one is configured), ``"capability"`` (a secret in the path; the gateway's agent
+    routes) or ``"none"``. ``openai_errors``: errors answer in the OpenAI format (the gateway's routes), not
+    as :class:`ErrorResponse`."""
+
     method: str
     path: str
     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     summary: str
     request: Optional[Type[BaseModel]] = None
     response: Optional[Type[BaseModel]] = None
+    auth: str = "bearer"
+    openai_errors: bool = False
 
 
 ROUTES: tuple[Route, ...] = (
@@ -214,15 +222,27 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/start", start, "Accept jobs again after /stop", None, OkResponse),
     Route("POST", "/stop", stop, "Refuse new jobs and cancel in-flight ones", None, OkResponse),
     Route("GET", "/status", status, "Queues, active jobs and backends", None, StatusResponse),
-    Route("GET", "/health", health, "Liveness (no auth)"),
+    Route("GET", "/health", health, "Liveness (no auth)", auth="none"),
     Route("GET", "/metrics", metrics, "Prometheus metrics (text format)"),
     Route("GET", "/openapi.json", openapi, "This API's OpenAPI 3.1 schema"),
 )
 
 
-def openapi_schema() -> dict[str, Any]:
-    """OpenAPI 3.1 document generated from ``ROUTES`` and the pydantic models."""
-    models = {m for r in ROUTES for m in (r.request, r.response) if m is not None} | {ErrorResponse}
+#: The routes of an app: ``ROUTES`` plus those added by extensions (the gateway's); ``/openapi.json`` lists them.
+APP_ROUTES = web.AppKey("app_routes", list)
+
+
+def add_routes(app: web.Application, routes: Iterable[Route]) -> None:
+    """Register ``routes`` on ``app`` and list them in its ``/openapi.json``."""
+    for r in routes:
+        app.router.add_route(r.method, r.path, r.handler)
+        app[APP_ROUTES].append(r)
+
+
+def openapi_schema(routes: Iterable[Route] = ROUTES) -> dict[str, Any]:
+    """OpenAPI 3.1 document generated from ``routes`` and their pydantic models."""
+    routes = list(routes)
+    models = {m for r in routes for m in (r.request, r.response) if m is not None} | {ErrorResponse}
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
                                  ref_template="#/components/schemas/{model}")
 
@@ -230,14 +250,18 @@ def openapi_schema() -> dict[str, Any]:
         return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{m.__name__}"}}}}
 
     paths: dict[str, Any] = {}
-    for r in ROUTES:
+    for r in routes:
         op: dict[str, Any] = {"summary": r.summary, "responses": {
             "200": {"description": "OK", **(ref(r.response) if r.response else {})},
-            "4XX": {"description": "Bad request", **ref(ErrorResponse)}}}
+            "4XX": {"description": "Error in the OpenAI format {error: {message, type, param, code}}"}
+            if r.openai_errors else {"description": "Bad request", **ref(ErrorResponse)}}}
         if r.request is not None:
             op["requestBody"] = {"required": True, **ref(r.request)}
-        if "{job_id}" in r.path:
-            op["parameters"] = [{"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+        params = re.findall(r"{(\w+)}", r.path)
+        if params:
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in params]
+        op["security"] = [{"bearer": []}] if r.auth == "bearer" else []
         paths.setdefault(r.path, {})[r.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": "ProRL rollout server", "version": "0.1.0"},
             "paths": paths, "components": {"schemas": defs.get("$defs", {}),
@@ -271,8 +295,8 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
         pool.add(AddBackendRequest(address=address).address)
     app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY] = settings, m, pool, registry
     app[RUNTIME] = sandbox_runtime
-    for r in ROUTES:
-        app.router.add_route(r.method, r.path, r.handler)
+    app[APP_ROUTES] = []
+    add_routes(app, ROUTES)
     app.cleanup_ctx.append(_sandbox_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
     app.cleanup_ctx.append(_health_ctx)

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from prorl_server.app import Route, add_routes
 from prorl_server.balancer import NoBackendError
 from prorl_server.conversation import ContextLengthError, Conversation
 from prorl_server.llm_client import LLMRequestError, LLMUnavailableError, backend_getter
@@ -819,10 +820,26 @@ async def abort(request: web.Request, gw: Gateway) -> web.StreamResponse:
     return web.json_response({"session_id": s.session_id, "state": s.state})
 
 
+#: Agent routes: authorized by the session capability ``{ref}`` = ``{session_id}.{key}`` in the path.
+AGENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, auth="capability", openai_errors=True) for r in (
+    ("POST", "/sessions/{ref}/v1/chat/completions", chat_completions,
+     "Chat Completions (OpenAI format) for the session's agent; exact tokens recorded"),
+    ("GET", "/sessions/{ref}/v1/models", models, "The model the session's backend serves"),
+    ("POST", "/sessions/{ref}/complete", complete, "The agent is done ({reward_info?})"),
+))
+#: Management routes: the server's bearer token.
+MANAGEMENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, openai_errors=True) for r in (
+    ("POST", "/sessions", create_session, "Open a gateway session ({metadata?}) -> 201 {session_id, base_url, "
+     "api_key}"),
+    ("GET", "/sessions/{session_id}", session_status, "A session's state, split reasons and counters"),
+    ("POST", "/sessions/{session_id}/finalize", finalize, "End a session and return its trajectories"),
+    ("POST", "/sessions/{session_id}/abort", abort, "End a session and drop its tokens"),
+))
+
+
 def _add_agent_routes(app: web.Application) -> None:
-    app.router.add_post("/sessions/{ref}/v1/chat/completions", chat_completions)
-    app.router.add_get("/sessions/{ref}/v1/models", models)
-    app.router.add_post("/sessions/{ref}/complete", complete)
+    for r in AGENT_ROUTES:
+        app.router.add_route(r.method, r.path, r.handler)
 
 
 @web.middleware
@@ -849,11 +866,7 @@ def setup_gateway(app: web.Application, *, max_sessions: int = 1024, idle_timeou
     mws = app.middlewares
     pos = next((i + 1 for i, m in enumerate(mws) if m is error_middleware), 0)
     mws.insert(pos, _capability_bypass)
-    _add_agent_routes(app)
-    app.router.add_post("/sessions", create_session)
-    app.router.add_get("/sessions/{session_id}", session_status)
-    app.router.add_post("/sessions/{session_id}/finalize", finalize)
-    app.router.add_post("/sessions/{session_id}/abort", abort)
+    add_routes(app, AGENT_ROUTES + MANAGEMENT_ROUTES)
 
     async def lifetime(app: web.Application):
         pipeline = app[PIPELINE]

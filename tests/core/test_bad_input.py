@@ -101,3 +101,10 @@ async def test_openapi_is_generated_from_wire_models(make_client):
     assert {"ProcessRequest", "JobResult", "Trajectory", "ErrorResponse"} <= set(schemas)
     assert schemas["JobResult"]["properties"]["reward"]["type"] == "number"
     assert "/jobs/{job_id}" in doc["paths"] and "/cancel" in doc["paths"]
+    assert doc["paths"]["/jobs/{job_id}"]["get"]["parameters"][0]["name"] == "job_id"
+    # the gateway's routes are listed too: agent routes take the capability in the path, not the bearer token
+    chat = doc["paths"]["/sessions/{ref}/v1/chat/completions"]["post"]
+    assert chat["security"] == [] and [p["name"] for p in chat["parameters"]] == ["ref"]
+    assert "OpenAI format" in chat["responses"]["4XX"]["description"]
+    assert doc["paths"]["/sessions/{session_id}/finalize"]["post"]["security"] == [{"bearer": []}]
+    assert doc["paths"]["/health"]["get"]["security"] == []
