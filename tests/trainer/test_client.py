@@ -230,7 +230,9 @@ async def test_weight_versions_come_from_the_backends_the_client_registered(star
     url = await start_llm_server()  # no backend until the client registers one
     data = [{"data_source": "chat", "messages": [{"role": "user", "content": f"Say {k}."}], "answer": str(k)}
             for k in range(4)]
-    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, dynamic_sampling=False,
+    # window=1 (strict FIFO): the second step takes the group submitted second, at version 5, whichever of the
+    # outstanding groups vLLM finishes first (greedy taking made the version below depend on that race)
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=2, dynamic_sampling=False, window=1,
                              max_staleness=1, sampling_params={"temperature": 1.0, "max_tokens": 8},
                              initial_weight_version=4, max_epochs=1) as client:
         await client.update_weights(5, backends=[vllm_server.address])
