@@ -37,7 +37,6 @@ POOL = web.AppKey("pool", BackendPool)
 METRICS = web.AppKey("metrics", Metrics)
 REGISTRY = web.AppKey("registry", HandlerRegistry)
 RUNTIME = web.AppKey("sandbox_runtime", object)
-UNAUTHENTICATED = frozenset({"/health"})
 
 
 class ApiError(Exception):
@@ -97,7 +96,10 @@ def auth_middleware(token: str):
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in UNAUTHENTICATED:
+        # The route table says who needs the token: "none" (/health) and "capability" (the gateway's agent
+        # routes, whose handlers check the secret in their path) do not; unknown paths do.
+        route = request.app[APP_ROUTES].get(request.match_info.handler)
+        if route is None or route.auth == "bearer":
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "unauthorized", "missing or wrong bearer token "
@@ -190,7 +192,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_schema(request.app[APP_ROUTES]))
+    return web.json_response(openapi_schema(request.app[APP_ROUTES].values()))
 
 
 @dataclass(frozen=True)
@@ -228,15 +230,16 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-#: The routes of an app: ``ROUTES`` plus those added by extensions (the gateway's); ``/openapi.json`` lists them.
-APP_ROUTES = web.AppKey("app_routes", list)
+#: The routes of an app by handler: ``ROUTES`` plus those added by extensions (the gateway's). The auth
+#: middleware reads each route's ``auth`` here; ``/openapi.json`` lists them.
+APP_ROUTES = web.AppKey("app_routes", dict)
 
 
 def add_routes(app: web.Application, routes: Iterable[Route]) -> None:
-    """Register ``routes`` on ``app`` and list them in its ``/openapi.json``."""
+    """Register ``routes`` on ``app``: served, authorized as their ``auth`` says, listed in ``/openapi.json``."""
     for r in routes:
         app.router.add_route(r.method, r.path, r.handler)
-        app[APP_ROUTES].append(r)
+        app[APP_ROUTES][r.handler] = r
 
 
 def openapi_schema(routes: Iterable[Route] = ROUTES) -> dict[str, Any]:
@@ -295,7 +298,7 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
         pool.add(AddBackendRequest(address=address).address)
     app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY] = settings, m, pool, registry
     app[RUNTIME] = sandbox_runtime
-    app[APP_ROUTES] = []
+    app[APP_ROUTES] = {}
     add_routes(app, ROUTES)
     app.cleanup_ctx.append(_sandbox_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)

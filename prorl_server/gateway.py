@@ -16,8 +16,8 @@ Endpoints (added to the rollout server by :func:`setup_gateway`):
 
 Capability. ``key`` is 32 random bytes (``secrets.token_urlsafe``), compared in constant time; it is the only
 secret an agent holds, so it never learns the server's token (which would let it submit or stop jobs). The
-server's auth middleware is bypassed for exactly the routes whose handler checks the capability first
-(:func:`_capability_route`), and no others; a key works only with its own session id, so one session's
+server's bearer-token check skips exactly the routes registered with ``auth="capability"``
+(:data:`AGENT_ROUTES`, each handler wrapped by :func:`_capability_route`, which checks the capability first); a key works only with its own session id, so one session's
 agent can neither read nor write another's. ``OPENAI_API_KEY`` is set to the key too (SDKs insist on one) but
 is not what authorizes. Agents started by the ``cli_agent`` handler reach the gateway through a Unix socket
 that serves their session alone (:meth:`Gateway.serve_unix`), so inside the sandbox even a leaked key of
@@ -673,7 +673,7 @@ async def _json_body(request: web.Request) -> Any:
 
 def _capability_route(fn: Callable[[web.Request, Gateway, Session], Awaitable[web.StreamResponse]]) -> Handler:
     """An agent route: authorized by the capability in ``{ref}`` (checked first, always), errors in the
-    OpenAI format. Marked so the server's bearer-token check is skipped for it, and only for it."""
+    OpenAI format. Register it with ``auth="capability"`` (the server's bearer-token check then skips it)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
@@ -688,7 +688,6 @@ def _capability_route(fn: Callable[[web.Request, Gateway, Session], Awaitable[we
             log.exception("gateway error in session %s", request.match_info.get("ref", "").partition(".")[0])
             return GatewayError(500, f"{type(e).__name__}: {e}", "internal_error", type_="server_error").response()
 
-    handler.prorl_capability = True  # type: ignore[attr-defined]
     handler.__name__ = fn.__name__
     handler.__doc__ = fn.__doc__
     return handler
@@ -842,30 +841,16 @@ def _add_agent_routes(app: web.Application) -> None:
         app.router.add_route(r.method, r.path, r.handler)
 
 
-@web.middleware
-async def _capability_bypass(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Agent routes check their capability themselves; the server's bearer token is not theirs to know."""
-    route_handler = request.match_info.handler
-    if getattr(route_handler, "prorl_capability", False):
-        return await route_handler(request)
-    return await handler(request)
-
-
 def setup_gateway(app: web.Application, *, max_sessions: int = 1024, idle_timeout_s: float = 900.0,
                   keep_finished: int = 1024, parser: str = "hermes") -> None:
-    """Add the gateway's routes, its capability middleware and its lifetime to an app built by
+    """Add the gateway's routes and its lifetime to an app built by
     :func:`prorl_server.app.create_app` (call it last there: the pipeline must start before it). The limits are
-    :class:`Gateway`'s arguments (``create_app`` passes the ``gateway_*`` server settings).
-
-    The capability middleware goes right after the error middleware, ahead of the bearer-token check, and
-    hands agent routes straight to their handler (which authorizes by capability); every other request goes
-    down the usual chain.
+    :class:`Gateway`'s arguments (``create_app`` passes the ``gateway_*`` server settings). The agent routes
+    are registered with ``auth="capability"``, so the server's bearer-token check lets them through to their
+    handler, which authorizes by the capability in the path.
     """
-    from prorl_server.app import PIPELINE, POOL, error_middleware
+    from prorl_server.app import PIPELINE, POOL
 
-    mws = app.middlewares
-    pos = next((i + 1 for i, m in enumerate(mws) if m is error_middleware), 0)
-    mws.insert(pos, _capability_bypass)
     add_routes(app, AGENT_ROUTES + MANAGEMENT_ROUTES)
 
     async def lifetime(app: web.Application):

@@ -81,7 +81,7 @@ async def test_token_required_everywhere_but_health(make_client):
     client = await make_client(token="s3cret")
     assert (await client.get("/health")).status == 200
     for method, path in [("GET", "/status"), ("POST", "/process"), ("GET", "/metrics"), ("POST", "/stop"),
-                         ("GET", "/openapi.json"), ("POST", "/add_llm_server")]:
+                         ("GET", "/openapi.json"), ("POST", "/add_llm_server"), ("GET", "/no/such/path")]:
         r = await client.request(method, path)
         assert r.status == 401, path
         assert (await r.json())["error"]["type"] == "unauthorized"
