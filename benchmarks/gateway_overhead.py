@@ -65,6 +65,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
+from _common import pct, print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
 from prorl_server.llm_client import KEEPALIVE_S  # noqa: E402
 
 
@@ -72,13 +73,6 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a
                                            "parameters": {"type": "object",
                                                           "properties": {"cmd": {"type": "string"}}}}}]
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[k]
 
 
 def server_timing(header: str) -> dict[str, float]:
@@ -207,32 +201,15 @@ def main() -> int:
                     help="the rollout server's event loop (prorl-server --event-loop)")
     args = ap.parse_args()
 
-    server = None
-    if args.address is None:
-        from prorl_server import tiny_model
-        from prorl_server.vllm_launcher import start_vllm
-
-        tiny_model.build(args.model_dir)
-        t0 = time.monotonic()
-        # vLLM parses hermes tool calls too, so both sides do the same work per answer
-        server = start_vllm(args.model_dir, max_model_len=8192, max_num_batched_tokens=8192,
-                            extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-        print(f"vLLM ready at {server.address} in {time.monotonic() - t0:.0f} s", flush=True)
-        address = server.address
-    else:
-        address = args.address.rstrip("/")
-    try:
+    # vLLM parses hermes tool calls too, so both sides do the same work per answer
+    with vllm_address(args.address, args.model_dir, max_model_len=8192, max_num_batched_tokens=8192,
+                      extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as address:
         rows = asyncio.run(run(address, args.gen_tokens, args.event_loop))
-    finally:
-        if server is not None:
-            server.stop()
 
     cols = ["sessions", "turns", "requests", "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
             "added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "inside_p99_ms",
             "server_cpu_ms_per_request"]
-    print(" ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        print(" ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
+    print_table(rows, cols)
     c1, c32, t64 = rows
     lp_cost = c1["logprobs_cost_p50_ms"]
     print(f"vLLM's own cost of the logprobs the gateway records (direct alone with minus without, 1 session, p50): "

@@ -39,16 +39,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp  # noqa: E402
 
+from _common import pct, print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
 from prorl_server.conversation import Conversation  # noqa: E402
 from prorl_server.llm_client import LLMClient  # noqa: E402
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[k]
 
 
 def long_text(n_chars: int) -> str:
@@ -140,30 +134,12 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=16, help="tokens generated per turn")
     args = ap.parse_args()
 
-    from prorl_server import tiny_model
-
-    server = None
-    if args.address is None:
-        from prorl_server.vllm_launcher import start_vllm
-
-        tiny_model.build(args.model_dir)
-        t0 = time.monotonic()
-        server = start_vllm(args.model_dir, max_model_len=16384, max_num_batched_tokens=16384)
-        print(f"vLLM ready at {server.address} in {time.monotonic() - t0:.0f} s", flush=True)
-        address = server.address
-    else:
-        address = args.address.rstrip("/")
-    try:
+    with vllm_address(args.address, args.model_dir, max_model_len=16384, max_num_batched_tokens=16384) as address:
         rows = asyncio.run(run(address, args.model_dir, args.gen_tokens))
-    finally:
-        if server is not None:
-            server.stop()
 
     cols = ["context", "turns", "initial_tokens", "final_tokens", "bare_p50_ms", "ours_p50_ms", "bare_p99_ms",
             "ours_p99_ms", "added_p50_ms", "added_p99_ms", "full_retokenize_last_ms"]
-    print(" ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        print(" ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
+    print_table(rows, cols)
     by = {(r["context"], r["turns"]): r for r in rows}
     s8, s128 = by[("4k", 8)], by[("4k", 128)]
     summary = {

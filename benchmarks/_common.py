@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmarks that talk to a vLLM server (run as scripts: ``python benchmarks/X.py``)."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Optional
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``xs`` by nearest rank; NaN for no data."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+@contextlib.contextmanager
+def vllm_address(address: Optional[str], model_dir: str, **start_kwargs: Any) -> Iterator[str]:
+    """The base URL of ``address`` if given, else of a CPU vLLM server started for the tiny model (built in
+    ``model_dir`` if missing; ``start_kwargs`` go to :func:`prorl_server.vllm_launcher.start_vllm`) and
+    stopped on exit."""
+    if address is not None:
+        yield address.rstrip("/")
+        return
+    from prorl_server import tiny_model
+    from prorl_server.vllm_launcher import start_vllm
+
+    tiny_model.build(model_dir)
+    t0 = time.monotonic()
+    server = start_vllm(model_dir, **start_kwargs)
+    print(f"vLLM ready at {server.address} in {time.monotonic() - t0:.0f} s", flush=True)
+    try:
+        yield server.address
+    finally:
+        server.stop()
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    """``rows`` as a fixed-width table of ``cols`` (floats with 2 decimals)."""
+    print(" ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
