@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from prorl_server.tool_parser import PARSERS
+
 
 class ServerSettings(BaseModel):
     """Every setting of ``prorl-server``. Units: seconds for ``*_s``, MiB for ``max_body_mb``."""
@@ -56,8 +58,6 @@ class ServerSettings(BaseModel):
     @field_validator("gateway_tool_parser")
     @classmethod
     def _known_parser(cls, v: str) -> str:
-        from prorl_server.tool_parser import PARSERS
-
         if v not in PARSERS:
             raise ValueError(f"unknown tool parser {v!r}; registered: {sorted(PARSERS)}")
         return v
