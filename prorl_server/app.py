@@ -161,6 +161,8 @@ async def add_llm_server(request: web.Request) -> web.Response:
 
 
 async def clear_llm_server(request: web.Request) -> web.Response:
+    """Take every backend out of the rotation (a weight update); re-adding an address revives the same backend
+    with its new version, and jobs submitted meanwhile wait up to ``backend_wait_s``."""
     n = request.app[POOL].clear()
     return json_response(OkResponse(detail=f"{n} backend(s) removed"))
 
@@ -220,7 +222,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/cancel", cancel, "Cancel a job (idempotent)", CancelRequest, CancelResponse),
     Route("POST", "/add_llm_server", add_llm_server, "Register an LLM backend (idempotent)",
           AddBackendRequest, OkResponse),
-    Route("POST", "/clear_llm_server", clear_llm_server, "Forget every LLM backend", None, OkResponse),
+    Route("POST", "/clear_llm_server", clear_llm_server, "Take every LLM backend out of the rotation (re-adding "
+          "an address revives it with its new weight_version)", None, OkResponse),
     Route("POST", "/start", start, "Accept jobs again after /stop", None, OkResponse),
     Route("POST", "/stop", stop, "Refuse new jobs and cancel in-flight ones", None, OkResponse),
     Route("GET", "/status", status, "Queues, active jobs and backends", None, StatusResponse),
@@ -293,7 +296,8 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
         middlewares.append(auth_middleware(settings.token))
     app = web.Application(middlewares=middlewares, client_max_size=int(settings.max_body_mb * 1024 * 1024))
     m = Metrics()
-    pool = BackendPool(on_change=m.backend_changed)
+    pool = BackendPool(on_change=m.backend_changed, affinity_slack=settings.affinity_slack,
+                       on_affinity=m.affinity_decided)
     for address in settings.backends:
         pool.add(AddBackendRequest(address=address).address)
     app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY] = settings, m, pool, registry

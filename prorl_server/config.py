@@ -28,6 +28,9 @@ class ServerSettings(BaseModel):
     backends: list[str] = Field(default_factory=list, description="LLM backend URLs registered at start")
     backend_wait_s: float = Field(default=60.0, ge=0,
                                   description="how long a job waits for a backend before its stage fails")
+    affinity_slack: int = Field(default=8, ge=0, description="in-flight jobs a group's backend may have above "
+                                "the least-loaded backend and still get the group's next job (prefix-cache "
+                                "reuse); 0: only when tied")
     tokenizer: Optional[str] = Field(default=None, description="tokenizer path/name; default: the model "
                                      "the backend serves (GET /v1/models)")
     llm_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one generation request")

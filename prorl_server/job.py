@@ -65,8 +65,10 @@ class Job:
     def __init__(self, *, job_id: Optional[str], instance: dict[str, Any], sampling_params: dict[str, Any],
                  handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
                  pool: Optional["BackendPool"] = None, sandbox_opener=None,
-                 backend_wait_s: float = 0.0, llm: Optional["LLMContext"] = None) -> None:
+                 backend_wait_s: float = 0.0, llm: Optional["LLMContext"] = None,
+                 group_id: Optional[str] = None) -> None:
         self.job_id = job_id or uuid.uuid4().hex
+        self.group_id = group_id  # the n samples of one prompt share it (backend affinity)
         self.trajectory_id = uuid.uuid4().hex
         self.instance = instance
         self.sampling_params = sampling_params
@@ -84,6 +86,9 @@ class Job:
         self.reward: float = 0.0
         self.resolved: bool = False
         self.filter: bool = False
+        # why the job failed when the model did not cause it (prorl_server.failures.FAILURE_KINDS); a handler
+        # may set it (then the stage ends the job) or raise InfrastructureError; it implies filter
+        self.failure_kind: Optional[str] = None
         self.messages: list[dict[str, Any]] = []
         self.trajectories: list[Trajectory] = []
         self.extra: dict[str, Any] = {}
@@ -118,9 +123,12 @@ class Job:
 
     # ------------------------------------------------------------------ resources
     async def backend(self, exclude: frozenset[str] = frozenset()) -> "Backend":
-        """The job's sticky LLM backend (assigned on first call; least-loaded healthy one).
+        """The job's sticky LLM backend (assigned on first call: its group's backend when load allows, else
+        the least-loaded healthy one; see :mod:`prorl_server.balancer`).
 
-        ``exclude`` names backends that failed for this job: a new one is assigned instead.
+        ``exclude`` names backends that failed for this job: a new one is assigned instead. Every call
+        records the backend's current ``weight_version`` as the job's (it may change between calls when the
+        trainer re-registers the backend after a weight update).
 
         Raises:
             prorl_server.balancer.NoBackendError: none registered within the server's backend wait.
@@ -129,10 +137,18 @@ class Job:
             from prorl_server.balancer import NoBackendError
 
             raise NoBackendError("this server has no backend pool")
-        b = await self._pool.acquire(self.job_id, wait_s=self._backend_wait_s, exclude=exclude)
+        b = await self._pool.acquire(self.job_id, wait_s=self._backend_wait_s, exclude=exclude,
+                                     group=self.group_id)
         self._backend_address = b.address
         self._weight_version = b.weight_version
         return b
+
+    def record_turn(self, backend: str, weight_version: Optional[int]) -> None:
+        """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
+        client recorded for it): the result's ``backend`` / ``weight_version`` are those of the last turn."""
+        self._backend_address = backend
+        if weight_version is not None:
+            self._weight_version = weight_version
 
     def add_closer(self, closer: Closer, scope: str = "run") -> None:
         """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the DESIGN rule: the run
@@ -176,7 +192,8 @@ class Job:
             job_id=self.job_id, instance_id=self.instance_id, trajectory_id=self.trajectory_id,
             handler=self.handler_name, reward=float(self.reward), resolved=bool(self.resolved),
             critical_error=self.critical_error, error=self.error, traceback=self.traceback,
-            filter=bool(self.filter), messages=self.messages, trajectories=self.trajectories,
+            filter=bool(self.filter) or self.failure_kind is not None, failure_kind=self.failure_kind,
+            messages=self.messages, trajectories=self.trajectories,
             timing=self.timing, backend=self._backend_address, weight_version=self._weight_version,
             extra=self.extra,
         )

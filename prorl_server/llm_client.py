@@ -17,6 +17,12 @@ duplicate nor lose tokens):
   retried on the same backend (sticky: its prefix cache) after a back-off, up to ``pause_wait_s``.
 - 4xx (bad request, prompt too long): :class:`LLMRequestError`, not retried.
 
+Weight versions (DESIGN.md "The training loop"): each turn records the version of the weights that generated
+it: an integer top-level ``weight_version`` in the completions answer when the backend gives one (a trainer's
+per-worker relay does), else the backend's registered ``weight_version`` when the request was sent. A
+backend re-registered after a weight update is the same :class:`~prorl_server.balancer.Backend` object, so a
+job's next turn reads the new version.
+
 Use one :class:`LLMClient` (one ``aiohttp.ClientSession``) per process, not one per call.
 """
 from __future__ import annotations
@@ -86,7 +92,10 @@ class Completion:
     emitted one). ``logprobs``: list[float] of length T (the sampled tokens' logprobs under the raw model
     distribution, vLLM's default ``logprobs_mode``). ``finish_reason``: ``"stop"`` or ``"length"``.
     ``stop_reason``: the stop token id / string that ended it, None for EOS or length.
-    ``weight_versions``: the backend's version(s) while it generated (one unless it changed mid-call).
+    ``weight_versions``: ``[v]``, the version of the weights that generated the turn: the integer
+    ``weight_version`` the backend put in its answer (a relay in front of a trainer's inference engine knows
+    it exactly), else the backend's registered version when the kept attempt's request was sent; ``[]`` when
+    neither is known.
     ``http_s``: seconds spent in HTTP exchanges for this turn, failed and aborted attempts included (so a
     caller can tell its own overhead from the server's time).
     """
@@ -125,8 +134,7 @@ def backend_getter(source: BackendSource, pool: Optional[BackendPool] = None,
             raise ValueError("give a job, a backend, an address, a getter, or pool + job_id")
         return lambda exclude: pool.acquire(job_id, exclude=exclude)
     if hasattr(source, "backend") and callable(getattr(source, "backend")):
-        job = source
-        return lambda exclude: job.backend(exclude=exclude)
+        return _JobBackend(source)
     if isinstance(source, str):
         source = Backend(address=source.rstrip("/"))
     if isinstance(source, Backend):
@@ -141,6 +149,25 @@ def backend_getter(source: BackendSource, pool: Optional[BackendPool] = None,
     if callable(source):
         return source
     raise TypeError(f"cannot get backends from {type(source).__name__}")
+
+
+class _JobBackend:
+    """A job's sticky backend as a getter that also tells the job which backend and weight version generated
+    each turn (:meth:`prorl_server.job.Job.record_turn`), so its result's ``weight_version`` is the last
+    turn's."""
+
+    __slots__ = ("job",)
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+
+    def __call__(self, exclude: frozenset) -> Awaitable[Backend]:
+        return self.job.backend(exclude=exclude)
+
+    def record_turn(self, completion: "Completion") -> None:
+        record = getattr(self.job, "record_turn", None)
+        if callable(record):
+            record(completion.backend, completion.weight_versions[-1] if completion.weight_versions else None)
 
 
 class LLMClient:
@@ -268,11 +295,13 @@ class LLMClient:
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
-            version_before = b.weight_version
             try:
                 if self.model is None and b.address not in self._models:
                     await self.model_info(b.address)
                 body["model"] = self.model or self._models[b.address].id
+                # Read as the request leaves: a trainer may re-register the backend (same object, new
+                # version) at any await before this point.
+                version_sent = b.weight_version
                 t0 = time.perf_counter()
                 try:
                     data = await self._post(b.address, body, timeout)
@@ -311,8 +340,12 @@ class LLMClient:
             self.counters["requests"] += 1
             if self.pool is not None:
                 self.pool.report_success(b.address)
-            return self._completion(choice, b, version_before, http_s, failures + pause_retries + 1, failovers,
-                                    pause_retries)
+            completion = self._completion(data, choice, b, version_sent, http_s, failures + pause_retries + 1,
+                                          failovers, pause_retries)
+            record = getattr(get, "record_turn", None)
+            if record is not None:
+                record(completion)
+            return completion
 
     async def _post(self, address: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
         try:
@@ -341,8 +374,8 @@ class LLMClient:
         raise LLMRequestError(status, str(message))
 
     @staticmethod
-    def _completion(choice: dict[str, Any], b: Backend, version_before: Optional[int], http_s: float,
-                    attempts: int, failovers: int, pause_retries: int) -> Completion:
+    def _completion(data: dict[str, Any], choice: dict[str, Any], b: Backend, version_sent: Optional[int],
+                    http_s: float, attempts: int, failovers: int, pause_retries: int) -> Completion:
         lp = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
         if ids is None:
@@ -351,7 +384,11 @@ class LLMClient:
         logprobs = [0.0 if x is None else x for x in lp.get("token_logprobs", ())]
         if len(logprobs) != len(ids):
             raise LLMError(f"{b.address} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        versions = [v for v in dict.fromkeys((version_before, b.weight_version)) if v is not None]
+        reported = data.get("weight_version")
+        if isinstance(reported, int) and not isinstance(reported, bool):
+            versions = [reported]  # the engine's own word on the weights that generated this answer
+        else:
+            versions = [] if version_sent is None else [version_sent]
         return Completion(token_ids=ids, logprobs=logprobs, finish_reason=choice.get("finish_reason") or "stop",
                           stop_reason=choice.get("stop_reason"), backend=b.address, weight_versions=versions,
                           attempts=attempts, failovers=failovers, pause_retries=pause_retries, http_s=http_s,

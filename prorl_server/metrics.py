@@ -29,6 +29,15 @@ class Metrics:
                                        ["backend"], registry=r)
         self.backend_healthy = Gauge("prorl_backend_healthy", "1 if the backend is in rotation",
                                      ["backend"], registry=r)
+        self.backend_affinity = Counter("prorl_backend_affinity", "Jobs of a group (group_id) placed on their "
+                                        "group's backend (hit) or elsewhere because of load or health (miss); "
+                                        "a group's first job is not counted", ["outcome"], registry=r)
+        for outcome in ("hit", "miss"):
+            self.backend_affinity.labels(outcome)
+        self.jobs_filtered = Counter("prorl_jobs_filtered_total", "Jobs whose result says filter=true (not to be "
+                                     "trained on), by handler and failure_kind (sandbox, llm_backend, harness, "
+                                     "agent_missing, timeout, cancelled, invalid_instance, handler, internal)",
+                                     ["handler", "failure_kind"], registry=r)
         self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
                                          "Malformed tool calls turned into error observations",
                                          ["handler"], registry=r)
@@ -43,7 +52,11 @@ class Metrics:
 
     def backend_changed(self, backend) -> None:
         self.backend_in_flight.labels(backend.address).set(backend.in_flight)
-        self.backend_healthy.labels(backend.address).set(1 if backend.healthy else 0)
+        # "in rotation": a backend taken out by /clear_llm_server reads 0 until it is re-added
+        self.backend_healthy.labels(backend.address).set(1 if backend.in_rotation else 0)
+
+    def affinity_decided(self, outcome: str) -> None:
+        self.backend_affinity.labels(outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,8 @@ charged against that counted time, never against queue waits.
 
 Outcomes: every path (success, stage exception, timeout, cancel, stop) goes through :meth:`_finish`, which
 closes the job's resources, releases its backend, builds the result and completes the waiter exactly once.
+A failed job gets a ``failure_kind`` (:mod:`prorl_server.failures`: the stage exception's type decides, or the
+handler declares it) and ``filter: true``: a failure the model did not cause is never trained on.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Optional
 
 from handlers.registry import HandlerRegistry
 from prorl_server.balancer import BackendPool, NoBackendError
+from prorl_server.failures import classify
 from prorl_server.job import Job
 from prorl_server.metrics import Metrics
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
@@ -110,13 +113,16 @@ class Pipeline:
         Raises:
             ServerStoppedError: the server is stopped.
             handlers.registry.UnknownHandlerError: ``data_source`` names no handler.
-            NoBackendError: the handler needs an LLM and no healthy backend is registered.
+            NoBackendError: the handler needs an LLM and no backend was ever registered (while backends are
+                being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.
         """
         if not self.accepting:
             raise ServerStoppedError("server is stopped; POST /start to accept jobs again")
         name, handler = self.registry.resolve(req.instance["data_source"])
-        if handler.needs_llm and len(self.pool) == 0:
+        # A pool that had backends and has none in rotation now is being swapped (clear -> add around a
+        # weight update) or waiting for its health probe: the job waits for a backend in acquire.
+        if handler.needs_llm and not self.pool.ever_registered:
             raise NoBackendError(f"handler {name!r} needs an LLM backend and none is registered; "
                                  "register one with POST /add_llm_server")
         if req.job_id is not None:
@@ -127,7 +133,7 @@ class Pipeline:
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s,
-                  llm=self.llm)
+                  llm=self.llm, group_id=req.group_id)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         self.in_flight += 1
@@ -196,7 +202,7 @@ class Pipeline:
             except Exception:  # never let one job kill a worker
                 log.exception("internal error in %s worker for job %s", stage, job.job_id)
                 if not job.finished:
-                    await self._finish(job, stage, "internal error", traceback.format_exc())
+                    await self._finish(job, stage, "internal error", traceback.format_exc(), "internal")
             finally:
                 self.active[stage] -= 1
                 self.metrics.stage_active[stage].set(self.active[stage])
@@ -226,6 +232,10 @@ class Pipeline:
             await self._finish(job, "cancelled", job.error or "cancelled")
             return
         exc = task.exception()
+        if exc is None and job.failure_kind is not None:  # the handler declared a failure and returned
+            await self._finish(job, stage, job.error or f"{stage} failed: the handler reported failure_kind "
+                               f"{job.failure_kind!r}")
+            return
         if exc is None:
             nxt = _NEXT[stage]
             if nxt is None:
@@ -242,6 +252,8 @@ class Pipeline:
         msg = f"{stage} failed: {type(exc).__name__}: {exc}"
         if isinstance(exc, NoBackendError):
             msg = f"{stage} failed: {exc}"
+        # what the handler set during the stage wins; its callback may still override the classification
+        job.failure_kind = job.failure_kind or classify(exc, stage)
         try:
             await getattr(handler, f"{stage}_exception")(job, exc)
         except Exception as cb_exc:
@@ -268,11 +280,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ completion
     async def _finish(self, job: Job, critical_error: Optional[str], error: Optional[str] = None,
-                      tb: Optional[str] = None) -> None:
+                      tb: Optional[str] = None, failure_kind: Optional[str] = None) -> None:
         if job.finished or job.finishing:
             return
         job.finishing = True
         if critical_error is not None:
+            # timeout and cancel are the pipeline's own decisions; a stage failure was classified in
+            # _run_stage (or declared by the handler)
+            if critical_error in ("timeout", "cancelled"):
+                job.failure_kind = critical_error
+            else:
+                job.failure_kind = failure_kind or job.failure_kind or "handler"
             job.critical_error = critical_error  # type: ignore[assignment]
             job.error = error
             job.traceback = tb
@@ -291,12 +309,18 @@ class Pipeline:
             if job.error is None:
                 job.error = f"final_result failed: {type(e).__name__}: {e}"
             result = job.build_result()
+        if job.failure_kind is not None and result.failure_kind is None:  # a final_result of the handler's own
+            result = result.model_copy(update={"failure_kind": job.failure_kind, "filter": True})
+        elif result.failure_kind is not None and not result.filter:
+            result = result.model_copy(update={"filter": True})
         job.result = result
         job.status = JobState.done
         self.in_flight -= 1
         self.metrics.jobs_in_flight.set(self.in_flight)
         self.metrics.jobs_total.labels(job.handler_name, critical_error or "ok").inc()
         self.metrics.reward.labels(job.handler_name).observe(result.reward)
+        if result.filter:
+            self.metrics.jobs_filtered.labels(job.handler_name, result.failure_kind or "unspecified").inc()
         malformed = (job.extra.get("agent") or {}).get("malformed_tool_calls")  # see AgentResult.apply_to
         if malformed:
             self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)

@@ -37,6 +37,8 @@ class ProcessRequest(BaseModel):
     ``instance`` must carry ``data_source`` (the handler name or an alias). ``sampling_params`` is passed
     through to the LLM backend (vLLM completions parameters: temperature, top_p, max_tokens, ...).
     ``timeout_s`` bounds the counted time (init + run + eval, queue waits excluded), in seconds.
+    ``group_id`` names the group (the n samples of one prompt): the server runs a group's jobs on one LLM
+    backend when load allows, so the prompt's prefix cache is shared (see ``affinity_slack``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -45,6 +47,7 @@ class ProcessRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     job_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
     timeout_s: Optional[float] = Field(default=None, gt=0)
+    group_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
 
     @field_validator("instance")
     @classmethod
@@ -114,7 +117,15 @@ class Timing(BaseModel):
 
 
 class JobResult(BaseModel):
-    """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure)."""
+    """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure).
+
+    ``failure_kind``: why the job failed when the model did not cause it (one of
+    :data:`prorl_server.failures.FAILURE_KINDS`: ``sandbox``, ``llm_backend``, ``harness``,
+    ``agent_missing``, ``timeout``, ``cancelled``, ``invalid_instance``, ``handler``, ``internal``); null
+    for a normal outcome, including every model-caused one (a wrong answer, a bad tool call, its own command
+    timing out). ``filter``: true whenever ``failure_kind`` is set (or the handler asked for it): the sample
+    must not be trained on; a trainer regenerates it.
+    """
 
     job_id: str
     instance_id: Optional[str] = None
@@ -126,6 +137,7 @@ class JobResult(BaseModel):
     error: Optional[str] = None
     traceback: Optional[str] = None
     filter: bool = False
+    failure_kind: Optional[str] = None
     messages: list[dict[str, Any]] = Field(default_factory=list)
     trajectories: list[Trajectory] = Field(default_factory=list)
     timing: Timing = Field(default_factory=Timing)
