@@ -13,8 +13,9 @@ A trainer drives it step by step::
 What it does (DESIGN.md "Trainer side", issue 6):
 
 - **Servers**: a URL list, or ``servers.json`` read with :mod:`trainer_plugins.servers` (same-node servers
-  first, bearer token from the file). Each job goes to the server with the fewest of this client's jobs in
-  flight, ties broken in that order: same node first, then round-robin.
+  first, bearer token from the file). Each group goes to the server with the fewest of this client's jobs in
+  flight, ties broken in that order: same node first, then round-robin; all its samples run there, sent with
+  the group's ``group_id`` so the server keeps them on one LLM backend (the prompt's prefix cache).
 - **Groups**: every dataset item is sampled ``n_samples`` times (one job each, ``POST /process`` with a
   client-chosen ``job_id`` so it can be cancelled at once); a group is complete when all its jobs ended.
 - **Replenishment**: a background task keeps as many groups outstanding (submitted and not yet consumed or
@@ -108,6 +109,7 @@ class Group:
     samples: list[Sample] = field(default_factory=list)
     seq: int = -1
     discarded: bool = False
+    server: Optional[str] = None  # every sample of the group runs there (see RolloutClient._pick_server)
 
     @property
     def complete(self) -> bool:
@@ -229,6 +231,53 @@ def resolve_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]]
     if not urls:
         raise ValueError("no rollout server given")
     return urls, {}, {u: [] for u in urls}
+
+
+class BackendUnreachableError(RuntimeError):
+    """An LLM backend did not answer ``GET /health`` from the process registering it: a rollout server
+    given it would route jobs to a backend that cannot serve them. The message names the backend."""
+
+
+async def register_backends(session: aiohttp.ClientSession, server: str, backends: Sequence[str],
+                            version: int, *, clear: bool = True, probe_timeout_s: Optional[float] = None,
+                            headers: Optional[Mapping[str, str]] = None) -> None:
+    """Register LLM backends with one rollout server under ``weight_version=version`` (ProRL Agent paper,
+    section 3.3: the trainer re-registers its inference servers after each weight update).
+
+    Args:
+        session: the caller's HTTP session (its default headers carry the bearer token, or pass ``headers``).
+        server: rollout server base URL. backends: OpenAI-compatible base URLs.
+        version: the trainer step whose weights the backends serve (int; never None: a backend without a
+            version would make its trajectories look on-policy).
+        clear: ``POST /clear_llm_server`` first (the caller owns every backend of that server). With
+            False the backends are added beside the others; re-adding a known address updates its version.
+        probe_timeout_s: when given, each backend must answer ``GET {backend}/health`` within that many
+            seconds before it is registered.
+
+    Raises:
+        BackendUnreachableError: a backend did not answer its probe (nothing was registered).
+        RuntimeError: the rollout server is unreachable or refused (its answer is in the message).
+    """
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TypeError(f"weight version must be an int, got {version!r}")
+    if probe_timeout_s is not None:
+        for b in backends:
+            try:
+                async with session.get(f"{b}/health", timeout=aiohttp.ClientTimeout(total=probe_timeout_s)) as r:
+                    if r.status != 200:
+                        raise BackendUnreachableError(f"LLM backend {b} answered GET /health with {r.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise BackendUnreachableError(f"LLM backend {b} is unreachable (GET /health: {e!r}); "
+                                              f"not registering it with {server}") from None
+    calls = ([("/clear_llm_server", None)] if clear else []) + [
+        ("/add_llm_server", {"address": b, "weight_version": version}) for b in backends]
+    for path, body in calls:
+        try:
+            async with session.post(f"{server}{path}", json=body, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{server}{path} {body or ''} answered {r.status}: {await r.text()}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RuntimeError(f"rollout server {server} is unreachable ({path}: {e!r})") from None
 
 
 class RolloutClient:
@@ -413,10 +462,18 @@ class RolloutClient:
         cap = (versions + self.max_staleness + 1) * self.B + self.oversubscribe - self._consumed
         return min(cap, self.max_outstanding_groups) if self.max_outstanding_groups else cap
 
-    def _pick_server(self) -> str:
-        # Fewest of our jobs in flight, ties to the earliest in order: with equal servers this is round-robin
-        # that starts on the same node, and a slow server gets fewer new jobs.
-        return min(self.urls, key=lambda u: self._in_flight[u])
+    def _pick_server(self, group: Optional[Group] = None) -> str:
+        """The rollout server for a job of ``group``: the group's server once it has one (its samples share
+        the prompt, and that server keeps them on one backend through ``group_id``: prefix-cache reuse);
+        else the server with the fewest of our jobs in flight, ties to the earliest in order (with equal
+        servers this is round-robin that starts on the same node, and a slow server gets fewer new groups),
+        which becomes the group's."""
+        if group is not None and group.server in self._in_flight:
+            return group.server
+        server = min(self.urls, key=lambda u: self._in_flight[u])
+        if group is not None:
+            group.server = server
+        return server
 
     async def _replenish_forever(self) -> None:
         while not self._closed:
@@ -432,7 +489,7 @@ class RolloutClient:
     def _submit(self, group: Group) -> None:
         group.seq = self.queue.push(group)
         for i in range(self.n):
-            server = self._pick_server()
+            server = self._pick_server(group)
             self._in_flight[server] += 1
             jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{i}"
             sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic())
@@ -444,7 +501,7 @@ class RolloutClient:
 
     async def _run_sample(self, group: Group, sample: Sample) -> None:
         body: dict[str, Any] = {"instance": group.instance, "sampling_params": self.sampling_params,
-                                "job_id": sample.job_id}
+                                "job_id": sample.job_id, "group_id": f"{self.job_prefix}-{group.uid}"}
         if self.timeout_s is not None:
             body["timeout_s"] = self.timeout_s
         deadline = time.monotonic() + self.unavailable_retry_s
@@ -650,14 +707,7 @@ class RolloutClient:
         return version
 
     async def _register(self, server: str, backends: Sequence[str], version: int) -> None:
-        async with self._session.post(f"{server}/clear_llm_server") as r:
-            if r.status != 200:
-                raise RuntimeError(f"{server}/clear_llm_server answered {r.status}: {await r.text()}")
-        for b in backends:
-            async with self._session.post(f"{server}/add_llm_server",
-                                          json={"address": b, "weight_version": version}) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"{server}/add_llm_server {b} answered {r.status}: {await r.text()}")
+        await register_backends(self._session, server, backends, version, clear=True)
 
     def in_flight(self) -> dict[str, int]:
         """This client's running jobs per server URL."""

@@ -26,6 +26,7 @@ half-written file. Everything here is blocking and small: call it from a thread 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -101,6 +102,24 @@ def order_servers(servers: Iterable[ServerEntry], local_node: str) -> list[Serve
     local = short_name(local_node)
     servers = list(servers)
     return [s for s in servers if short_name(s.node) == local] + [s for s in servers if short_name(s.node) != local]
+
+
+def server_for_group(urls: Sequence[str], group_id: str) -> str:
+    """The rollout server for every sample of the group ``group_id``, chosen by rendezvous hashing (Thaler and
+    Ravishankar 1998, "highest random weight"): the URL with the largest ``blake2b(group_id, url)``.
+
+    For trainers whose samples of one group are submitted by different processes that share no state (verl's
+    agent loop workers): each process computes the same server, groups spread evenly over the servers, and
+    removing a server moves only its own groups. A client that submits whole groups itself should prefer
+    least-in-flight (``RolloutClient`` does). Raises ValueError for an empty ``urls``.
+    """
+    if not urls:
+        raise ValueError("no rollout server to choose from")
+
+    def weight(url: str) -> bytes:
+        return hashlib.blake2b(f"{group_id}\0{url}".encode(), digest_size=8).digest()
+
+    return max(urls, key=weight)
 
 
 def _require(obj: dict, key: str, kind: type | tuple[type, ...], where: str):
