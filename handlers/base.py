@@ -4,10 +4,23 @@ A handler is dispatched on ``instance["data_source"]`` (its ``name`` or one of i
 calls ``init``, ``run`` and ``eval`` in that order, each in its own worker pool; an exception in a stage goes
 to ``<stage>_exception`` and ends the job with ``critical_error=<stage>``; ``final_result`` builds the
 result in every case (success, failure, timeout, cancel).
+
+Failures the model did not cause are never trained on: the pipeline gives a failed job a ``failure_kind``
+and ``filter: true`` (:mod:`prorl_server.failures`). The exception's type decides (an infrastructure
+``SandboxError`` -> ``sandbox``, a backend error -> ``llm_backend``, a ``ValueError`` in ``init`` or an
+:class:`InvalidInstanceError` -> ``invalid_instance``, anything else -> ``handler``); a handler names what the
+type does not tell by raising :class:`InfrastructureError` (``raise InfrastructureError("harness", "the
+grader printed no verdict")``), or by setting ``job.failure_kind`` (in a stage, which then ends the job, or in
+``<stage>_exception`` to override the classification). What the model caused (a wrong answer, a bad tool call,
+its own command timing out) is not an exception: it is an observation or a reward.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
+
+from prorl_server.failures import FAILURE_KINDS, InfrastructureError, InvalidInstanceError
+
+__all__ = ["AgentHandler", "FAILURE_KINDS", "InfrastructureError", "InvalidInstanceError"]
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
@@ -37,7 +50,8 @@ class AgentHandler:
         """Score the job: set ``job.reward`` (float) and ``job.resolved``."""
 
     async def init_exception(self, job: "Job", exc: BaseException) -> None:
-        """Called when ``init`` raised. The default records nothing extra (the pipeline sets the error)."""
+        """Called when ``init`` raised. The default records nothing extra (the pipeline sets the error and
+        ``job.failure_kind`` before the call; set ``job.failure_kind`` here to override it)."""
 
     async def run_exception(self, job: "Job", exc: BaseException) -> None:
         """Called when ``run`` raised."""

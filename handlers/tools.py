@@ -40,9 +40,15 @@ EDITOR_KEYS = ("file_text", "old_str", "new_str", "insert_line", "view_range")
 
 def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_replace_editor"),
                   bash_timeout_s: float = 60.0, ipython_timeout_s: float = 60.0) -> dict[str, "ToolSpec"]:
-    """Tools named in ``names`` bound to ``handle`` (plus ``think`` if named). Tool errors raised by the
-    sandbox (timeouts, paths outside the workspace, a dead sandbox) become the agent's observation through the
-    agent loop's error handling."""
+    """Tools named in ``names`` bound to ``handle`` (plus ``think`` if named).
+
+    What the model caused reaches it as an observation: a command past ``bash_timeout_s`` /
+    ``ipython_timeout_s`` (seconds) returns its partial output marked ``[timed out]``, and a
+    :class:`sandbox.errors.ToolError` (a path outside the workspace, a non-unique ``str_replace``, a killed
+    kernel) becomes an error observation in the agent loop. Nothing here catches a sandbox error: an
+    infrastructure fault (``SandboxDeadError``, ``ToolTimeout``: the execution server did not answer,
+    ``ProtocolError``) propagates and fails the job with ``failure_kind="sandbox"``. ``bash`` and ``ipython``
+    carry their limit as ``fn.timeout_s``, so the agent loop's ``tool_timeout_s`` never fires before it."""
 
     async def bash(args: dict) -> str:
         r = await handle.bash(str(args.get("command", "")), timeout_s=bash_timeout_s)
@@ -65,6 +71,9 @@ def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_r
     async def think(args: dict) -> str:
         return "OK."
 
+    bash.timeout_s = bash_timeout_s  # type: ignore[attr-defined]
+    ipython.timeout_s = ipython_timeout_s  # type: ignore[attr-defined]
+
     table = {"bash": (BASH, bash), "ipython": (IPYTHON, ipython), "str_replace_editor": (EDITOR, editor),
              "think": (THINK, think)}
     return {n: table[n] for n in names}
@@ -77,7 +86,10 @@ async def run_agent(job: "Job", messages: list[dict], tools: dict[str, "ToolSpec
 
     Raises:
         RuntimeError: the server has no LLM context.
-        prorl_server.llm_client.LLMUnavailableError: no backend could generate (the stage fails: ``run``).
+        prorl_server.llm_client.LLMUnavailableError: no backend could generate (the stage fails: ``run``,
+            ``failure_kind="llm_backend"``).
+        sandbox.errors.SandboxError: a tool's sandbox failed or stopped answering (``failure_kind="sandbox"``;
+            never a ``ToolError``, which the model sees as an observation).
     """
     from prorl_server.agent_loop import AgentLoop
 

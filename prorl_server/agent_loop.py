@@ -14,8 +14,22 @@ the text (:mod:`prorl_server.tool_parser`, hermes by default), run them in order
 
 Tools are a mapping ``name -> (JSON schema, async fn(arguments: dict) -> str)``; the schemas reach the model
 through the chat template's ``tools=`` support (the system prompt the model was trained with). Sandbox tools
-(bash, ipython, str_replace_editor) plug in the same way. A malformed call, an unknown tool, a tool that
-raises or times out become an error observation for the model and a counted metric, never an exception.
+(bash, ipython, str_replace_editor) plug in the same way.
+
+What the model caused and what it did not (issue 14: infrastructure faults are never training data):
+
+- **Observations** (the model sees them and is trained on them; counted in the metrics): a malformed call,
+  an unknown tool, a :class:`sandbox.errors.ToolError` (an editor path outside the workspace, a
+  ``str_replace`` that is not unique, a kernel its code killed), any other exception of a tool function
+  (bad arguments), and the model's own command running past its time limit (bash/ipython return that as
+  ``timed_out`` output, not as an exception).
+- **Failures** (the exception propagates, the run stage fails, the job gets ``failure_kind`` and
+  ``filter: true``): every other :class:`sandbox.errors.SandboxError` (the sandbox could not start, died, or
+  its execution server stopped answering: ``SandboxDeadError``, ``SandboxStartError``, ``ProtocolError``,
+  ``ToolTimeout``), an :class:`~prorl_server.failures.InfrastructureError` a tool raises, and a tool that
+  gives no answer within ``AgentConfig.tool_timeout_s``: the tools' own limits (bash/ipython ``timeout_s``)
+  report a slow command as output well before that, so reaching it means the tool or its sandbox is not
+  answering (raised as :class:`sandbox.errors.ToolTimeout`, ``failure_kind="sandbox"``).
 """
 from __future__ import annotations
 
@@ -26,9 +40,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 from prorl_server.conversation import Conversation
+from prorl_server.failures import InfrastructureError
 from prorl_server.llm_client import BackendSource, LLMClient, backend_getter
 from prorl_server.tool_parser import ParsedTurn, ToolCall, ToolCallError, ToolParser, get_parser
 from prorl_server.types import Trajectory
+from sandbox.errors import SandboxError, ToolError, ToolTimeout
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
@@ -54,6 +70,10 @@ FINISH_SCHEMA = {
 }
 
 
+TOOL_GRACE_S = 30.0
+"""Seconds a tool with its own ``timeout_s`` gets beyond it before the loop treats it as not answering."""
+
+
 @dataclass
 class AgentConfig:
     """Stop conditions and limits of :class:`AgentLoop` (token counts in tokens, times in seconds).
@@ -62,7 +82,10 @@ class AgentConfig:
     backend's ``max_model_len`` and the tokenizer's ``model_max_length``. ``max_tokens_per_turn``: default
     ``sampling_params["max_tokens"]``, else whatever room is left. ``finish_tool``: name of the tool that ends
     the rollout (added with :data:`FINISH_SCHEMA` if the tools do not define it; None: no finish tool).
-    ``max_observation_chars``: longer tool outputs are cut (None: never).
+    ``max_observation_chars``: longer tool outputs are cut (None: never). ``tool_timeout_s``: a tool call
+    that has not answered by then fails the rollout as an infrastructure fault (see the module docstring);
+    a tool function with a ``timeout_s`` attribute (its own limit on the model's work, which it reports as
+    output) gets at least that plus :data:`TOOL_GRACE_S` (None: no limit).
     """
 
     max_turns: int = 16
@@ -161,6 +184,9 @@ class AgentLoop:
             LLMUnavailableError: no backend could generate a turn (the pipeline reports
                 ``critical_error="run"``); nothing partial is kept from the failed turn.
             ContextLengthError: the initial prompt does not fit.
+            sandbox.errors.SandboxError: a tool's sandbox failed (not a ``ToolError``), or a tool gave no
+                answer within ``tool_timeout_s`` (``ToolTimeout``); InfrastructureError: a tool raised one.
+                The rollout is not returned: it must not be trained on.
         """
         t_start = time.perf_counter()
         cfg = self.config
@@ -276,17 +302,27 @@ class AgentLoop:
         fn = spec[1]
         if fn is None:  # the built-in finish tool
             return "Finished."
+        limit = self.config.tool_timeout_s or None
+        own = getattr(fn, "timeout_s", None)
+        if limit is not None and isinstance(own, (int, float)):
+            limit = max(limit, own + TOOL_GRACE_S)  # never cut a tool before it reports a slow command itself
+        deadline = asyncio.timeout(limit)
         try:
-            if self.config.tool_timeout_s:
-                result = await asyncio.wait_for(fn(call.arguments), self.config.tool_timeout_s)
-            else:
+            async with deadline:
                 result = await fn(call.arguments)
-        except asyncio.TimeoutError:
-            m["tool_timeouts"] += 1
-            return f"Error: tool {call.name!r} timed out after {self.config.tool_timeout_s} s"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a tool bug is the model's observation, not the rollout's crash
+        except ToolError as e:  # caused by what the model asked for: its message is meant for the model
+            m["tool_errors"] += 1
+            return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}"
+        except (SandboxError, InfrastructureError):
+            raise  # the sandbox, not the model: the job fails and is filtered, never an observation
+        except TimeoutError as e:
+            if deadline.expired():
+                m["tool_timeouts"] += 1
+                raise ToolTimeout(f"tool {call.name!r} gave no answer within {limit:g} s (tool_timeout_s): "
+                                  "the tool or its sandbox is not answering") from e
+            m["tool_errors"] += 1  # a TimeoutError of the tool's own making is like any other tool error
+            return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}"
+        except Exception as e:  # bad arguments and other tool bugs: the model's observation
             m["tool_errors"] += 1
             return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}"
         obs = result if isinstance(result, str) else str(result)

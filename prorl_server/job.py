@@ -17,6 +17,7 @@ from prorl_server.types import CriticalError, JobResult, JobState, Timing, Traje
 if TYPE_CHECKING:
     from handlers.base import AgentHandler
     from prorl_server.balancer import Backend, BackendPool
+    from prorl_server.cpu_pool import CpuPool
     from prorl_server.llm_context import LLMContext
 
 
@@ -66,7 +67,7 @@ class Job:
                  handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
                  pool: Optional["BackendPool"] = None, sandbox_opener=None,
                  backend_wait_s: float = 0.0, llm: Optional["LLMContext"] = None,
-                 group_id: Optional[str] = None) -> None:
+                 group_id: Optional[str] = None, cpu_pool: Optional["CpuPool"] = None) -> None:
         self.job_id = job_id or uuid.uuid4().hex
         self.group_id = group_id  # the n samples of one prompt share it (backend affinity)
         self.trajectory_id = uuid.uuid4().hex
@@ -109,6 +110,7 @@ class Job:
         self._backend_address: Optional[str] = None
         self._weight_version: Optional[int] = None
         self._sandbox_opener = sandbox_opener
+        self._cpu_pool = cpu_pool
         self._closers: list[tuple[str, Closer]] = []  # (scope, closer); scope "run" or "job"
 
     # ------------------------------------------------------------------ identity
@@ -149,6 +151,25 @@ class Job:
         self._backend_address = backend
         if weight_version is not None:
             self._weight_version = weight_version
+
+    async def run_cpu(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """``fn(*args)`` in the server's CPU process pool, off the event loop (CPU-bound scoring goes here).
+
+        ``fn`` and ``args`` are pickled: ``fn`` must be importable by module and name. It runs in a worker's
+        main thread, so ``signal.alarm``-based timeouts inside it work.
+
+        Args:
+            timeout_s: wall-clock limit in the worker, seconds (time waiting for a free worker not counted).
+
+        Raises:
+            prorl_server.cpu_pool.CpuTimeoutError: ``fn`` ran past ``timeout_s`` (its worker was replaced).
+            prorl_server.cpu_pool.WorkerCrashedError: the worker died (an infrastructure fault, ``harness``).
+            RuntimeError: this server has no CPU pool.
+            Exception: whatever ``fn`` raised.
+        """
+        if self._cpu_pool is None:
+            raise RuntimeError("this server has no CPU pool")
+        return await self._cpu_pool.run(fn, *args, timeout_s=timeout_s)
 
     def add_closer(self, closer: Closer, scope: str = "run") -> None:
         """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the DESIGN rule: the run

@@ -41,6 +41,15 @@ class Metrics:
         self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
                                          "Malformed tool calls turned into error observations",
                                          ["handler"], registry=r)
+        self.event_loop_lag = Histogram("prorl_event_loop_lag_seconds", "How late a task sleeping 50 ms woke up "
+                                        "(anything holding the event loop delays every request by as much)",
+                                        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                 1, 2.5, 5, 10), registry=r)
+        self.event_loop_lag_max = Gauge("prorl_event_loop_lag_max_seconds",
+                                        "Largest event-loop lag of the last 10 s", registry=r)
+        self.cpu_tasks = Counter("prorl_cpu_tasks_total", "Calls run in the CPU process pool (scoring), by "
+                                 "outcome: ok, error (the function raised), timeout (worker killed), crashed",
+                                 ["outcome"], registry=r)
         # Per-stage children resolved once: labels() costs a lock and a dict lookup on every job's hot path.
         stages = ("init", "run", "eval")
         self.stage_queue_depth = {s: self.queue_depth.labels(s) for s in stages}

@@ -53,12 +53,13 @@ class Pipeline:
         keep_finished: how many finished jobs stay queryable through ``GET /jobs/{id}``.
         sandbox_opener: ``async (spec, **kw) -> handle`` from the configured sandbox runtime, or None.
         llm: the server's :class:`~prorl_server.llm_context.LLMContext` handed to every job as ``job.llm``.
+        cpu_pool: the server's :class:`~prorl_server.cpu_pool.CpuPool` (``job.run_cpu``), or None.
     """
 
     def __init__(self, registry: HandlerRegistry, pool: BackendPool, metrics: Metrics,
                  workers: dict[str, int], default_timeout_s: Optional[float] = None,
                  backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None,
-                 llm=None) -> None:
+                 llm=None, cpu_pool=None) -> None:
         self.registry = registry
         self.pool = pool
         self.metrics = metrics
@@ -68,6 +69,7 @@ class Pipeline:
         self.keep_finished = keep_finished
         self.sandbox_opener = sandbox_opener
         self.llm = llm
+        self.cpu_pool = cpu_pool
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones
@@ -133,7 +135,7 @@ class Pipeline:
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s,
-                  llm=self.llm, group_id=req.group_id)
+                  llm=self.llm, group_id=req.group_id, cpu_pool=self.cpu_pool)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         self.in_flight += 1

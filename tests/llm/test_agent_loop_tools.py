@@ -1,5 +1,7 @@
 """Agent-loop stop conditions and tool failures, with a scripted LLM standing for a vLLM backend that
-generates the given texts (the real-server behaviour is covered in test_vllm_rollouts.py)."""
+generates the given texts (the real-server behaviour is covered in test_vllm_rollouts.py). Tools that raise
+stand in for sandbox tools hitting the errors of :mod:`sandbox.errors` (the same classes the host client
+raises); what becomes an observation and what fails the rollout is the rule under test."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +10,10 @@ import pytest
 
 from prorl_server.agent_loop import AgentConfig, AgentLoop, tool_schema
 from prorl_server.balancer import Backend
+from prorl_server.failures import InfrastructureError
 from prorl_server.llm_client import Completion, LLMClient, ModelInfo
+from sandbox.errors import (EditorError, KernelDiedError, ProtocolError, SandboxDeadError, SandboxStartError,
+                            ToolTimeout)
 
 
 class ScriptedLLM(LLMClient):
@@ -52,9 +57,30 @@ async def slow(args):
     return "late"
 
 
+async def refused(args):  # what the editor client raises for a str_replace whose old_str is not unique
+    raise EditorError("old_str 'x' is not unique in /workspace/a.py (2 occurrences)")
+
+
+async def kernel_killed(args):  # the model's own code killed the IPython kernel
+    raise KernelDiedError("the kernel died while running the cell; a fresh one starts on the next call")
+
+
+async def own_timeout(args):  # a tool fn of the handler that times out inside, on its own
+    raise asyncio.TimeoutError("the tool's own wait")
+
+
+def raising(exc):
+    async def fn(args):
+        raise exc
+    return fn
+
+
 TOOLS = {"echo": ({"type": "object", "properties": {"text": {"type": "string"}}}, echo),
          "boom": ({"description": "fails", "type": "object", "properties": {}}, boom),
-         "slow": ({"type": "object", "properties": {}}, slow)}
+         "slow": ({"type": "object", "properties": {}}, slow),
+         "refused": ({"type": "object", "properties": {}}, refused),
+         "kernel_killed": ({"type": "object", "properties": {}}, kernel_killed),
+         "own_timeout": ({"type": "object", "properties": {}}, own_timeout)}
 START = [{"role": "user", "content": "Do the task."}]
 
 
@@ -73,24 +99,71 @@ async def test_finish_tool_ends_the_rollout_with_its_answer(tokenizer):
     assert r.weight_versions == [5]
 
 
-async def test_malformed_unknown_failing_and_slow_tools_become_observations(tokenizer):
+async def test_model_caused_tool_errors_become_observations(tokenizer):
     bad = '<tool_call>{"name": "echo", "arguments": {"text": </tool_call>'
-    turn = bad + call("nope") + call("boom") + call("slow") + call("echo", text="still runs")
+    turn = (bad + call("nope") + call("boom") + call("refused") + call("kernel_killed") + call("own_timeout")
+            + call("echo", text="still runs"))
     r, llm, loop = await run(tokenizer, [turn, "no more tools"])
     obs = [m["content"] for m in r.messages if m["role"] == "tool"]
     assert obs[0].startswith("Error: tool call is not valid JSON")
     assert obs[1].startswith("Error: unknown tool 'nope'")
     assert obs[2] == "Error: tool 'boom' failed: ValueError: disk full"
-    assert "timed out" in obs[3]
-    assert obs[4] == "echo still runs"
+    assert obs[3].startswith("Error: tool 'refused' failed: EditorError: old_str 'x' is not unique")
+    assert obs[4].startswith("Error: tool 'kernel_killed' failed: KernelDiedError: the kernel died")
+    assert obs[5].startswith("Error: tool 'own_timeout' failed: TimeoutError")
+    assert obs[6] == "echo still runs"
     m = r.metrics
-    assert (m["malformed_tool_calls"], m["unknown_tool_calls"], m["tool_errors"], m["tool_timeouts"]) == (1, 1, 1, 1)
-    assert m["tool_calls"] == 4
+    assert (m["malformed_tool_calls"], m["unknown_tool_calls"], m["tool_errors"], m["tool_timeouts"]) == (1, 1, 4, 0)
+    assert m["tool_calls"] == 6
     assert r.finish_reason == "no_tool_call" and r.num_turns == 2
     assert loop.counters["malformed_tool_calls"] == 1
     # the second turn was generated from the first turn's tokens plus the observations
     (traj,) = r.trajectories
     assert llm.prompts[1] == (traj.prompt_ids + traj.response_ids)[:len(llm.prompts[1])]
+
+
+@pytest.mark.parametrize("exc", [SandboxDeadError("sandbox sb-1: its processes are gone while running bash"),
+                                 SandboxStartError("sandbox sb-1 did not become ready"),
+                                 ProtocolError("sandbox sb-1: invalid response"),
+                                 ToolTimeout("sandbox sb-1: no answer to bash within the timeout plus 10 s"),
+                                 InfrastructureError("harness", "the tool's service is down")],
+                         ids=lambda e: type(e).__name__)
+async def test_infrastructure_errors_of_a_tool_fail_the_rollout_not_the_model(tokenizer, exc):
+    llm = ScriptedLLM(tokenizer, [call("echo", text="a") + call("infra") + call("echo", text="never"),
+                                  "unreachable"])
+    ran = []
+
+    async def echo_and_record(args):
+        ran.append(args["text"])
+        return "ok"
+
+    tools = {"echo": (TOOLS["echo"][0], echo_and_record), "infra": ({"type": "object"}, raising(exc))}
+    loop = AgentLoop(tokenizer, llm, tools, AgentConfig(tool_timeout_s=5))
+    with pytest.raises(type(exc)) as info:
+        await loop.run(START, backend=Backend("http://scripted"))
+    assert info.value is exc
+    assert ran == ["a"] and len(llm.texts) == 1  # nothing after the fault ran, no turn was generated on it
+
+
+async def test_a_tool_that_does_not_answer_within_tool_timeout_s_fails_the_rollout(tokenizer):
+    llm = ScriptedLLM(tokenizer, [call("slow"), "unreachable"])
+    loop = AgentLoop(tokenizer, llm, TOOLS, AgentConfig(tool_timeout_s=0.2))
+    with pytest.raises(ToolTimeout, match="'slow' gave no answer within 0.2 s"):
+        await loop.run(START, backend=Backend("http://scripted"))
+    assert len(llm.texts) == 1
+
+
+async def test_a_tool_with_its_own_time_limit_is_not_cut_by_tool_timeout_s(tokenizer):
+    async def limited(args):  # like sandbox_tools' bash: reports a slow command as output, by itself
+        await asyncio.sleep(0.3)
+        return "partial output\n[timed out]"
+
+    limited.timeout_s = 0.25
+    llm = ScriptedLLM(tokenizer, [call("limited"), "done"])
+    loop = AgentLoop(tokenizer, llm, {"limited": ({"type": "object"}, limited)}, AgentConfig(tool_timeout_s=0.1))
+    r = await loop.run(START, backend=Backend("http://scripted"))
+    assert [m["content"] for m in r.messages if m["role"] == "tool"] == ["partial output\n[timed out]"]
+    assert r.metrics["tool_timeouts"] == 0
 
 
 async def test_max_turns_stops_before_running_the_last_turns_tools(tokenizer):

@@ -1,0 +1,295 @@
+"""Failures the model did not cause are never training data (issue 14): each class of failure ends the job
+with its ``failure_kind`` and ``filter: true``, and what the model caused stays a normal, trainable outcome.
+
+The fast tests run the real server (pipeline, agent loop, HTTP) with a fault-injecting handler whose stages
+raise the exact exception classes of the real components (``sandbox.errors``, the LLM client, the balancer),
+and, for the agent loop, a tool function raising them on the scripted policy's call. The real-tier test kills
+a real bubblewrap sandbox in the middle of a ``code`` rollout.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.balancer import NoBackendError
+from prorl_server.failures import FAILURE_KINDS, classify
+from prorl_server.llm_client import LLMRequestError, LLMUnavailableError
+from sandbox.errors import (EditorError, FileTransferError, ProtocolError, SandboxClosedError, SandboxDeadError,
+                            SandboxStartError, ToolError, ToolTimeout)
+
+
+def _chained(outer, cause):
+    try:
+        raise outer from cause
+    except type(outer) as e:
+        return e
+
+
+FAULTS = {
+    "SandboxDeadError": lambda: SandboxDeadError("sandbox sb-1: its processes are gone"),
+    "SandboxClosedError": lambda: SandboxClosedError("call on a closed sandbox"),
+    "SandboxStartError": lambda: SandboxStartError("sandbox did not become ready: bwrap: No permissions"),
+    "ProtocolError": lambda: ProtocolError("sandbox sb-1: invalid response"),
+    "ToolTimeout": lambda: ToolTimeout("sandbox sb-1: no answer to bash within the timeout plus 10 s"),
+    "LLMUnavailableError": lambda: LLMUnavailableError("every backend failed"),
+    "LLMRequestError": lambda: LLMRequestError(400, "bad request"),
+    "NoBackendError": lambda: NoBackendError("no backend registered within 30 s"),
+    "harness": lambda: InfrastructureError("harness", "the grader printed no verdict"),
+    "agent_missing": lambda: InfrastructureError("agent_missing", "bash: my-agent: command not found"),
+    "InvalidInstanceError": lambda: InvalidInstanceError("instance needs 'question'"),
+    "ValueError": lambda: ValueError("instance.expression must be a string"),
+    "RuntimeError": lambda: RuntimeError("a handler bug"),
+    "KeyError": lambda: KeyError("state"),
+    "ToolError": lambda: ToolError("a handler's own sandbox call was refused"),
+    "RuntimeError_from_SandboxDeadError": lambda: _chained(RuntimeError("could not copy the repository"),
+                                                           SandboxDeadError("gone")),
+    "ExceptionGroup": lambda: ExceptionGroup("task group", [RuntimeError("sibling"), SandboxDeadError("gone")]),
+}
+
+
+class FaultyHandler(AgentHandler):
+    """Fault injection: ``{"data_source": "faulty", "raise": "<FAULTS key>", "in": "run"}`` raises that
+    exception in that stage (each stands for what the real component raises: a dead bubblewrap sandbox, an
+    unreachable vLLM backend, a grader that gave no verdict...); ``"declare": "harness"`` sets
+    ``job.failure_kind`` and returns; ``"override": "harness"`` sets it in the exception callback;
+    ``"own_result": true`` builds a result in ``final_result`` that forgets the failure. Without a fault the
+    job succeeds with ``reward``."""
+
+    name = "faulty"
+    needs_llm = False
+
+    async def _stage(self, job, stage):
+        inst = job.instance
+        if inst.get("in", "run") != stage:
+            return
+        if inst.get("declare"):
+            job.failure_kind = inst["declare"]
+            return
+        if inst.get("raise"):
+            raise FAULTS[inst["raise"]]()
+
+    async def init(self, job):
+        await self._stage(job, "init")
+
+    async def run(self, job):
+        job.messages = [{"role": "assistant", "content": "partial"}]
+        await self._stage(job, "run")
+
+    async def eval(self, job):
+        job.reward = float(job.instance.get("reward", 1.0))
+        job.resolved = job.reward > 0
+        await self._stage(job, "eval")
+
+    async def run_exception(self, job, exc):
+        if job.instance.get("override"):
+            job.failure_kind = job.instance["override"]
+
+    async def final_result(self, job):
+        if job.instance.get("own_result"):
+            from prorl_server.types import JobResult
+
+            return JobResult(job_id=job.job_id, trajectory_id=job.trajectory_id, handler=job.handler_name,
+                             critical_error=job.critical_error, error=job.error)
+        return await super().final_result(job)
+
+
+@pytest.fixture
+def registry(registry):
+    registry.register(FaultyHandler())
+    return registry
+
+
+async def process(client, instance, **body):
+    r = await client.post("/process", json={"instance": instance, **body})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+EXPECTED = [
+    ("SandboxDeadError", "run", "sandbox"), ("SandboxClosedError", "eval", "sandbox"),
+    ("SandboxStartError", "init", "sandbox"), ("ProtocolError", "run", "sandbox"),
+    ("ToolTimeout", "eval", "sandbox"), ("LLMUnavailableError", "run", "llm_backend"),
+    ("LLMRequestError", "run", "llm_backend"), ("NoBackendError", "run", "llm_backend"),
+    ("harness", "eval", "harness"), ("agent_missing", "run", "agent_missing"),
+    ("InvalidInstanceError", "run", "invalid_instance"), ("ValueError", "init", "invalid_instance"),
+    ("ValueError", "run", "handler"), ("RuntimeError", "run", "handler"), ("KeyError", "eval", "handler"),
+    ("ToolError", "init", "handler"), ("RuntimeError_from_SandboxDeadError", "init", "sandbox"),
+    ("ExceptionGroup", "run", "sandbox"),
+]
+
+
+@pytest.mark.parametrize("fault,stage,kind", EXPECTED, ids=[f"{f}-in-{s}" for f, s, _ in EXPECTED])
+async def test_each_failure_class_gets_its_kind_and_is_filtered(make_client, fault, stage, kind):
+    client = await make_client()
+    body = await process(client, {"data_source": "faulty", "raise": fault, "in": stage})
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == (stage, kind, True), body["error"]
+    assert body["reward"] == 0.0 or stage == "eval"
+    assert body["resolved"] is False
+    assert kind in FAILURE_KINDS
+
+
+async def test_normal_outcomes_are_not_filtered_whatever_the_reward(make_client):
+    client = await make_client()
+    for inst in ({"data_source": "faulty", "reward": 1.0}, {"data_source": "faulty", "reward": 0.0},
+                 {"data_source": "arithmetic", "expression": "1+1", "answer": 3}):  # a wrong answer
+        body = await process(client, inst)
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == (None, None, False), body
+
+
+async def test_job_timeout_and_cancel_are_filtered(make_client):
+    client = await make_client()
+    body = await process(client, {"data_source": "scripted", "sleep": {"run": 30}}, timeout_s=0.3)
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("timeout", "timeout", True)
+
+    r = await client.post("/jobs", json={"instance": {"data_source": "scripted", "sleep": {"run": 30}}})
+    job_id = (await r.json())["job_id"]
+    for _ in range(500):  # wait until it runs, then cancel it there
+        s = await (await client.get(f"/jobs/{job_id}")).json()
+        if s["state"] == "run":
+            break
+        await asyncio.sleep(0.01)
+    assert (await client.post("/cancel", json={"job_id": job_id})).status == 200
+    s = await (await client.get(f"/jobs/{job_id}")).json()
+    res = s["result"]
+    assert (res["critical_error"], res["failure_kind"], res["filter"]) == ("cancelled", "cancelled", True)
+
+
+async def test_a_handler_declares_overrides_and_cannot_drop_the_failure_kind(make_client):
+    client = await make_client()
+    declared = await process(client, {"data_source": "faulty", "declare": "harness", "in": "run"})
+    assert (declared["critical_error"], declared["failure_kind"], declared["filter"]) == ("run", "harness", True)
+    assert "harness" in declared["error"]
+    overridden = await process(client, {"data_source": "faulty", "raise": "RuntimeError", "override": "harness"})
+    assert (overridden["failure_kind"], overridden["filter"]) == ("harness", True)
+    own = await process(client, {"data_source": "faulty", "raise": "SandboxDeadError", "own_result": True})
+    assert (own["critical_error"], own["failure_kind"], own["filter"]) == ("run", "sandbox", True)
+
+
+async def test_filtered_jobs_are_counted_by_kind_in_metrics(make_client):
+    client = await make_client()
+    for fault in ("SandboxDeadError", "SandboxDeadError", "LLMUnavailableError"):
+        await process(client, {"data_source": "faulty", "raise": fault})
+    await process(client, {"data_source": "faulty"})
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = await (await client.get("/metrics")).text()
+    counts = {(s.labels["handler"], s.labels["failure_kind"]): s.value
+              for f in text_string_to_metric_families(text) if f.name == "prorl_jobs_filtered"
+              for s in f.samples if s.name == "prorl_jobs_filtered_total"}
+    assert counts == {("faulty", "sandbox"): 2.0, ("faulty", "llm_backend"): 1.0}
+
+
+def test_classification_rules():
+    assert classify(FileTransferError("no such file"), "run") == "handler"  # a ToolError is never infrastructure
+    assert classify(ValueError("x"), "init") == "invalid_instance"
+    assert classify(ValueError("x"), "eval") == "handler"
+    cyclic = RuntimeError("a")
+    cyclic.__cause__ = RuntimeError("b")
+    cyclic.__cause__.__cause__ = cyclic
+    assert classify(cyclic, "run") == "handler"
+    with pytest.raises(ValueError, match="unknown failure kind"):
+        InfrastructureError("flaky", "not a kind")
+
+
+# ------------------------------------------------------------------------------------------ the agent loop
+class ToolAgentHandler(AgentHandler):
+    """The generic agent loop (``handlers.tools.run_agent``) with one tool, ``probe``, that raises the
+    instance's ``fault`` (a :data:`FAULTS` key: the exception classes a sandbox tool's client raises), or
+    answers ``"ok"`` without one. Stands in for a sandbox handler whose sandbox fails in the middle of a turn."""
+
+    name = "tool_agent"
+    needs_llm = True
+
+    async def run(self, job):
+        from handlers.tools import run_agent
+        from prorl_server.agent_loop import AgentConfig
+
+        async def probe(args):
+            if job.instance.get("fault"):
+                raise FAULTS[job.instance["fault"]]()
+            return "ok"
+
+        tools = {"probe": ({"type": "object", "properties": {}}, probe)}
+        await run_agent(job, [{"role": "user", "content": "Probe, then finish."}], tools, AgentConfig(max_turns=4))
+
+    async def eval(self, job):
+        job.reward = 1.0 if job.extra["agent"]["finish_reason"] == "stop" else 0.0
+
+
+def tool_call(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def probe_then_finish(prompt, turn):
+    return tool_call("probe") if turn == 0 else tool_call("finish", answer="done")
+
+
+@pytest.mark.parametrize("fault,kind", [(None, None), ("ToolError", None), ("SandboxDeadError", "sandbox"),
+                                        ("ToolTimeout", "sandbox"), ("harness", "harness")])
+async def test_agent_loop_tool_errors_are_observations_and_sandbox_faults_fail_the_job(
+        registry, make_client, scripted_policy, fault, kind):
+    registry.register(ToolAgentHandler)
+    client = await make_client(backends=[await scripted_policy(probe_then_finish)])
+    body = await process(client, {"data_source": "tool_agent", "fault": fault}, sampling_params={"max_tokens": 256})
+    if kind is None:  # the model's doing: a trainable trajectory, the error (if any) was its observation
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == (None, None, False), body["error"]
+        assert body["reward"] == 1.0 and body["trajectories"]
+        (obs,) = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+        assert obs == ("ok" if fault is None else "Error: tool 'probe' failed: ToolError: a handler's own "
+                                                  "sandbox call was refused")
+    else:  # never shown to the model, never trained on
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", kind, True)
+        assert body["reward"] == 0.0
+        assert not any(m["role"] == "tool" for m in body["messages"])
+        assert len(scripted_policy.returned) == 1  # no turn was generated after the fault
+
+
+# ------------------------------------------------------------------------------------------ real sandbox
+@pytest.mark.real
+@pytest.mark.parametrize("what", ["editor_error", "sandbox_killed"])
+async def test_a_killed_sandbox_fails_a_code_rollout_while_an_editor_error_is_an_observation(
+        aiohttp_client, bwrap_runtime, scripted_policy, sandbox_procs, what):
+    """A real ``code`` rollout in bubblewrap: the scripted policy's second turn edits a file that does not
+    exist (an EditorError: the model's mistake, an observation), or, for ``sandbox_killed``, the sandbox's
+    processes are killed (by pid, all of them children of this test) before that turn's tool call runs."""
+    import psutil
+
+    from handlers.code.data import humaneval_problems, to_instance
+    from handlers.registry import HandlerRegistry
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    def script(prompt, turn):
+        if turn == 0:
+            return tool_call("bash", command="echo alive")
+        if turn == 1:
+            if what == "sandbox_killed":
+                for p in sandbox_procs():
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+            return tool_call("str_replace_editor", command="str_replace", path="/workspace/missing.py",
+                             old_str="a", new_str="b")
+        return tool_call("finish", answer="done")
+
+    registry = HandlerRegistry()
+    registry.load_entry_points()
+    app = create_app(ServerSettings(backends=[await scripted_policy(script)], health_interval_s=3600),
+                     registry=registry, sandbox_runtime=bwrap_runtime)
+    client = await aiohttp_client(app)
+    inst = to_instance(humaneval_problems()["HumanEval/0"])
+    body = await process(client, inst, sampling_params={"max_tokens": 512})
+    obs = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    if what == "editor_error":
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == (None, None, False), body["error"]
+        assert obs[0].startswith("alive") and obs[1].startswith("Error: tool 'str_replace_editor' failed: ")
+        assert body["trajectories"] and body["extra"]["agent"]["finish_reason"] == "stop"
+    else:
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", "sandbox", True), body
+        assert "SandboxDeadError" in body["error"]
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
