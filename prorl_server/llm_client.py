@@ -19,7 +19,7 @@ duplicate nor lose tokens):
 
 Weight versions (DESIGN.md "The training loop"): each turn records the version of the weights that generated
 it: an integer top-level ``weight_version`` in the completions answer when the backend gives one (a trainer's
-per-worker relay does), else the backend's registered ``weight_version`` when the request was sent. A
+per-worker relay does; with a ``weight_versions`` list for a turn that spans a weight update), else the backend's registered ``weight_version`` when the request was sent. A
 backend re-registered after a weight update is the same :class:`~prorl_server.balancer.Backend` object, so a
 job's next turn reads the new version.
 
@@ -92,10 +92,11 @@ class Completion:
     emitted one). ``logprobs``: list[float] of length T (the sampled tokens' logprobs under the raw model
     distribution, vLLM's default ``logprobs_mode``). ``finish_reason``: ``"stop"`` or ``"length"``.
     ``stop_reason``: the stop token id / string that ended it, None for EOS or length.
-    ``weight_versions``: ``[v]``, the version of the weights that generated the turn: the integer
+    ``weight_versions``: the version(s) of the weights that generated the turn: the integer
     ``weight_version`` the backend put in its answer (a relay in front of a trainer's inference engine knows
-    it exactly), else the backend's registered version when the kept attempt's request was sent; ``[]`` when
-    neither is known.
+    it exactly), followed by any other integers of the answer's ``weight_versions`` list (a turn resumed after
+    a weight update: ``[min, max]``); else ``[v]``, the backend's registered version when the kept attempt's
+    request was sent; ``[]`` when none is known.
     ``http_s``: seconds spent in HTTP exchanges for this turn, failed and aborted attempts included (so a
     caller can tell its own overhead from the server's time).
     """
@@ -149,6 +150,10 @@ def backend_getter(source: BackendSource, pool: Optional[BackendPool] = None,
     if callable(source):
         return source
     raise TypeError(f"cannot get backends from {type(source).__name__}")
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 class _JobBackend:
@@ -384,9 +389,10 @@ class LLMClient:
         logprobs = [0.0 if x is None else x for x in lp.get("token_logprobs", ())]
         if len(logprobs) != len(ids):
             raise LLMError(f"{b.address} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        reported = data.get("weight_version")
-        if isinstance(reported, int) and not isinstance(reported, bool):
-            versions = [reported]  # the engine's own word on the weights that generated this answer
+        reported = [v for v in (data.get("weight_version"), *_as_list(data.get("weight_versions")))
+                    if isinstance(v, int) and not isinstance(v, bool)]
+        if reported:  # the engine's own word on the weights that generated this answer
+            versions = list(dict.fromkeys(reported))
         else:
             versions = [] if version_sent is None else [version_sent]
         return Completion(token_ids=ids, logprobs=logprobs, finish_reason=choice.get("finish_reason") or "stop",

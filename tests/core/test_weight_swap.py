@@ -76,7 +76,11 @@ def fake_vllm(model_id: str, turn_ids: list[int], reported_versions=None):
         answer = {"choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": None,
                                "token_ids": turn_ids, "logprobs": {"token_logprobs": [-0.25] * len(turn_ids)}}]}
         if reported_versions is not None:
-            answer["weight_version"] = reported_versions.pop(0)
+            reported = reported_versions.pop(0)
+            if isinstance(reported, dict):  # the relay's full form: {"weight_version", "weight_versions"}
+                answer.update(reported)
+            else:
+                answer["weight_version"] = reported
         return web.json_response(answer)
 
     app = web.Application()
@@ -254,7 +258,16 @@ async def test_a_relay_reported_weight_version_is_the_turns_version(aiohttp_serv
     assert result["weight_version"] == 42
 
 
-@pytest.mark.parametrize("reported", ["7", True, 7.0, None])
+async def test_a_relay_turn_that_spans_a_weight_update_records_both_versions(aiohttp_server):
+    app, _ = fake_vllm("m", [5], reported_versions=[{"weight_version": 4, "weight_versions": [4, 5]}])
+    address = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    async with LLMClient() as llm:
+        c = await llm.complete([1, 2], backend=Backend(address, weight_version=3), max_tokens=1)
+    assert c.weight_versions == [4, 5]
+
+
+@pytest.mark.parametrize("reported", ["7", True, 7.0, None, {"weight_versions": "45"},
+                                      {"weight_versions": [True, "4"]}])
 async def test_a_reported_version_that_is_not_an_integer_is_ignored(aiohttp_server, reported):
     app, _ = fake_vllm("m", [5], reported_versions=[reported])
     address = str((await aiohttp_server(app)).make_url("")).rstrip("/")
