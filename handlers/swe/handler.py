@@ -7,43 +7,55 @@ Instance::
      "repo": "/host/path/of/a/git/repo"        # bubblewrap/local: bound read-only and copied, or
      "repo_path": "/testbed",                  # the repository's path inside ``image`` (Singularity .sif)
      "image": null | "/path/rootfs" | "x.sif", # null = the host root (bubblewrap)
-     "test_command": "python -m pytest -rA -p no:cacheprovider",   # optional; must print -rA lines
+     "test_command": "python -m pytest",       # optional; a pytest invocation, the handler adds the rest
      "test_files": {"tests/test_hidden.py": "..."},                # optional hidden tests written at eval
+     "test_patch": "diff --git ...",                               # optional, SWE-bench's test patch
      "FAIL_TO_PASS": ["tests/test_x.py::test_bug"], "PASS_TO_PASS": ["tests/test_x.py::test_ok"]}
 
 - init: a sandbox (no network) with a private, writable copy of the repository at ``<workdir>/repo``.
 - run: the agent loop with ``bash`` and ``str_replace_editor``; then the patch is taken with
   ``git add -A && git diff --cached --binary`` against the starting commit.
-- eval: a FRESH sandbox and a fresh copy; ``git apply`` the patch, write the hidden test files, run the test
-  command, parse pytest's ``-rA`` summary. Reward 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passed,
-  else 0.0; ``extra["eval"]`` has each test's status, whether the patch applied, and the output tail.
+- eval, on a clean test harness (issue 14): a FRESH sandbox and a fresh copy; ``git apply`` the patch; every
+  path it touched that decides how tests run (see :mod:`handlers.swe.harness`: tests, conftest and
+  configuration files, import hooks, files added outside a package) is restored from the base commit; then the
+  hidden test files and the test patch; then pytest runs the named test files under
+  :mod:`handlers.swe.run_tests` (which leaves no process behind) with a JUnit XML report in a directory
+  outside the repository whose random name the host chose. The host reads that report from the workspace
+  directory (no symlink followed) and parses it as XML; pytest's output is never read for the verdict.
+  Reward 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test is in the report and passed (a missing one counts
+  as failed), else 0.0; ``extra["eval"]`` has each test's status, whether the patch applied, which paths were
+  restored and why, and the output tail.
 """
 from __future__ import annotations
 
-import re
+import asyncio
+import importlib.resources
+import secrets
 import shlex
 from typing import Any
 
 from handlers.base import AgentHandler
+from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
+                                  parse_status, read_report, file_of_test, report_statuses)
+from handlers.swe.run_tests import TIMEOUT_EXIT
 from handlers.tools import run_agent, sandbox_tools
 
 REPO_SRC = "/repo_src"
-DEFAULT_TEST_COMMAND = "python -m pytest -rA -p no:cacheprovider"
+DEFAULT_TEST_COMMAND = "python -m pytest"
+# Appended to the instance's pytest invocation. The configuration files are the base commit's (restored), so
+# their addopts stay; these only pin what the verdict depends on: node ids relative to the repository root,
+# no cache state between runs, and a report whose test names are plain node ids.
+PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--rootdir=.", "-o", "junit_family=xunit2", "-o", "junit_prefix=",
+                  "-o", "junit_logging=no", "-o", "junit_log_passing_tests=false")
 PATCH_FILE = "prorl_patch.diff"
+GRADER_DIR_PREFIX = ".prorl-grader-"
+RUNNER_NAME = "run_tests.py"
+REPORT_NAME = "junit.xml"
+_RUNNER_SOURCE = importlib.resources.files("handlers.swe").joinpath(RUNNER_NAME).read_bytes()
+# Every difference from the index (the base commit: ``git apply`` leaves the index alone), ignored files too.
+_STATUS = "git status --porcelain=v1 -z --untracked-files=all --ignored=traditional --no-renames"
 SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a git repository. Inspect the code, make the "
                  "smallest correct change, optionally run the tests, then call finish.")
-_STATUS = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)")
-
-
-def parse_pytest_report(output: str) -> dict[str, str]:
-    """Test node id -> status from pytest's ``-rA`` short summary lines (``PASSED tests/t.py::test_a``).
-    A ``FAILED node - message`` line keeps only the node id."""
-    status: dict[str, str] = {}
-    for line in output.splitlines():
-        m = _STATUS.match(line.strip())
-        if m:
-            status[m.group(2)] = m.group(1)
-    return status
 
 
 def _spec(instance: dict[str, Any]) -> Any:
@@ -94,46 +106,123 @@ class SweHandler(AgentHandler):
             await run_agent(job, messages, sandbox_tools(handle, ("bash", "str_replace_editor")),
                             AgentConfig(max_turns=int(job.instance.get("max_turns", 20))))
         finally:
-            job.state["patch"] = await self._take_patch(handle, job.state["base_commit"])
+            job.state["patch"], job.state["patch_error"] = await self._take_patch(handle, job.state["base_commit"])
 
     @staticmethod
-    async def _take_patch(handle, base: str) -> str:
+    async def _take_patch(handle, base: str) -> tuple[str, str | None]:
+        """(patch, None), or ("", why) when the agent left its repository in a state git cannot diff (a
+        deleted ``.git``, a stale lock, a patch over the transfer limit): the agent's doing, so it is graded
+        as an empty patch, not failed as an infrastructure fault. A dead sandbox still raises."""
+        from sandbox import ToolError
+
         # cd ~ (the workspace in every runtime): the agent may have left the shell anywhere.
         # Byte-code caches from the agent's own test runs are not part of a fix.
         r = await handle.bash(f"cd ~/repo && git add -A -- . ':(exclude,glob)**/__pycache__/**' "
-                              f"':(exclude,glob)**/*.pyc' && "
-                              f"git diff --cached --binary {base} > ../{PATCH_FILE}; s=$?; cd ..; exit $s",
-                              timeout_s=120)
+                              f"':(exclude,glob)**/*.pyc' && git diff --cached --binary --no-ext-diff "
+                              f"--no-textconv {base} > ../{PATCH_FILE}; s=$?; cd ..; exit $s", timeout_s=120)
         if r.exit_code != 0:
-            raise RuntimeError(f"could not take the patch: {r.output[-1000:]}")
-        return (await handle.download(PATCH_FILE)).decode("utf-8", errors="surrogateescape")
+            return "", f"git could not take the patch: {r.output[-1000:]}"
+        try:
+            return (await handle.download(PATCH_FILE)).decode("utf-8", errors="surrogateescape"), None
+        except ToolError as e:
+            return "", f"the patch could not be downloaded: {e}"
 
     async def eval(self, job) -> None:
         inst = job.instance
         patch = job.state.get("patch", "")
         handle = await job.open_sandbox(_spec(inst))
-        info: dict[str, Any] = {"patch_bytes": len(patch.encode("utf-8", "surrogateescape"))}
-        await _checkout(handle, inst)
+        info: dict[str, Any] = {"patch_bytes": len(patch.encode("utf-8", "surrogateescape")),
+                                "patch_error": job.state.get("patch_error")}
+        base = await _checkout(handle, inst)
+        # The grader's own directory: in the workspace but outside the repository, its name random and chosen
+        # here, created before any code of the patch can run.
+        grader = f"{GRADER_DIR_PREFIX}{secrets.token_hex(12)}"
+        await handle.upload(f"{grader}/{RUNNER_NAME}", _RUNNER_SOURCE)
+        base_files = parse_nul_list(await _git_output(handle, f"git ls-tree -r -z --name-only --full-tree {base}",
+                                                      grader, "base-files"))
+        named = {file_of_test(t) for t in (*inst.get("FAIL_TO_PASS", []), *inst.get("PASS_TO_PASS", []))}
+        named.update(inst.get("test_files") or {})
+        if inst.get("test_patch"):
+            await handle.upload(f"{grader}/test.diff", inst["test_patch"].encode("utf-8", "surrogateescape"))
+            named.update(parse_numstat(await _git_output(handle, f"git apply --numstat -z ../{grader}/test.diff",
+                                                         grader, "test-numstat")))
         if patch.strip():
-            await handle.upload(PATCH_FILE, patch.encode("utf-8", "surrogateescape"))
-            r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{PATCH_FILE}", timeout_s=120)
+            before = parse_status(await _git_output(handle, _STATUS, grader, "status-before"))
+            await handle.upload(f"{grader}/{PATCH_FILE}", patch.encode("utf-8", "surrogateescape"))
+            r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{grader}/{PATCH_FILE}",
+                                  timeout_s=120)
             info["patch_applied"] = r.exit_code == 0
             if r.exit_code != 0:
                 info["apply_error"] = r.output[-2000:]
                 job.reward, job.resolved, job.extra["eval"] = 0.0, False, info
                 return
+            touched = set(parse_numstat(await _git_output(
+                handle, f"git apply --numstat -z ../{grader}/{PATCH_FILE}", grader, "numstat")))
+            after = parse_status(await _git_output(handle, _STATUS, grader, "status-after"))
+            touched.update(entry[3:].rstrip("/") for entry in after - before)
+            restored = harness_paths(touched, base_files, named)
+            if restored:
+                await self._restore(handle, base, grader, restored, set(base_files))
+            info["harness_restored"] = restored
         else:
             info["patch_applied"] = False
         for path, text in (inst.get("test_files") or {}).items():
             await handle.upload(f"repo/{path}", text.encode())
-        cmd = inst.get("test_command") or DEFAULT_TEST_COMMAND
-        r = await handle.bash(f"cd ~/repo && {cmd}", timeout_s=float(inst.get("eval_timeout_s", 600)))
-        status = parse_pytest_report(r.output)
-        f2p = {t: status.get(t, "MISSING") for t in inst.get("FAIL_TO_PASS", [])}
-        p2p = {t: status.get(t, "MISSING") for t in inst.get("PASS_TO_PASS", [])}
-        info.update(FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, timed_out=r.timed_out, test_exit_code=r.exit_code,
-                    output_tail=r.output[-3000:])
+        if inst.get("test_patch"):
+            r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{grader}/test.diff", timeout_s=120)
+            if r.exit_code != 0:
+                raise RuntimeError(f"the instance's test_patch does not apply on the base commit: {r.output[-1000:]}")
+        await self._run_tests(job, handle, grader, info)
+
+    @staticmethod
+    async def _restore(handle, base: str, grader: str, paths: dict[str, str], base_files: set[str]) -> None:
+        """Delete every harness path the patch touched, then check out from ``base`` those the base commit
+        has. Runs before any code of the patch does. Raises RuntimeError if git fails."""
+        await handle.upload(f"{grader}/harness-all", b"\0".join(p.encode("utf-8", "surrogateescape") for p in paths))
+        in_base = [p for p in paths if p in base_files]
+        await handle.upload(f"{grader}/harness-base", b"\0".join(p.encode("utf-8", "surrogateescape") for p in in_base))
+        # Literal pathspecs: a file name with * or [ must not match other files.
+        cmd = (f"cd ~/repo && xargs -0 -r rm -rf -- < ../{grader}/harness-all"
+               + (f" && GIT_LITERAL_PATHSPECS=1 git checkout {base} --pathspec-from-file=../{grader}/harness-base "
+                  "--pathspec-file-nul" if in_base else ""))
+        r = await handle.bash(cmd, timeout_s=120)
+        if r.exit_code != 0:
+            raise RuntimeError(f"could not restore the test harness from {base}: {r.output[-1000:]}")
+
+    @staticmethod
+    async def _run_tests(job, handle, grader: str, info: dict[str, Any]) -> None:
+        inst = job.instance
+        timeout_s = float(inst.get("eval_timeout_s", 600))
+        ids = {"FAIL_TO_PASS": list(inst.get("FAIL_TO_PASS", [])), "PASS_TO_PASS": list(inst.get("PASS_TO_PASS", []))}
+        files = sorted({file_of_test(t) for t in (*ids["FAIL_TO_PASS"], *ids["PASS_TO_PASS"])})
+        report_rel = f"{grader}/{REPORT_NAME}"
+        pytest_cmd = " ".join([inst.get("test_command") or DEFAULT_TEST_COMMAND, *PYTEST_OPTIONS,
+                               shlex.quote(f"--junit-xml={handle.workdir}/{report_rel}"), "--",
+                               *map(shlex.quote, files)])
+        r = await handle.bash(
+            f"cd ~/repo && \"$(command -v python3 || command -v python)\" -I -S ../{grader}/{RUNNER_NAME} "
+            f"--timeout {timeout_s:g} -- bash -c {shlex.quote(pytest_cmd)}", timeout_s=timeout_s + 60)
+        # Read on the host, from the workspace directory, without following links; stdout is never read for
+        # the verdict (the tests share it).
+        try:
+            report = parse_junit(await asyncio.to_thread(read_report, handle.workspace, report_rel))
+            info["report_error"] = None
+        except ReportError as e:
+            report, info["report_error"] = {}, str(e)
+        f2p, p2p = report_statuses(ids["FAIL_TO_PASS"], report), report_statuses(ids["PASS_TO_PASS"], report)
+        info.update(FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, timed_out=r.timed_out or r.exit_code == TIMEOUT_EXIT,
+                    test_exit_code=r.exit_code, output_tail=r.output[-3000:])
         tests = {**f2p, **p2p}
-        job.resolved = bool(tests) and all(s == "PASSED" for s in tests.values())
+        job.resolved = bool(tests) and all(s == PASSED for s in tests.values())
         job.reward = 1.0 if job.resolved else 0.0
         job.extra["eval"] = info
+
+
+async def _git_output(handle, git_cmd: str, grader: str, name: str) -> bytes:
+    """Run ``git_cmd`` in the repository with its output to a file of the grader directory, and download it
+    (binary-safe: NUL-separated lists do not travel through the terminal). Only used while no code of the
+    patch has run. Raises RuntimeError when git fails."""
+    r = await handle.bash(f"cd ~/repo && {git_cmd} > ../{grader}/{name}", timeout_s=120)
+    if r.exit_code != 0:
+        raise RuntimeError(f"{git_cmd.split(' -')[0]} failed in the eval sandbox: {r.output[-1000:]}")
+    return await handle.download(f"{grader}/{name}")

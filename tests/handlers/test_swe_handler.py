@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from handlers.swe import parse_pytest_report
+from handlers.swe import harness_paths, parse_junit, report_statuses
 
 BUGGY = "def mean(xs):\n    return sum(xs) / (len(xs) + 1)\n\n\ndef total(xs):\n    return sum(xs)\n"
 VISIBLE_TESTS = "from stats import total\n\n\ndef test_total():\n    assert total([1, 2, 3]) == 6\n"
@@ -39,11 +39,44 @@ def swe_instance(tmp_path):
             "PASS_TO_PASS": ["tests/test_hidden.py::test_total_empty", "tests/test_stats.py::test_total"]}
 
 
-def test_parse_pytest_report():
-    out = ("PASSED tests/a.py::test_x\nFAILED tests/a.py::test_y - assert 1 == 2\nERROR tests/b.py::test_z\n"
-           "= 1 failed, 1 passed =")
-    assert parse_pytest_report(out) == {"tests/a.py::test_x": "PASSED", "tests/a.py::test_y": "FAILED",
-                                        "tests/b.py::test_z": "ERROR"}
+def test_junit_report_gives_each_node_id_its_status():
+    # A report as pytest's junitxml plugin writes it (xunit2), with the node ids mangled to classname/name.
+    report = b"""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
+<testcase classname="tests.a" name="test_x" time="0.001" />
+<testcase classname="tests.a" name="test_y"><failure message="assert 1 == 2">...</failure></testcase>
+<testcase classname="tests.b.TestK" name="test_z[1-a::b]"><error message="fixture">...</error></testcase>
+<testcase classname="tests.b" name="test_s"><skipped type="pytest.xfail" message="xfail" /></testcase>
+<testcase classname="tests.b" name="test_t" />
+<testcase classname="tests.b" name="test_t"><error message="teardown">...</error></testcase>
+</testsuite></testsuites>"""
+    ids = ["tests/a.py::test_x", "tests/a.py::test_y", "tests/b.py::TestK::test_z[1-a::b]", "tests/b.py::test_s",
+           "tests/b.py::test_t", "tests/b.py::test_gone"]
+    assert report_statuses(ids, parse_junit(report)) == {
+        "tests/a.py::test_x": "PASSED", "tests/a.py::test_y": "FAILED", "tests/b.py::TestK::test_z[1-a::b]": "ERROR",
+        "tests/b.py::test_s": "SKIPPED", "tests/b.py::test_t": "ERROR", "tests/b.py::test_gone": "MISSING"}
+
+
+@pytest.mark.parametrize("doc", [b"PASSED tests/a.py::test_x", b"<html/>",
+                                 b'<!DOCTYPE t [<!ENTITY a "x">]><testsuites/>', b"<testsuites>"])
+def test_a_document_that_is_not_a_junit_report_is_refused(doc):
+    from handlers.swe.harness import ReportError
+
+    with pytest.raises(ReportError):
+        parse_junit(doc)
+
+
+def test_harness_paths_keep_source_and_take_back_everything_else():
+    base = ["stats.py", "pkg/__init__.py", "pkg/m.py", "src/other/__init__.py", "tests/test_stats.py",
+            "setup.cfg", "docs/index.rst"]
+    touched = ["stats.py", "pkg/m.py", "pkg/new.py", "pkg/sub/__init__.py", "pkg/sub/json.py", "docs/index.rst",
+               # harness:
+               "conftest.py", "pkg/conftest.py", "setup.cfg", "pytest.ini", "tox.ini", "pyproject.toml",
+               "sub/.pytest.ini", "tests/test_stats.py", "tests/helpers.py", "pkg/test_m.py", "tests",
+               "sitecustomize.py", "pkg/usercustomize.py", "evil.pth", "x.dist-info/entry_points.txt",
+               "pkg/__pycache__/m.cpython-311.pyc", "json.py", "pytest.py", "_pytest/__init__.py",
+               "src/pluggy/__init__.py", "docs/new.py", ".gitattributes"]
+    got = harness_paths(touched, base, ["tests/test_hidden.py"])
+    assert set(got) == set(touched[6:]), got
 
 
 @pytest.mark.real
