@@ -21,11 +21,16 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 1000
+MAX_INT_BITS = 1 << 16
+"""Largest integer an expression may compute, bits (~19,700 digits). ``run`` evaluates on the event loop (it
+takes microseconds), so the cost of every step is bounded up front: without this, ``((9**999)**999)**999``
+(21 characters) would compute a 3-billion-bit integer and stall every job of the server for minutes."""
 
 
 def evaluate(expression: str) -> float:
     """Value of a plain arithmetic expression. Raises ValueError for anything else (names, calls, huge
-    exponents, over-long input) and ZeroDivisionError for division by zero."""
+    exponents, integers over :data:`MAX_INT_BITS` bits, nesting too deep, over-long input) and
+    ZeroDivisionError for division by zero."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
@@ -40,14 +45,23 @@ def evaluate(expression: str) -> float:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = walk(node.left), walk(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError(f"exponent larger than {MAX_EXPONENT}")
-            return _BINOPS[type(node.op)](left, right)
+            if isinstance(node.op, ast.Pow):
+                if abs(right) > MAX_EXPONENT:
+                    raise ValueError(f"exponent larger than {MAX_EXPONENT}")
+                if isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_INT_BITS:
+                    raise ValueError(f"result larger than {MAX_INT_BITS} bits")
+            value = _BINOPS[type(node.op)](left, right)
+            if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:  # products and sums of big ints
+                raise ValueError(f"result larger than {MAX_INT_BITS} bits")
+            return value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](walk(node.operand))
         raise ValueError(f"unsupported syntax in arithmetic expression: {type(node).__name__}")
 
-    return walk(tree)
+    try:
+        return walk(tree)
+    except RecursionError:
+        raise ValueError("expression nested too deeply") from None
 
 
 class ArithmeticHandler(AgentHandler):

@@ -5,13 +5,17 @@
   ``answer`` (else the last assistant message) is the final answer text.
 - eval: reward from the last ``\\boxed{}`` of that text: math-verify against ``answer`` for inline instances,
   reasoning-gym's own ``score_answer`` for reasoning-gym instances (see :mod:`handlers.math.scoring`).
-  ``resolved`` = reward 1.0.
+  ``resolved`` = reward 1.0. Scoring is CPU-bound: it runs in the server's CPU process pool
+  (``job.run_cpu``), never on the event loop; an answer whose scoring runs past
+  ``MathHandler.score_timeout_s`` scores 0.0 (the worker is replaced); a worker that dies fails eval as an
+  infrastructure fault (``failure_kind="harness"``), never as the answer's 0.0.
 """
 from __future__ import annotations
 
 from handlers.base import AgentHandler
 from handlers.math.scoring import score
 from handlers.tools import run_agent, sandbox_tools
+from prorl_server.cpu_pool import CpuTimeoutError
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "
                  "Call finish with your final answer written as \\boxed{...}.")
@@ -47,7 +51,17 @@ class MathHandler(AgentHandler):
                           if m.get("role") == "assistant"), "")
         job.state["final_answer"] = str(final)
 
+    #: Wall-clock limit of scoring one answer in a CPU worker, seconds. math-verify's own limits (5 s to parse
+    #: each side, 5 s per comparison) end a slow answer well before; this one also ends a scorer stuck in C.
+    score_timeout_s: float = 30.0
+
     async def eval(self, job) -> None:
-        reward, info = score(job.instance, job.state.get("final_answer", ""))
+        try:
+            reward, info = await job.run_cpu(score, job.instance, job.state.get("final_answer", ""),
+                                             timeout_s=self.score_timeout_s)
+        except CpuTimeoutError:
+            # The answer made the scorer run past its limit: the answer's doing, so a 0.0, not a failure.
+            reward, info = 0.0, {"reason": f"scoring ran past {self.score_timeout_s:g} s (an answer too costly "
+                                 "to verify); the scoring worker was replaced"}
         job.reward, job.resolved = reward, reward >= 1.0
         job.extra["eval"] = info

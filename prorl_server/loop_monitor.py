@@ -1,0 +1,60 @@
+"""Event-loop lag: how late a task that sleeps a fixed interval wakes up.
+
+Anything that holds the event loop (CPU-bound scoring, a blocking call, a huge JSON body) delays every job,
+gateway request and health probe by as much; this monitor makes that delay visible as a metric
+(``prorl_event_loop_lag_seconds``) instead of as unexplained timeouts.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Optional
+
+DEFAULT_INTERVAL_S = 0.05
+
+
+class LoopLagMonitor:
+    """Sleeps ``interval_s`` in a loop and records ``lag = woke - (slept_at + interval_s)``, seconds (>= 0).
+
+    Args:
+        interval_s: the sleep between probes, seconds.
+        histogram: a prometheus-client ``Histogram`` each lag is observed in (or None).
+        max_gauge: a ``Gauge`` set to the largest lag of the last ``window_s`` seconds (or None).
+        window_s: the window of ``max_gauge``, seconds.
+        keep: how many recent lags :attr:`samples` keeps (benchmarks read them for percentiles).
+    """
+
+    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, histogram=None, max_gauge=None,
+                 window_s: float = 10.0, keep: int = 20000) -> None:
+        self.interval_s = interval_s
+        self._histogram = histogram
+        self._max_gauge = max_gauge
+        self._window: collections.deque[float] = collections.deque(maxlen=max(1, round(window_s / interval_s)))
+        self.samples: collections.deque[float] = collections.deque(maxlen=keep)
+        self._task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        """Start probing on the running loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._probe(), name="loop-lag-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def record(self, lag: float) -> None:
+        self.samples.append(lag)
+        self._window.append(lag)
+        if self._histogram is not None:
+            self._histogram.observe(lag)
+        if self._max_gauge is not None:
+            self._max_gauge.set(max(self._window))
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.record(max(0.0, loop.time() - t0 - self.interval_s))
