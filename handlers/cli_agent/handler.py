@@ -9,8 +9,25 @@
   ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``PRORL_SESSION_URL``. The run ends when the process exits or the
   agent posts ``$PRORL_SESSION_URL/complete`` (then the process gets ``complete_grace_s`` to exit before the
   sandbox is closed). Every trajectory of the session goes into the result.
-- eval: ``"code"``: the ``code`` handler's hidden tests on ``/workspace/solution.py`` in a fresh sandbox;
-  ``"reward_info"``: ``reward_info["reward"]`` as posted with ``/complete``; ``"none"``: 0.0.
+- eval: ``"code"``: the ``code`` handler's hidden tests on ``/workspace/solution.py`` in a fresh sandbox
+  (the default, and the only default, for an instance that carries tests); ``"reward_info"``:
+  ``reward_info["reward"]`` as posted with ``/complete``: **the agent program is trusted**, because
+  ``PRORL_SESSION_URL`` is in the environment of every process in the sandbox, so anything the agent runs
+  (commands the model writes included) can post its own reward. Use it only for an agent program that never
+  runs model-written code, or that computes the reward itself outside the model's reach; ``"none"``: 0.0.
+
+Failures that are not the model's doing end the job with ``critical_error`` and ``failure_kind`` (so
+``filter: true``, :mod:`prorl_server.failures`); the rule is that the model can only act on the run through
+its answers, so a run in which it answered no request cannot be its outcome:
+
+- the sandbox died or stopped answering while the agent ran: ``sandbox`` (the ``SandboxError`` propagates);
+- the agent made LLM requests and none was answered (backend down, no backend): ``llm_backend``;
+- no LLM request was made and the agent exited non-zero or ran out of time: exit status 126/127 (the shell's
+  "not executable" / "command not found") is ``agent_missing``; 125 (the launcher's own failure, the
+  convention of ``env``/``timeout``) or a sandbox image with no ``python3`` for the launcher is
+  ``harness``; any other status is ``harness`` too (the agent crashed before it asked anything).
+
+A present agent that asked the model and then exited non-zero (127 included) is a normal outcome, scored.
 
 Why a Unix socket and not ``network="loopback"``: a loopback sandbox shares the host's network namespace
 (rootless runtimes cannot filter it), so the agent could reach the rollout server's management API, other
@@ -28,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from handlers.base import AgentHandler
+from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
 
 GATEWAY_DIR = "/run/prorl-gateway"
 SOCKET_NAME = "gateway.sock"
@@ -37,15 +54,42 @@ DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_COMPLETE_GRACE_S = 5.0
 SOLUTION = "solution.py"
 EVAL_MODES = ("code", "reward_info", "none")
+CODE_FIELDS = ("prompt", "tests", "entry_point")
+# Fields that say an instance carries tests (the code handler's, and those of other test-graded datasets):
+# such an instance is graded by its tests unless it names its eval mode itself.
+TEST_FIELDS = ("tests", "test", "entry_point", "test_list", "FAIL_TO_PASS", "PASS_TO_PASS")
+LAUNCHER_FAILED = 125  # the launcher's own failure (env(1)/timeout(1) convention); 126/127 are the shell's
+NOT_FOUND_STATUSES = (126, 127)
 
 
 def _eval_mode(instance: dict[str, Any], default: Optional[str]) -> str:
-    mode = instance.get("eval", default)
+    """The eval mode: the instance's ``eval``; else ``"code"`` if it carries tests (never ``reward_info``,
+    whatever the handler's default); else the handler's default; else ``"reward_info"``.
+
+    Raises:
+        InvalidInstanceError: an unknown mode, or tests given without what ``"code"`` needs.
+    """
+    mode = instance.get("eval")
+    carried = [k for k in TEST_FIELDS if k in instance]
     if mode is None:
-        mode = "code" if all(k in instance for k in ("tests", "entry_point", "prompt")) else "reward_info"
+        mode = "code" if carried else (default or "reward_info")
     if mode not in EVAL_MODES:
-        raise ValueError(f"cli_agent: eval must be one of {EVAL_MODES}, got {mode!r}")
+        raise InvalidInstanceError(f"cli_agent: eval must be one of {EVAL_MODES}, got {mode!r}")
+    if mode == "code":
+        missing = [k for k in CODE_FIELDS if not isinstance(instance.get(k), str) or not instance[k].strip()]
+        if missing:
+            why = (f"it carries tests ({', '.join(carried)}), so it is graded by them (eval='code'), "
+                   if carried and "eval" not in instance else "eval='code' ")
+            raise InvalidInstanceError(f"cli_agent instance: {why}which needs non-empty strings "
+                                       f"{', '.join(CODE_FIELDS)}; missing or empty: {', '.join(missing)}")
     return mode
+
+
+def _seconds(instance: dict[str, Any], key: str, default: float) -> float:
+    value = instance.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidInstanceError(f"cli_agent: {key} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _read_workspace_file(workspace: str, name: str, max_bytes: int = 8 << 20) -> Optional[str]:
@@ -65,11 +109,14 @@ class CliAgentHandler(AgentHandler):
     """Instance: ``{"data_source": "cli_agent", "command": "<shell command run in /workspace>",
     "files"?: {path: text}, "env"?: {name: value}, "eval"?: "code" | "reward_info" | "none",
     "agent_timeout_s"?: 600, "complete_grace_s"?: 5}``, plus ``prompt``/``tests``/``entry_point`` (and
-    ``eval_timeout_s``) for ``eval="code"`` (the default when they are given).
+    ``eval_timeout_s``) for ``eval="code"``: the default for an instance that carries tests, which is graded
+    by them unless it names another mode itself (tests without ``entry_point`` or ``prompt`` are refused,
+    ``failure_kind="invalid_instance"``, never graded by ``reward_info``). ``eval="reward_info"`` trusts the
+    agent program (see the module docstring).
 
     Args:
         command: default agent command for instances that give none (handler config).
-        eval: default eval mode.
+        eval: default eval mode for instances that carry no tests and name no mode.
         sandbox_image: image for the agent's sandbox (None: the server's default); it needs ``python3``.
     """
 
@@ -89,16 +136,15 @@ class CliAgentHandler(AgentHandler):
         inst = job.instance
         command = inst.get("command") or self.command
         if not isinstance(command, str) or not command.strip():
-            raise ValueError("cli_agent instance needs a non-empty string 'command' (or a handler default)")
+            raise InvalidInstanceError("cli_agent instance needs a non-empty string 'command' (or a handler "
+                                       "default)")
         mode = _eval_mode(inst, self.eval_mode)
-        if mode == "code":
-            from handlers.code.data import validate_instance
-
-            validate_instance(inst)
         files = inst.get("files") or {}
         env = inst.get("env") or {}
         if not isinstance(files, dict) or not isinstance(env, dict):
-            raise ValueError("cli_agent: 'files' and 'env' must be objects")
+            raise InvalidInstanceError("cli_agent: 'files' and 'env' must be objects")
+        timeouts = {"agent_timeout_s": _seconds(inst, "agent_timeout_s", DEFAULT_AGENT_TIMEOUT_S),
+                    "complete_grace_s": _seconds(inst, "complete_grace_s", DEFAULT_COMPLETE_GRACE_S)}
 
         gw_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="prorl-gw-")
         job.add_closer(lambda: asyncio.to_thread(shutil.rmtree, gw_dir, True), "run")
@@ -110,16 +156,20 @@ class CliAgentHandler(AgentHandler):
         if self.sandbox_image:
             spec.image = self.sandbox_image
         handle = await job.open_sandbox(spec)
+        from sandbox import ToolError
+
         for path, text in files.items():
-            await handle.upload(str(path), str(text).encode())
+            try:
+                await handle.upload(str(path), str(text).encode())
+            except ToolError as e:  # e.g. a path outside the workspace: the instance's fault
+                raise InvalidInstanceError(f"cli_agent: files[{str(path)!r}] cannot be written: {e}") from None
         if mode == "code":
             await handle.upload(SOLUTION, inst["prompt"].encode())
-        job.state.update(sandbox=handle, gateway_dir=gw_dir, command=command, eval=mode)
+        job.state.update(sandbox=handle, gateway_dir=gw_dir, command=command, eval=mode, **timeouts)
 
     async def run(self, job) -> None:
         from prorl_server.gateway import gateway_for
 
-        inst = job.instance
         handle = job.state["sandbox"]
         gw = gateway_for(job)
         session = gw.create_session(job=job, metadata={"job_id": job.job_id, "instance_id": job.instance_id})
@@ -128,24 +178,27 @@ class CliAgentHandler(AgentHandler):
         job.add_closer(runner.cleanup, "run")
         argv = ["python3", f"{GATEWAY_DIR}/launcher.py", f"{GATEWAY_DIR}/{SOCKET_NAME}", f"/sessions/{session.ref}",
                 "--", "bash", "-c", job.state["command"]]
-        timeout_s = float(inst.get("agent_timeout_s", DEFAULT_AGENT_TIMEOUT_S))
+        timeout_s = job.state["agent_timeout_s"]
         agent = asyncio.ensure_future(handle.bash(" ".join(shlex.quote(a) for a in argv), timeout_s=timeout_s))
         completed = asyncio.ensure_future(session.completed.wait())
         try:
             await asyncio.wait({agent, completed}, return_when=asyncio.FIRST_COMPLETED)
             if not agent.done():  # completed by /complete: the process gets a grace period to exit
-                grace = float(inst.get("complete_grace_s", DEFAULT_COMPLETE_GRACE_S))
-                await asyncio.wait({agent}, timeout=grace)
+                await asyncio.wait({agent}, timeout=job.state["complete_grace_s"])
         except BaseException:  # cancelled or timed out: the sandbox closes, the tool call goes with it
             agent.cancel()
             raise
         finally:
             completed.cancel()
         info: dict[str, Any] = {"exit_code": None, "timed_out": False, "output_tail": None}
-        if agent.done():
+        if agent.done() and agent.exception() is not None and not session.completed.is_set():
+            raise agent.exception()  # the sandbox died or stopped answering: failure_kind "sandbox"
+        if agent.done() and agent.exception() is None:
             r = agent.result()
             info.update(exit_code=r.exit_code, timed_out=r.timed_out, output_tail=r.output[-4000:])
             end = "agent_timeout" if r.timed_out else "exit"
+        elif agent.done():  # the sandbox failed after the agent posted /complete: the agent was done
+            end = "complete"
         else:  # still running after /complete and the grace period: closing the sandbox ends it
             agent.cancel()
             with contextlib.suppress(BaseException):
@@ -158,6 +211,7 @@ class CliAgentHandler(AgentHandler):
         job.messages = result["messages"]
         job.state["reward_info"] = session.reward_info
         job.extra["gateway"] = {**session.summary(), **info}
+        await _raise_if_not_the_models(handle, session, end, info)
 
     async def eval(self, job) -> None:
         mode = job.state.get("eval")
@@ -175,6 +229,37 @@ class CliAgentHandler(AgentHandler):
             job.reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
             job.resolved = bool(info.get("resolved", job.reward >= 1.0))
             job.extra["eval"] = {"reward_info": info}
+
+
+async def _raise_if_not_the_models(handle: Any, session: Any, end: str, info: dict[str, Any]) -> None:
+    """Raise :class:`InfrastructureError` when the run's outcome cannot be the model's (see the module
+    docstring): the model answered no request, and either requests were made or the agent did not end
+    normally. Nothing the sandbox wrote decides this but the exit status of a run the model had no part in.
+    """
+    answered = sum(t.num_turns for t in session.trajectories())
+    requests = int(session.counters.get("requests", 0))
+    if answered:
+        return
+    status, tail = info["exit_code"], (info["output_tail"] or "")[-500:]
+    if requests:
+        raise InfrastructureError("llm_backend", f"cli_agent: the agent made {requests} LLM request(s) and none "
+                                  f"was answered (end {end}, exit status {status}): {tail}")
+    if (end == "exit" and status == 0) or end == "complete":
+        return  # the agent finished without asking the model anything: its own choice
+    if end == "agent_timeout":
+        raise InfrastructureError("harness", "cli_agent: the agent ran out of time before its first LLM "
+                                  f"request: {tail}")
+    if status in NOT_FOUND_STATUSES:
+        probe = await handle.bash("command -v python3 >/dev/null 2>&1", timeout_s=30.0)
+        if probe.exit_code != 0:
+            raise InfrastructureError("harness", "cli_agent: the sandbox image has no python3 to run the "
+                                      f"launcher (exit status {status}): {tail}")
+        raise InfrastructureError("agent_missing", f"cli_agent: the agent command is not there or not "
+                                  f"executable (exit status {status}): {tail}")
+    if status == LAUNCHER_FAILED:
+        raise InfrastructureError("harness", f"cli_agent: the launcher failed (exit status {status}): {tail}")
+    raise InfrastructureError("harness", f"cli_agent: the agent exited with status {status} before its first "
+                              f"LLM request: {tail}")
 
 
 def _binds(gw_dir: str) -> list[Any]:

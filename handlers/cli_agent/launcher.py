@@ -7,10 +7,14 @@ the agent reaches its session through a Unix socket bound into the sandbox. Agen
 (``OPENAI_BASE_URL``), so this relays ``127.0.0.1:<free port>`` inside the sandbox's namespace to that
 socket byte for byte, sets ``OPENAI_BASE_URL=http://127.0.0.1:<port>SESSION_PATH/v1``,
 ``OPENAI_API_KEY`` and ``PRORL_SESSION_URL`` (for ``POST $PRORL_SESSION_URL/complete``), and runs COMMAND.
-It exits with COMMAND's status. Standard library only: it runs under whatever ``python3`` the image has.
+It exits with COMMAND's status; like ``env(1)`` and ``timeout(1)``, with 125 when it failed itself (bad
+arguments, no gateway socket, no port to listen on: a message starting ``prorl-launcher:`` goes to stderr),
+126 when COMMAND cannot be executed and 127 when it is not found. Standard library only: it runs under
+whatever ``python3`` the image has.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -56,20 +60,36 @@ def _serve(listener: socket.socket, path: str) -> None:
         threading.Thread(target=_relay, args=(conn, path), daemon=True).start()
 
 
+FAILED, CANNOT_EXECUTE, NOT_FOUND = 125, 126, 127
+
+
+def _fail(message: str) -> int:
+    print(f"prorl-launcher: {message}", file=sys.stderr, flush=True)
+    return FAILED
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: launcher.py GATEWAY_SOCKET SESSION_PATH -- COMMAND...", file=sys.stderr)
-        return 2
+        return _fail("usage: launcher.py GATEWAY_SOCKET SESSION_PATH -- COMMAND...")
     path, session_path, command = argv[0], argv[1].rstrip("/"), argv[3:]
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
+    if not os.path.exists(path):
+        return _fail(f"no gateway socket at {path}")
+    try:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+    except OSError as e:
+        return _fail(f"cannot listen on a loopback port: {e}")
     port = listener.getsockname()[1]
     threading.Thread(target=_serve, args=(listener, path), daemon=True).start()
     session_url = f"http://127.0.0.1:{port}{session_path}"
     key = session_path.rsplit("/", 1)[-1].partition(".")[2]
     env = dict(os.environ, OPENAI_BASE_URL=f"{session_url}/v1", OPENAI_API_KEY=key, PRORL_SESSION_URL=session_url)
-    return subprocess.call(command, env=env)
+    try:
+        return subprocess.call(command, env=env)
+    except OSError as e:
+        print(f"prorl-launcher: cannot run {command[0]!r}: {e}", file=sys.stderr, flush=True)
+        return NOT_FOUND if e.errno == errno.ENOENT else CANNOT_EXECUTE if e.errno == errno.EACCES else FAILED
 
 
 if __name__ == "__main__":

@@ -1,20 +1,26 @@
 """The ``cli_agent`` handler end to end: a small agent script using the real ``openai`` SDK runs inside a real
 bubblewrap sandbox (no network), reaches its gateway session through the bound Unix socket, talks to the real
 vLLM server, and its job result holds the trajectory of exactly vLLM's tokens and the reward of the code
-handler's hidden tests, or the ``reward_info`` it posted with ``/complete``."""
+handler's hidden tests, or the ``reward_info`` it posted with ``/complete``; failures that are not the
+model's (no agent binary, an agent that dies before asking the model anything, an unreachable backend) end
+the job with a ``failure_kind`` and ``filter: true``, while a present agent's own exit status is a normal
+outcome; an instance with tests is never graded by the agent's ``reward_info`` unless it asks for it."""
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from handlers.base import InvalidInstanceError
 from handlers.cli_agent import CliAgentHandler
+from handlers.cli_agent.handler import _eval_mode
 from handlers.code.data import humaneval_problems, to_instance
 from handlers.registry import HandlerRegistry
 from prorl_server.gateway import GATEWAY
 from prorl_server.types import Trajectory
-
-pytestmark = pytest.mark.real
 
 AUTH = {"Authorization": "Bearer server-secret"}
 
@@ -59,6 +65,7 @@ def registry():
     return r
 
 
+@pytest.mark.real
 async def test_agent_script_in_bubblewrap_is_trained_through_the_gateway(tap_llm,
         gateway_server, registry, bwrap_runtime, vllm_server, tokenizer, sandbox_procs):
     client, app = await gateway_server([vllm_server.address], registry=registry, runtime=bwrap_runtime)
@@ -106,5 +113,133 @@ async def test_agent_script_in_bubblewrap_is_trained_through_the_gateway(tap_llm
     last = Trajectory(**done["trajectories"][1])
     assert last.prompt_ids == calls[6][0] and last.response_ids == calls[6][1].token_ids
     assert not app[GATEWAY].open
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
+
+
+# ------------------------------------------------------------------------------------------ eval mode
+CODE = {"prompt": "def f():\n", "tests": "def check(c): assert c() == 1\n", "entry_point": "f"}
+
+
+@pytest.mark.parametrize("instance,default,mode", [
+    (CODE, None, "code"),
+    (CODE, "reward_info", "code"),                  # a handler default never beats the instance's tests
+    ({**CODE, "eval": "reward_info"}, None, "reward_info"),  # asked for explicitly: the trusted-agent mode
+    ({**CODE, "eval": "none"}, None, "none"),
+    ({}, None, "reward_info"),                      # no tests: the agent's reward_info (trusted)
+    ({}, "none", "none"),
+])
+def test_eval_mode_defaults_to_the_tests_an_instance_carries(instance, default, mode):
+    assert _eval_mode(instance, default) == mode
+
+
+@pytest.mark.parametrize("instance", [
+    {"tests": CODE["tests"], "prompt": CODE["prompt"]},     # tests without entry_point
+    {"tests": CODE["tests"], "entry_point": "f"},           # tests without prompt
+    {"entry_point": "f"},
+    {"FAIL_TO_PASS": ["t::test_a"]},                       # tests of another kind: still not reward_info
+    {**CODE, "tests": ""},
+    {"eval": "code"},
+    {"eval": "exit_status"},
+])
+@pytest.mark.parametrize("default", [None, "reward_info"])
+def test_an_instance_with_tests_never_falls_to_reward_info(instance, default):
+    with pytest.raises(InvalidInstanceError, match="cli_agent"):
+        _eval_mode(instance, default)
+
+
+async def test_a_cli_agent_instance_with_tests_but_no_entry_point_is_refused_as_invalid(gateway_server, registry):
+    client, _ = await gateway_server(["http://127.0.0.1:9"], registry=registry)  # never reached
+    inst = {"data_source": "cli_agent", "command": "true", "prompt": CODE["prompt"], "tests": CODE["tests"]}
+    r = await client.post("/process", json={"instance": inst}, headers=AUTH)
+    res = await r.json()
+    assert (res["critical_error"], res["failure_kind"], res["filter"]) == ("init", "invalid_instance", True)
+    assert "entry_point" in res["error"] and res["reward"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------ failures
+LAUNCHER = Path(__file__).resolve().parents[2] / "handlers" / "cli_agent" / "launcher.py"
+
+
+@pytest.mark.real
+def test_launcher_exit_statuses_tell_its_own_failure_from_the_commands(tmp_path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "gw.sock"))
+    (tmp_path / "not_executable").write_text("#!/bin/sh\n")
+
+    def launch(socket_path, *command):
+        return subprocess.run([sys.executable, str(LAUNCHER), socket_path, "/sessions/s.k", "--", *command],
+                              capture_output=True, text=True, timeout=60)
+
+    missing_socket = launch(str(tmp_path / "none.sock"), "true")
+    assert missing_socket.returncode == 125 and "prorl-launcher: no gateway socket" in missing_socket.stderr
+    assert launch(str(tmp_path / "gw.sock")).returncode == 125  # no command
+    assert launch(str(tmp_path / "gw.sock"), str(tmp_path / "no_such_agent")).returncode == 127
+    assert launch(str(tmp_path / "gw.sock"), str(tmp_path / "not_executable")).returncode == 126
+    assert launch(str(tmp_path / "gw.sock"), "sh", "-c", "exit 3").returncode == 3
+    sock.close()
+
+
+# An agent that asks the model once (its answer printed), then exits with the status it is given.
+ASK = r'''
+import json, os, sys, urllib.request
+body = {"model": "x", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 4, "temperature": 1.0}
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+try:
+    print("ANSWER", json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["message"]["content"])
+except Exception as e:
+    print("NO ANSWER", e)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+def _agent(command, **kw):
+    return {"data_source": "cli_agent", "command": command, "eval": "none", "files": {"ask.py": ASK},
+            "agent_timeout_s": 120, **kw}
+
+
+@pytest.mark.real
+async def test_a_missing_or_broken_agent_is_an_infrastructure_failure_not_a_zero_reward(
+        gateway_server, registry, bwrap_runtime, vllm_server, sandbox_procs):
+    client, _ = await gateway_server([vllm_server.address], registry=registry, runtime=bwrap_runtime)
+    cases = {
+        "missing": (_agent("no-such-agent --task 1"), "agent_missing", "command not found"),
+        "not_executable": (_agent("./agent.sh", files={"agent.sh": "#!/bin/sh\necho hi\n"}), "agent_missing",
+                           "Permission denied"),
+        "crashed_before_asking": (_agent("python3 -c 'import no_such_module_for_the_agent'"), "harness",
+                                  "ModuleNotFoundError"),
+        # a present agent that asked the model and then exits 127 by itself: its outcome, scored normally
+        "asked_then_127": (_agent("python3 ask.py 127"), None, "ANSWER"),
+        "asked_then_1": (_agent("python3 ask.py 1"), None, "ANSWER"),
+    }
+    for name, (inst, kind, tail) in cases.items():
+        r = await client.post("/process", json={"instance": inst, "timeout_s": 180}, headers=AUTH)
+        res = await r.json()
+        g = res["extra"].get("gateway") or {}
+        assert tail in (g.get("output_tail") or ""), (name, res["error"], g)
+        if kind is None:
+            assert (res["critical_error"], res["failure_kind"], res["filter"]) == (None, None, False), (name, res)
+            assert res["trajectories"] and g["exit_code"] in (127, 1)
+        else:
+            assert (res["critical_error"], res["failure_kind"], res["filter"]) == ("run", kind, True), (name, res)
+            assert res["reward"] == 0.0 and g["counters"]["requests"] == 0
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
+
+
+@pytest.mark.real
+async def test_an_agent_whose_llm_requests_all_fail_is_filtered_as_llm_backend(
+        gateway_server, registry, bwrap_runtime, sandbox_procs):
+    with socket.socket() as s:  # a port with nothing listening: the backend is down
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client, _ = await gateway_server([dead], registry=registry, runtime=bwrap_runtime, backend_wait_s=1)
+    for status in (0, 1):  # whether the agent swallows the error or fails on it, the model had no part
+        r = await client.post("/process", json={"instance": _agent(f"python3 ask.py {status}"), "timeout_s": 180},
+                              headers=AUTH)
+        res = await r.json()
+        assert (res["critical_error"], res["failure_kind"], res["filter"]) == ("run", "llm_backend", True), res
+        assert "NO ANSWER" in res["extra"]["gateway"]["output_tail"]
     await bwrap_runtime.close_all()
     assert not sandbox_procs()
