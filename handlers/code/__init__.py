@@ -1,4 +1,5 @@
 """``code``: HumanEval-style program synthesis in a sandbox, scored by hidden tests. See README.md here."""
+from handlers.code.grading import GraderError
 from handlers.code.handler import CodeHandler, evaluate_solution
 
-__all__ = ["CodeHandler", "evaluate_solution"]
+__all__ = ["CodeHandler", "GraderError", "evaluate_solution"]

@@ -4,23 +4,24 @@
   docstring) for the agent to complete.
 - run: the generic agent loop with ``str_replace_editor``, ``bash`` and ``ipython`` on that sandbox; the
   agent may run its own checks; afterwards ``/workspace/solution.py`` is taken as the solution.
-- eval: the hidden tests run in a FRESH sandbox (no network, a time limit) through
-  :mod:`handlers.code.harness`. Reward 1.0 if every test passes, else 0.0; ``extra["eval"]`` says which test
-  failed, the error, or that the time limit was hit.
+- eval: the solution runs in a FRESH sandbox of its own and the hidden tests in another one, which the solution
+  never reaches; the host relays the tests' calls as plain data (:mod:`handlers.code.grading`). Reward 1.0 if
+  every test passes, else 0.0; ``extra["eval"]`` says which test failed, the error, or that a time limit was
+  hit. A failure of the grader's sandbox raises :class:`~handlers.code.grading.GraderError` (the eval stage
+  fails).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 from handlers.base import AgentHandler
 from handlers.code.data import validate_instance
+from handlers.code.grading import GradingLimits, grade
 from handlers.tools import run_agent, sandbox_tools
 
 SOLUTION = "solution.py"
-HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
 DEFAULT_EVAL_TIMEOUT_S = 20.0
+DEFAULT_CALL_TIMEOUT_S = 10.0
 SYSTEM_PROMPT = ("You are a careful Python programmer working in /workspace. Use the tools to write and test "
                  "code. When the solution is complete, call the finish tool.")
 USER_TEMPLATE = ("Complete the function below. The file /workspace/{solution} already holds its signature and "
@@ -39,44 +40,39 @@ def sandbox_spec(network: str = "none") -> Any:
 
 async def evaluate_solution(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[str, Any],
                             solution: Optional[str], timeout_s: float = DEFAULT_EVAL_TIMEOUT_S,
-                            ) -> tuple[float, dict[str, Any]]:
-    """Run the hidden tests of ``instance`` against ``solution`` (Python source) in a fresh sandbox.
+                            call_timeout_s: Optional[float] = None) -> tuple[float, dict[str, Any]]:
+    """Run the hidden tests of ``instance`` against ``solution`` (Python source), the solution and the tests
+    each in a fresh sandbox of its own (:mod:`handlers.code.grading`: the solution cannot reach the tests,
+    the grader or its verdict).
 
     Args:
         open_sandbox: ``async (spec) -> SandboxHandle`` (``job.open_sandbox``, or a runtime's ``start``).
         timeout_s: wall-clock limit of the test run, seconds.
+        call_timeout_s: limit of one call of the solution's function (and of loading it), seconds; default
+            ``min(timeout_s, 10)``.
 
     Returns:
         ``(reward, info)``: reward 1.0 if all tests pass else 0.0; info has ``passed``, ``error``,
         ``failed_test``, ``timed_out``.
+
+    Raises:
+        handlers.code.grading.GraderError: the grader's sandbox failed (an infrastructure fault, not the
+            solution's).
+        sandbox.SandboxError: a sandbox failed to start.
     """
     if solution is None:
         return 0.0, {"passed": False, "error": f"no {SOLUTION} was written", "failed_test": None,
                      "timed_out": False}
-    handle = await open_sandbox(sandbox_spec())
-    try:
-        await handle.upload(SOLUTION, solution.encode())
-        await handle.upload("hidden_tests.py", instance["tests"].encode())
-        await handle.upload("harness.py", HARNESS_SOURCE.encode())
-        r = await handle.bash(f"python3 harness.py {SOLUTION} hidden_tests.py {instance['entry_point']}",
-                              timeout_s=timeout_s)
-    finally:
-        await handle.close()
-    if r.timed_out:
-        return 0.0, {"passed": False, "error": f"hidden tests exceeded the {timeout_s:g} s limit",
-                     "failed_test": None, "timed_out": True}
-    line = next((ln for ln in reversed(r.output.splitlines()) if ln.startswith("HARNESS_RESULT ")), None)
-    if line is None:
-        return 0.0, {"passed": False, "error": f"harness printed no result (exit {r.exit_code}): "
-                     f"{r.output[-500:]}", "failed_test": None, "timed_out": False}
-    info = json.loads(line[len("HARNESS_RESULT "):])
-    info["timed_out"] = False
-    return (1.0 if info["passed"] and r.exit_code == 0 else 0.0), info
+    if call_timeout_s is None:
+        call_timeout_s = min(timeout_s, DEFAULT_CALL_TIMEOUT_S)
+    return await grade(open_sandbox, instance, solution, GradingLimits(timeout_s=timeout_s,
+                                                                       call_timeout_s=call_timeout_s))
 
 
 class CodeHandler(AgentHandler):
     """Instance: ``{"data_source": "code", "prompt", "tests", "entry_point"}`` (HumanEval or inline);
-    optional ``max_turns`` (default 8) and ``eval_timeout_s`` (default 20)."""
+    optional ``max_turns`` (default 8), ``eval_timeout_s`` (default 20) and ``eval_call_timeout_s`` (default
+    ``min(eval_timeout_s, 10)``)."""
 
     name = "code"
     aliases = ("humaneval",)
@@ -103,8 +99,10 @@ class CodeHandler(AgentHandler):
             job.state["solution"] = await _read_solution(handle)
 
     async def eval(self, job) -> None:
+        call_timeout = job.instance.get("eval_call_timeout_s")
         reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.get("solution"),
-                                               float(job.instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)))
+                                               float(job.instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)),
+                                               None if call_timeout is None else float(call_timeout))
         job.reward, job.resolved = reward, reward == 1.0
         job.extra["eval"] = info
 

@@ -1,0 +1,163 @@
+"""Grader of the ``code`` handler, run INSIDE the grader's sandbox (which the solution never touches):
+
+    python3 -E -s grader.py SOCKET TOKEN
+
+Connects to the host's Unix socket SOCKET, proves it is the grader with TOKEN, receives the instance's
+trusted ``prompt`` and ``tests``, executes both (HumanEval tests use helpers the prompt defines, e.g.
+``poly`` in HumanEval/32), then runs the tests' ``check(candidate)`` (the HumanEval protocol) with a proxy for
+``candidate`` whose calls travel over the socket to the host, which relays them to the solution's sandbox.
+One JSON line each way (values encoded by :mod:`plain`)::
+
+    -> {"hello": TOKEN}
+    <- {"job": {"prompt": str, "tests": str, "entry_point": str}}
+    <- {"start": true} | {"abort": str}
+    -> {"call": {"args": [<value>...], "kwargs": {"name": <value>}}}        (per candidate call)
+    <- {"value": <value>} | {"raised": {"type": str, "message": str}} | {"fatal": str}
+    -> {"verdict": {"passed": bool, "error": str|null, "failed_test": str|null}}
+       | {"grader_error": str}   (the tests could not be run: e.g. an argument that is not plain data)
+
+The proxy only ever hands the tests freshly decoded plain data, so nothing the solution controls runs here.
+A ``fatal`` answer (the solution's process died, timed out, or answered garbage or a value that is not plain
+data) raises an exception outside the ``Exception`` hierarchy, so tests that catch errors cannot swallow it,
+and fails the verdict whatever the tests do afterwards.
+"""
+from __future__ import annotations
+
+import builtins
+import linecache
+import socket
+import sys
+import traceback
+
+import plain
+
+TESTS_FILE = "<hidden tests>"
+PROMPT_FILE = "<prompt>"
+# Builtin exceptions a candidate's own exception may be re-raised as (tests may expect e.g. ValueError).
+# StopIteration / StopAsyncIteration never: raised inside a test's map() or iterator they end it early, as if
+# every remaining case had passed.
+_NOT_RAISED_AS = ("StopIteration", "StopAsyncIteration")
+
+
+class CandidateError(Exception):
+    """The candidate raised an exception that is not a builtin ``Exception`` type (message: type and text)."""
+
+
+class CandidateFault(BaseException):
+    """The candidate's process failed (died, timed out, answered garbage or non-plain data): the test run
+    fails, whatever the tests do with this exception."""
+
+
+class GraderFault(BaseException):
+    """The tests passed the candidate an argument that is not plain data: they cannot be graded here."""
+
+
+class Channel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+
+    def send(self, message: dict) -> None:
+        self.sock.sendall(plain.dumps_line(message))
+
+    def recv(self) -> dict:
+        line = self.reader.readline(plain.MAX_MESSAGE_BYTES + 1)
+        if not line.endswith(b"\n"):
+            raise ConnectionError("the host closed the grading channel")
+        return plain.loads_line(line)
+
+
+def _rebuilt(raised: dict) -> Exception:
+    name, message = raised["type"], raised["message"]
+    cls = getattr(builtins, name, None)
+    if (isinstance(cls, type) and issubclass(cls, Exception) and name not in _NOT_RAISED_AS):
+        try:
+            return cls(message)
+        except Exception:  # a builtin whose constructor wants other arguments (UnicodeDecodeError)
+            pass
+    return CandidateError(f"{name}: {message}")
+
+
+class Grading:
+    """One test run: the proxy's state (whether a fault or a grader error happened)."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self.fault: str | None = None
+        self.grader_error: str | None = None
+
+    def candidate(self, *args, **kwargs):
+        if self.fault is not None:
+            raise CandidateFault(self.fault)
+        try:
+            call = {"args": [plain.encode(a) for a in args], "kwargs": {k: plain.encode(v) for k, v in kwargs.items()}}
+            line = plain.dumps_line({"call": call})
+        except plain.PlainDataError as e:
+            self.grader_error = f"the tests passed the candidate an argument that cannot be sent: {e}"
+            raise GraderFault(self.grader_error) from None
+        self.chan.sock.sendall(line)
+        reply = self.chan.recv()
+        if "value" in reply:
+            return plain.decode(reply["value"])
+        if "raised" in reply:
+            raise _rebuilt(reply["raised"])
+        self.fault = str(reply.get("fatal", "malformed reply from the host"))
+        raise CandidateFault(self.fault)
+
+
+def run_tests(chan: Channel, job: dict) -> dict:
+    ns: dict = {"__name__": "__grader__"}
+    for name, source in ((PROMPT_FILE, job["prompt"]), (TESTS_FILE, job["tests"])):
+        # Registered so that tracebacks can quote the failing assertion although no file exists.
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    try:
+        prompt_code = compile(job["prompt"], PROMPT_FILE, "exec")
+    except SyntaxError:  # an inline prompt need not be complete code; HumanEval's always are
+        prompt_code = None
+    try:
+        if prompt_code is not None:
+            exec(prompt_code, ns)
+        exec(compile(job["tests"], TESTS_FILE, "exec"), ns)
+    except BaseException as e:
+        return {"grader_error": f"the tests failed to load: {type(e).__name__}: {e}"}
+    check = ns.get("check")
+    if not callable(check):
+        return {"verdict": {"passed": False, "error": "the tests define no check(candidate)", "failed_test": None}}
+    start = chan.recv()
+    if "start" not in start:
+        return {"verdict": {"passed": False, "error": str(start.get("abort")), "failed_test": None}}
+    grading = Grading(chan)
+
+    def candidate(*args, **kwargs):
+        return grading.candidate(*args, **kwargs)
+
+    candidate.__name__ = candidate.__qualname__ = job["entry_point"]
+    error = failed = None
+    try:
+        check(candidate)
+    except BaseException as e:  # an assertion, the candidate's exception, or a fault
+        frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == TESTS_FILE]
+        failed = frames[-1].line if frames else None
+        error = f"{type(e).__name__}: {e}".strip()
+    if grading.grader_error is not None:
+        return {"grader_error": grading.grader_error}
+    if grading.fault is not None:  # also when the tests caught the fault and carried on
+        return {"verdict": {"passed": False, "error": f"candidate fault: {grading.fault}", "failed_test": failed}}
+    return {"verdict": {"passed": error is None, "error": error, "failed_test": failed}}
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print("usage: grader.py SOCKET TOKEN", file=sys.stderr)
+        return 2
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sys.argv[1])
+    chan = Channel(sock)
+    chan.send({"hello": sys.argv[2]})
+    job = chan.recv()["job"]
+    chan.send(run_tests(chan, job))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

