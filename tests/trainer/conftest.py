@@ -6,7 +6,8 @@ reached by the client over HTTP) with test-double handlers:
   sleeping ``sleeps[k % len]`` seconds in run, so a group of n samples has scripted rewards and one slow
   sample can be made to straddle a training step.
 - ``FixedTrajectoryHandler`` stands in for an LLM handler with no LLM: it returns the trajectory the instance
-  gives (exact token ids, logprobs, mask, weight versions).
+  gives (exact token ids, logprobs, mask, weight versions), or several segments (a rollout split by a context
+  rewrite); it can fail its first jobs with a dead sandbox (fault injection).
 - ``ChatHandler`` is the math handler without sandbox tools: one real LLM turn, math-verify reward.
 """
 from __future__ import annotations
@@ -88,18 +89,33 @@ def job_state():
 class FixedTrajectoryHandler(AgentHandler):
     """Stands in for an LLM handler when no LLM runs: returns the trajectory given in the instance
     (``{"data_source": "fixed", "trajectory": {prompt_ids, response_ids, response_logprobs, loss_mask,
-    weight_versions}, "reward": 1.0, "sleep": 0}``), after sleeping ``sleep`` seconds in run, so the verl
-    adapter's conversion, truncation and cancellation can be checked exactly."""
+    weight_versions}, "reward": 1.0, "sleep": 0}``), or the segments of ``"trajectories": [...]`` (a rollout
+    split by a template or context rewrite), after sleeping ``sleep`` seconds in run, so the verl adapter's
+    conversion, truncation and cancellation can be checked exactly.
+
+    Fault injection: with ``"fail_first": k`` the first k jobs of the instance's ``id`` raise
+    :class:`sandbox.errors.SandboxDeadError` in run: they stand for a job whose sandbox died under it (the
+    server gives them ``failure_kind="sandbox"``, ``filter: true``). ``self.jobs`` counts jobs per ``id``."""
 
     name = "fixed"
     needs_llm = False
 
+    def __init__(self) -> None:
+        self.jobs: Counter = Counter()
+
     async def run(self, job):
+        key = str(job.instance.get("id"))
+        self.jobs[key] += 1
+        if self.jobs[key] <= int(job.instance.get("fail_first", 0)):
+            from sandbox.errors import SandboxDeadError
+
+            raise SandboxDeadError(f"injected: the sandbox of job {job.job_id} died (attempt {self.jobs[key]})")
         if job.instance.get("sleep"):
             await asyncio.sleep(job.instance["sleep"])
         from prorl_server.types import Trajectory
 
-        job.trajectories = [Trajectory(**job.instance["trajectory"])]
+        segments = job.instance.get("trajectories") or [job.instance["trajectory"]]
+        job.trajectories = [Trajectory(**t) for t in segments]
         job.messages = list(job.instance.get("messages") or [])
 
     async def eval(self, job):
@@ -130,13 +146,19 @@ class ChatHandler(AgentHandler):
 
 
 @pytest.fixture
-def start_llm_server(aiohttp_server):
+def fixed():
+    """The ``FixedTrajectoryHandler`` every server of a test shares (its ``jobs`` counter)."""
+    return FixedTrajectoryHandler()
+
+
+@pytest.fixture
+def start_llm_server(aiohttp_server, fixed):
     """``await start_llm_server(backends)`` -> base URL of a real rollout server serving ``fixed`` and
     ``chat`` with the given LLM backends registered (weight version 0)."""
 
     async def start(backends=(), **settings):
         registry = HandlerRegistry()
-        registry.register(FixedTrajectoryHandler)
+        registry.register(fixed)
         registry.register(ChatHandler)
         settings.setdefault("health_interval_s", 3600)
         server = await aiohttp_server(create_app(ServerSettings(backends=list(backends), **settings),

@@ -135,9 +135,9 @@ async def test_cancelling_the_loop_cancels_the_job_on_the_server(cfg, worker, to
     loop = make_loop(cfg, tokenizer)
     seen = []
 
-    async def process(u, headers, body, _real=loop._process):
+    async def process(u, headers, body, row, _real=loop._process):
         seen.append(body["job_id"])
-        return await _real(u, headers, body)
+        return await _real(u, headers, body, row)
 
     loop._process = process
     task = asyncio.create_task(loop.run({}, **fixed_row([1, 2], [3], sleep=30)))
@@ -156,17 +156,22 @@ async def test_cancelling_the_loop_cancels_the_job_on_the_server(cfg, worker, to
     assert s["state"] == "done" and s["result"]["critical_error"] == "cancelled"
 
 
-async def test_request_timeout_cancels_the_job_and_yields_a_zero_reward_row(cfg, worker, tokenizer,
-                                                                           start_llm_server, monkeypatch,
-                                                                           job_state):
+async def test_request_timeout_cancels_each_attempt_and_yields_a_zero_loss_filtered_row(
+        cfg, worker, tokenizer, start_llm_server, monkeypatch, job_state):
     url = await start_llm_server()
     monkeypatch.setenv("PRORL_SERVERS", url)
-    loop = make_loop(cfg, tokenizer, request_timeout_s=0.5)
-    out = await asyncio.wait_for(loop.run({}, **fixed_row([1, 2], [3], sleep=30), global_steps=5), 10)
-    assert out.reward_score == 0.0 and out.response_ids == [] and out.prompt_ids
+    loop = make_loop(cfg, tokenizer, request_timeout_s=0.5, max_sample_retries=1)
+    out = await asyncio.wait_for(loop.run({}, **fixed_row([1, 2], [3], sleep=30), global_steps=5), 20)
+    assert out.reward_score == 0.0 and out.prompt_ids
+    # one untrained response token: verl writes the reward at the last response position
+    assert out.response_ids == [tokenizer.eos_token_id] and out.response_mask == [0]
     assert out.extra_fields["min_global_steps"] == 5  # the server reported none: the trainer's step
-    s = await job_state(url, out.extra_fields["prorl"]["job_id"])
-    assert s["result"]["critical_error"] == "cancelled"
+    prorl = out.extra_fields["prorl"]
+    assert prorl["filter"] is True and prorl["failure_kind"] == "timeout"
+    assert [a["failure_kind"] for a in prorl["attempts"]] == ["timeout", "timeout"]
+    for attempt in prorl["attempts"]:  # every attempt was cancelled on the server, none left running
+        s = await job_state(url, attempt["job_id"])
+        assert s["result"]["critical_error"] == "cancelled"
 
 
 def loss_batch(data: DataProto, rewards: list[float]):

@@ -7,19 +7,48 @@ the YAML is read by every worker and instantiated with ``hydra.utils.instantiate
 
 Per row, :meth:`ProRLAgentLoop.run`:
 
-1. builds the instance (:meth:`ProRLAgentLoop.build_instance`) from the row: ``extra_info.instance`` when the
-   dataset carries a full rollout-server instance, else ``{data_source, messages: raw_prompt, answer:
-   reward_model.ground_truth}``; the ``handler`` setting overrides ``data_source``;
-2. submits it with ``POST /process`` and a job id of its own to one of the rollout servers (same node first,
-   then round-robin; a URL list or ``servers.json``) and awaits the result;
+1. builds the instance (:meth:`ProRLAgentLoop.build_instance`): ``extra_info.instance`` when the dataset
+   carries a full rollout-server instance, else the default mapping of a verl row (see ``build_instance``),
+   which the shipped ``math`` and ``code`` handlers accept; a row that maps to no valid instance is an
+   :class:`InvalidRowError` naming the row;
+2. submits it with ``POST /process``, a job id of its own and ``group_id`` = the row's ``uid`` (the n samples
+   of one prompt share it in verl), to the rollout server that rendezvous hashing picks for the group
+   (:func:`trainer_plugins.servers.server_for_group`): every sample of a group goes to one server, which keeps
+   them on one LLM backend (the prompt's prefix cache); rows without a ``uid`` go round-robin;
 3. cancels the job on the server (``POST /cancel``) if the loop is cancelled (verl aborts a rollout) or the
-   request outlives ``request_timeout_s``; a timed-out row becomes a zero-reward row with no response tokens;
-4. returns ``AgentLoopOutput``: the server's token-level trajectory (``prompt_ids``, ``response_ids``,
+   request outlives ``request_timeout_s``;
+4. re-submits a sample that must not be trained on: a result with ``filter: true`` (the server's
+   infrastructure faults: dead sandbox, unreachable backend, harness fault, job timeout, cancel), a request
+   past ``request_timeout_s``, or a rollout server that is unreachable or answers 5xx (the next attempt goes
+   to another server). At most ``max_sample_retries`` times; then the row is a *filtered row* (below);
+5. returns every segment of the job's trajectory (a rollout split by a template or context rewrite has
+   several), each an ``AgentLoopOutput``: the server's tokens (``prompt_ids``, ``response_ids``,
    ``response_mask`` = our ``loss_mask``, per-token ``response_logprobs``), ``reward_score`` = the job's
    reward, and ``extra_fields`` with ``reward_extra_info = {"acc": resolved, "score": reward}`` (DAPO's
-   ``algorithm.filter_groups.metric``) and integer ``min_global_steps`` / ``max_global_steps`` (the weight
-   versions the trajectory was generated with; the V1 trainer's staleness tags need both), the prompt
-   left-truncated to ``rollout.prompt_length`` and the response cut to ``rollout.response_length``.
+   ``algorithm.filter_groups.metric``), integer ``min_global_steps`` / ``max_global_steps`` (the weight
+   versions the segment was generated with; the V1 trainer's staleness tags need both) and ``prorl`` (job id,
+   backend, ``failure_kind``, ``filter``, attempts, segment index); the prompt left-truncated to
+   ``rollout.prompt_length``, the response cut to ``rollout.response_length``.
+
+Segments and rewards. verl's V1 worker (``AgentLoopWorkerTQ``, the shipped configs' ``trainer.use_v1``) passes
+``session_id`` and accepts a list: every segment is stored as ``{uid}_{session_id}_{index}``, the last
+segment's reward is copied onto the others (``AgentLoopWorkerTQ._agent_loop_postprocess``), and GRPO computes
+the advantage once per session from the last segment and gives it to every token of every segment
+(``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``). So each segment carries the job's
+reward here too, the reward counts once in the group's baseline, and every generated token of the episode is
+trained with the episode's advantage. verl's legacy ``AgentLoopWorker`` takes one output per row: it gets the
+last segment (the one that ends the episode), and ``extra_fields.prorl.segments`` says how many there were.
+
+Filtered rows. verl needs a row for every sample it asked for, and V1 fails a whole prompt group when a
+session raises, so a sample that still fails after its retries is returned as a row with zero loss: the row's
+prompt, one response token (EOS; verl indexes the last response position) with ``response_mask`` 0 and
+logprob 0, reward 0, ``extra_fields.prorl.filter`` true. ``ProRLReplayBuffer``
+(:mod:`trainer_plugins.verl.replay_buffer`, set as the V1 sampler in ``prorl_base.yaml``) evicts the group of
+such a row before it is trained, as verl evicts a failed group, and verl refills it with a fresh prompt
+(metric ``training/prorl_filtered/evicted_samples``). Without that sampler (the legacy trainer, or another
+sampler) the row trains nothing itself, but its reward 0 enters its group's GRPO baseline. verl's DAPO
+``filter_groups`` cannot drop a group for one row (it drops groups whose metric is the same on every row), so
+the filtered row's ``acc`` is 0.0 like any unsolved row.
 
 The reward is the rollout server's (its handler's eval stage), so verl's reward loop is not needed for these
 rows; verl only computes one for rows whose ``reward_score`` is None.
@@ -37,10 +66,47 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from trainer_plugins.client import resolve_servers
+from trainer_plugins.servers import server_for_group
+from trainer_plugins.verl.relay import relay_for_loop
 
 log = logging.getLogger(__name__)
 
 Servers = Union[str, Sequence[str], None]
+
+#: verl's usual ``data_source`` names of math datasets (``verl.utils.reward_score.default_compute_score``) ->
+#: the rollout server's ``math`` handler
+VERL_MATH_SOURCES = ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+                     "math_dapo", "math_dapo_reasoning")
+#: ``extra_info`` keys that are verl's bookkeeping, not task fields (everything else passes into the instance)
+EXTRA_INFO_META = ("instance", "index", "split", "tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
+
+
+class InvalidRowError(ValueError):
+    """A dataset row maps to no instance the rollout server accepts (no handler name, the server answered 4xx,
+    or the job failed with ``failure_kind="invalid_instance"``). The message names the row (``data_source``,
+    ``extra_info.index``, ``uid``) and the server's reason. Retrying cannot help: it is the dataset's or the
+    mapping's fault."""
+
+
+def row_name(row: dict[str, Any]) -> str:
+    """``data_source=..., index=..., uid=...`` of a verl row, for error messages."""
+    extra = row.get("extra_info")
+    index = extra.get("index") if hasattr(extra, "get") else None
+    return ", ".join(f"{k}={_jsonable(v)!r}" for k, v in (("data_source", row.get("data_source")),
+                                                          ("index", index), ("uid", row.get("uid")))
+                     if v is not None) or "a row with no data_source, index or uid"
+
+
+def last_user_text(messages: Any) -> Optional[str]:
+    """The text of the last ``user`` message of a chat (OpenAI message dicts; a content given as parts
+    contributes its ``text`` parts), or None."""
+    for m in reversed(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content if isinstance(content, str) and content else None
+    return None
 
 
 def _jsonable(x: Any) -> Any:
@@ -65,9 +131,12 @@ class ProRLAgentLoop(AgentLoopBase):
         token: bearer token (servers.json brings its own).
         handler: force ``instance.data_source`` (when the dataset's data_source is not a handler name).
         job_timeout_s: the job's ``timeout_s`` (counted seconds on the server; None: the server default).
-        request_timeout_s: wall-clock limit of one row, queue waits included (None: none); the job is
-            cancelled on the server when it passes.
+        request_timeout_s: wall-clock limit of one attempt, queue waits included (None: none); the job is
+            cancelled on the server when it passes and the sample is re-submitted (a row may take up to
+            ``(1 + max_sample_retries) * request_timeout_s``).
         max_tokens: per-turn ``max_tokens`` sent to the server (default: ``rollout.response_length``).
+        max_sample_retries: how many times a sample that must not be trained on (``filter: true``, timed
+            out, server unreachable) is re-submitted before it becomes a filtered row (default 2).
     """
 
     _rr = itertools.count()  # round-robin over the servers, shared by every loop of this process
@@ -76,6 +145,8 @@ class ProRLAgentLoop(AgentLoopBase):
     def __init__(self, *args: Any, servers: Servers = None, token: Optional[str] = None,
                  handler: Optional[str] = None, job_timeout_s: Optional[float] = None,
                  request_timeout_s: Optional[float] = None, max_tokens: Optional[int] = None,
+                 backends: str = "relay", relay_host: Optional[str] = None,
+                 relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
                  **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
@@ -90,6 +161,14 @@ class ProRLAgentLoop(AgentLoopBase):
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
         self.max_tokens = max_tokens or self.response_length
+        if int(max_sample_retries) < 0:
+            raise ValueError(f"max_sample_retries must be >= 0, got {max_sample_retries!r}")
+        self.max_sample_retries = int(max_sample_retries)
+        if backends not in ("relay", "external"):
+            raise ValueError(f"backends must be 'relay' or 'external', got {backends!r}")
+        # relay: verl's replicas serve the jobs through this worker's relay (trainer_plugins/verl/relay.py)
+        self.managed = backends == "relay" and self.server_manager is not None
+        self.relay_host, self.relay_heartbeat_s, self.relay = relay_host, relay_heartbeat_s, None
 
     # ------------------------------------------------------------------ servers
     async def _servers(self) -> tuple[list[str], dict[str, str]]:
@@ -104,19 +183,59 @@ class ProRLAgentLoop(AgentLoopBase):
 
     # ------------------------------------------------------------------ row -> instance
     def build_instance(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The rollout-server instance for one dataset row (verl's non-tensor fields, see the module doc)."""
+        """The rollout-server instance for one verl dataset row (its non-tensor fields).
+
+        ``extra_info.instance``, when the row carries one, is the instance as it is (``reward_model.ground_truth``
+        fills ``answer`` if it has none). Otherwise the default mapping, for rows as verl's preprocessing
+        scripts write them (``data_source``, ``prompt``/``raw_prompt``, ``reward_model``, ``extra_info``):
+
+        - every ``extra_info`` field but verl's bookkeeping (``index``, ``split``, tool kwargs) passes through,
+          so a row whose ``extra_info`` holds ``prompt``/``tests``/``entry_point`` is a ``code`` instance;
+        - ``answer`` = ``reward_model.ground_truth`` (over ``extra_info.answer``: verl's gsm8k rows keep the
+          worked solution there);
+        - ``question`` = ``extra_info.question`` if present, else the text of ``raw_prompt``'s last user
+          message (the ``math`` handler's field);
+        - ``messages`` = ``raw_prompt`` (handlers that take the chat as it is);
+        - ``data_source`` = the ``handler`` setting, else the row's, with verl's math dataset names
+          (:data:`VERL_MATH_SOURCES`, ``aime*``) read as ``math``;
+        - ``instance_id`` = ``extra_info.index``.
+
+        Returns:
+            the instance (plain JSON types).
+        Raises:
+            InvalidRowError: the row names no handler, or ``extra_info.instance`` is not an object.
+        """
         extra = _jsonable(row.get("extra_info") or {})
-        instance = dict(extra.get("instance") or {})
+        extra = extra if isinstance(extra, dict) else {}
+        ground_truth = _jsonable(row.get("reward_model") or {})
+        ground_truth = ground_truth.get("ground_truth") if isinstance(ground_truth, dict) else None
+        messages = _jsonable(row["raw_prompt"]) if row.get("raw_prompt") is not None else None
+        if extra.get("instance") is not None:
+            if not isinstance(extra["instance"], dict):
+                raise InvalidRowError(f"row ({row_name(row)}): extra_info.instance must be an object, got "
+                                      f"{type(extra['instance']).__name__}")
+            instance = dict(extra["instance"])
+            if ground_truth is not None:
+                instance.setdefault("answer", ground_truth)
+        else:
+            instance = {k: v for k, v in extra.items() if k not in EXTRA_INFO_META}
+            if ground_truth is not None:
+                instance["answer"] = ground_truth
+            if "question" not in instance and last_user_text(messages) is not None:
+                instance["question"] = last_user_text(messages)
+            source = _jsonable(row.get("data_source"))
+            if isinstance(source, str) and (source in VERL_MATH_SOURCES or source.startswith("aime")):
+                source = "math"
+            instance["data_source"] = source
         if self.handler:
             instance["data_source"] = self.handler
-        instance.setdefault("data_source", _jsonable(row.get("data_source")))
-        if "messages" not in instance and row.get("raw_prompt") is not None:
-            instance["messages"] = _jsonable(row["raw_prompt"])
-        ground_truth = _jsonable(row.get("reward_model") or {}).get("ground_truth")
-        if ground_truth is not None:
-            instance.setdefault("answer", ground_truth)
+        if messages is not None:
+            instance.setdefault("messages", messages)
         if "index" in extra:
             instance.setdefault("instance_id", str(extra["index"]))
+        if not isinstance(instance.get("data_source"), str) or not instance["data_source"]:
+            raise InvalidRowError(f"row ({row_name(row)}) names no handler: give it a data_source, set "
+                                  "extra_info.instance.data_source, or set the agent loop's `handler`")
         return instance
 
     def sampling_params_for_server(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
@@ -129,39 +248,102 @@ class ProRLAgentLoop(AgentLoopBase):
         return sp
 
     # ------------------------------------------------------------------ run
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+    async def run(self, sampling_params: dict[str, Any],
+                  **kwargs: Any) -> Union[AgentLoopOutput, list[AgentLoopOutput]]:
         """Run one row as a job on a rollout server; see the module docstring.
 
+        Returns:
+            under verl's V1 worker (``session_id`` among the row's fields): a list with one
+            ``AgentLoopOutput`` per trajectory segment (one zero-loss row for a filtered sample); under the
+            legacy worker: the last segment.
         Raises:
             asyncio.CancelledError: the loop was cancelled (the job is cancelled on the server first).
-            RuntimeError: the server refused the job (4xx/5xx: bad instance, unknown handler, no backend).
+            InvalidRowError: the row maps to no valid instance (the server answered 4xx, or the job failed
+                with ``failure_kind="invalid_instance"``).
         """
         urls, headers = await self._servers()
-        url = urls[next(self._rr) % len(urls)]
-        job_id = f"verl-{uuid.uuid4().hex}"
-        body: dict[str, Any] = {"instance": self.build_instance(kwargs), "job_id": job_id,
+        if self.managed:  # registers the trainer's replicas (through the relay) before the first job
+            self.relay = await relay_for_loop(self, urls, headers)
+        body: dict[str, Any] = {"instance": self.build_instance(kwargs),
                                 "sampling_params": self.sampling_params_for_server(sampling_params)}
+        group_id = self.group_id(kwargs)
+        if group_id is not None:
+            body["group_id"] = group_id
         if self.job_timeout_s is not None:
             body["timeout_s"] = float(self.job_timeout_s)
+        attempts: list[dict[str, Any]] = []
+        unreachable: set[str] = set()
+        for _ in range(self.max_sample_retries + 1):
+            url = self.pick_server(urls, group_id, unreachable)
+            result = await self._attempt(url, headers, body, kwargs)
+            if not result.get("filter"):
+                break
+            attempts.append({"job_id": result.get("job_id"), "server": url,
+                             "failure_kind": result.get("failure_kind"), "error": result.get("error")})
+            if result.get("failure_kind") == "rollout_server":
+                unreachable.add(url)
+            log.warning("job %s (row %s) on %s must not be trained on (failure_kind=%s: %s); %s",
+                        result.get("job_id"), row_name(kwargs), url, result.get("failure_kind"),
+                        result.get("error"), "re-submitting" if len(attempts) <= self.max_sample_retries
+                        else f"giving up after {len(attempts)} attempts: a filtered row")
+        outputs = await self.to_outputs(result, kwargs, attempts)
+        if "session_id" in kwargs:  # verl's V1 worker (AgentLoopWorkerTQ) stores every output
+            return outputs
+        return outputs[-1]
+
+    def group_id(self, row: dict[str, Any]) -> Optional[str]:
+        """The row's group: verl gives the n samples of one prompt the same ``uid`` (the V1 trainer per prompt
+        before ``AgentLoopWorkerTQ`` runs its n sessions; the legacy trainer before repeating the batch)."""
+        uid = _jsonable(row.get("uid"))
+        return f"verl-{uid}"[:200] if uid not in (None, "") else None
+
+    def pick_server(self, urls: Sequence[str], group_id: Optional[str], exclude: set[str] = frozenset()) -> str:
+        """The rollout server for a job of ``group_id``: rendezvous hashing over ``urls`` (every worker of
+        verl computes the same server for a group with no shared state), skipping ``exclude`` (servers this row
+        found unreachable) while another is left; round-robin for a row with no group."""
+        candidates = [u for u in urls if u not in exclude] or list(urls)
+        if group_id is None:
+            return candidates[next(self._rr) % len(candidates)]
+        return server_for_group(candidates, group_id)
+
+    async def _attempt(self, url: str, headers: dict[str, str], body: dict[str, Any],
+                       row: dict[str, Any]) -> dict[str, Any]:
+        """One submission of the row under a fresh job id -> the job result; a request past
+        ``request_timeout_s`` or a server that cannot answer becomes a filtered result
+        (``failure_kind`` ``timeout`` or ``rollout_server``)."""
+        job_id = f"verl-{uuid.uuid4().hex}"
+        body = {**body, "job_id": job_id}
         try:
-            result = await asyncio.wait_for(self._process(url, headers, body), self.request_timeout_s)
+            return await asyncio.wait_for(self._process(url, headers, body, row), self.request_timeout_s)
         except asyncio.CancelledError:
             await asyncio.shield(self._cancel(url, headers, job_id))
             raise
         except TimeoutError:
             await asyncio.shield(self._cancel(url, headers, job_id))
-            log.warning("job %s on %s passed request_timeout_s=%s; cancelled", job_id, url, self.request_timeout_s)
-            result = {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": "timeout",
-                      "error": f"no result within {self.request_timeout_s} s", "trajectories": []}
-        return await self.to_output(result, kwargs)
+            return {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": "timeout",
+                    "failure_kind": "timeout", "filter": True, "trajectories": [],
+                    "error": f"no result within request_timeout_s={self.request_timeout_s} s; cancelled"}
+        except (aiohttp.ClientError, OSError) as e:  # refused, reset, or the server died mid-request
+            return {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": "run",
+                    "failure_kind": "rollout_server", "filter": True, "trajectories": [],
+                    "error": f"rollout server {url} unreachable: {e!r}"}
 
-    async def _process(self, url: str, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    async def _process(self, url: str, headers: dict[str, str], body: dict[str, Any],
+                       row: dict[str, Any]) -> dict[str, Any]:
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as s:
             async with s.post(f"{url}/process", json=body) as r:
                 data = await r.json(content_type=None)
-                if r.status != 200:
-                    raise RuntimeError(f"rollout server {url} refused job {body['job_id']}: HTTP {r.status} {data}")
-                return data
+        if 400 <= r.status < 500:
+            raise InvalidRowError(f"rollout server {url} refused the instance of row ({row_name(row)}): "
+                                  f"HTTP {r.status} {data}")
+        if r.status != 200:  # 503 (no backend yet, stopping), 500: another attempt, elsewhere
+            return {"job_id": body["job_id"], "reward": 0.0, "resolved": False, "critical_error": "run",
+                    "failure_kind": "rollout_server", "filter": True, "trajectories": [],
+                    "error": f"rollout server {url} answered HTTP {r.status}: {data}"}
+        if data.get("failure_kind") == "invalid_instance":
+            raise InvalidRowError(f"row ({row_name(row)}) is not a valid {body['instance'].get('data_source')!r} "
+                                  f"instance (instance fields: {sorted(body['instance'])}): {data.get('error')}")
+        return data
 
     async def _cancel(self, url: str, headers: dict[str, str], job_id: str) -> None:
         # /process may not have registered the job yet (404): retry briefly.
@@ -176,56 +358,91 @@ class ProRLAgentLoop(AgentLoopBase):
             log.warning("could not cancel job %s on %s: %s", job_id, url, e)
 
     # ------------------------------------------------------------------ result -> AgentLoopOutput
-    async def to_output(self, result: dict[str, Any], row: dict[str, Any]) -> AgentLoopOutput:
-        """Job result -> ``AgentLoopOutput`` (first trajectory segment; lengths capped to the rollout
-        config). A job with no trajectory (failed, timed out) yields the row's prompt, an empty response and
-        its (zero) reward, so the batch keeps its shape and the row carries no loss."""
-        trajectories = result.get("trajectories") or []
-        traj = trajectories[0] if trajectories else None
-        if traj is not None and traj.get("prompt_ids"):
-            prompt_ids = list(traj["prompt_ids"])
-            response_ids = list(traj.get("response_ids") or [])
-            response_mask = [int(m) for m in traj.get("loss_mask") or []]
-            logprobs = [float(x) for x in traj.get("response_logprobs") or []]
-        else:
+    async def to_outputs(self, result: dict[str, Any], row: dict[str, Any],
+                         attempts: Sequence[dict[str, Any]] = ()) -> list[AgentLoopOutput]:
+        """Job result -> one ``AgentLoopOutput`` per trajectory segment, in order (see the module docstring;
+        lengths capped to the rollout config). A job with no trajectory, or one that must not be trained on
+        (``filter``), yields one zero-loss row: the row's prompt, one EOS response token with mask 0.
+
+        Raises:
+            ValueError: a segment's ``loss_mask`` or logprobs do not match its response tokens, or (relay
+                backends) tokens were generated without a weight version.
+        """
+        filtered = bool(result.get("filter"))
+        segments = [] if filtered else [t for t in result.get("trajectories") or [] if t.get("prompt_ids")]
+        reward = 0.0 if filtered else float(result.get("reward") or 0.0)
+        acc = 1.0 if result.get("resolved") and not filtered else 0.0
+        timing = result.get("timing") or {}
+        if not segments:
             messages = self.build_instance(row).get("messages") or []
             prompt_ids = await self.ct_build_initial_tokens(messages) if messages else []
-            response_ids, response_mask, logprobs = [], [], []
-        if len(response_mask) != len(response_ids):
-            raise ValueError(f"job {result.get('job_id')}: loss_mask has {len(response_mask)} entries for "
-                             f"{len(response_ids)} response tokens")
-        if logprobs and len(logprobs) != len(response_ids):
-            raise ValueError(f"job {result.get('job_id')}: {len(logprobs)} logprobs for {len(response_ids)} tokens")
-        prompt_ids = prompt_ids[-self.prompt_length:]
-        cut = self.response_length
+            segments = [{"prompt_ids": prompt_ids, "response_ids": [], "loss_mask": [], "response_logprobs": []}]
+        outputs = []
+        for i, traj in enumerate(segments):
+            response_ids = [int(t) for t in traj.get("response_ids") or []]
+            response_mask = [int(m) for m in traj.get("loss_mask") or []]
+            logprobs = [float(x) for x in traj.get("response_logprobs") or []] or [0.0] * len(response_ids)
+            if len(response_mask) != len(response_ids):
+                raise ValueError(f"job {result.get('job_id')} segment {i}: loss_mask has {len(response_mask)} "
+                                 f"entries for {len(response_ids)} response tokens")
+            if len(logprobs) != len(response_ids):
+                raise ValueError(f"job {result.get('job_id')} segment {i}: {len(logprobs)} logprobs for "
+                                 f"{len(response_ids)} tokens")
+            truncated = len(response_ids) > self.response_length
+            response_ids, response_mask, logprobs = (x[:self.response_length] for x in
+                                                     (response_ids, response_mask, logprobs))
+            if not response_ids:  # verl writes the reward at the last response position: one untrained token
+                response_ids, response_mask, logprobs = [self._eos_id()], [0], [0.0]
+            versions = self._versions(traj, result, row, generated=any(response_mask))
+            outputs.append(AgentLoopOutput(
+                prompt_ids=list(traj["prompt_ids"])[-self.prompt_length:],
+                response_ids=response_ids,
+                response_mask=response_mask,
+                response_logprobs=logprobs,
+                reward_score=reward,
+                num_turns=int(traj.get("num_turns") or 0) or len(result.get("messages") or []) or 2,
+                metrics=AgentLoopMetrics(generate_sequences=float(timing.get("run_s") or 0.0),
+                                         compute_score=float(timing.get("eval_s") or 0.0)),
+                extra_fields={
+                    "reward_extra_info": {"acc": acc, "score": reward},
+                    "min_global_steps": int(min(versions)),
+                    "max_global_steps": int(max(versions)),
+                    "turn_scores": [],
+                    "tool_rewards": [],
+                    "prorl": {"job_id": result.get("job_id"), "backend": result.get("backend"),
+                              "critical_error": result.get("critical_error"),
+                              "failure_kind": result.get("failure_kind"), "filter": filtered,
+                              "error": result.get("error") if filtered else None, "attempts": list(attempts),
+                              "segment": i, "segments": len(segments),
+                              "finish_reason": traj.get("finish_reason"), "truncated": truncated,
+                              "timing": timing},
+                },
+            ))
+        return outputs
 
-        versions = [v for t in trajectories for v in t.get("weight_versions") or () if isinstance(v, int)]
-        if isinstance(result.get("weight_version"), int):
-            versions.append(result["weight_version"])
-        if not versions:  # the server knows no version: the trainer step that asked for the row
+    async def to_output(self, result: dict[str, Any], row: dict[str, Any]) -> AgentLoopOutput:
+        """The last segment of :meth:`to_outputs` (what verl's legacy worker takes)."""
+        return (await self.to_outputs(result, row))[-1]
+
+    def _eos_id(self) -> int:
+        for tid in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id):
+            if isinstance(tid, int):
+                return tid
+        return 0
+
+    def _versions(self, traj: dict[str, Any], result: dict[str, Any], row: dict[str, Any],
+                  generated: bool) -> list[int]:
+        """The weight versions a segment was generated with (its turns' ``weight_versions``, else the job's
+        ``weight_version``); for a segment with none, see the cases below."""
+        versions = [v for v in traj.get("weight_versions") or () if isinstance(v, int)]
+        if not versions and isinstance(result.get("weight_version"), int):
+            versions = [result["weight_version"]]
+        if not versions and self.managed:  # the relay versions every turn: none is an error, not a guess
+            if generated:
+                raise ValueError(f"job {result.get('job_id')}: generated tokens with no weight version")
+            if self.relay is not None:
+                versions = [self.relay.version]  # nothing generated: the weights current when the row ended
+        if not versions:  # backends=external and the server knows no version: the row's trainer step
             gs = row.get("global_steps")
             versions = [int(_jsonable(gs)) if gs is not None else 0]
-        reward = float(result.get("reward") or 0.0)
-        timing = result.get("timing") or {}
-        extra_fields = {
-            "reward_extra_info": {"acc": 1.0 if result.get("resolved") else 0.0, "score": reward},
-            "min_global_steps": int(min(versions)),
-            "max_global_steps": int(max(versions)),
-            "turn_scores": [],
-            "tool_rewards": [],
-            "prorl": {"job_id": result.get("job_id"), "backend": result.get("backend"),
-                      "critical_error": result.get("critical_error"), "segments": len(trajectories),
-                      "finish_reason": traj.get("finish_reason") if traj else None,
-                      "truncated": len(response_ids) > cut, "timing": timing},
-        }
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids[:cut],
-            response_mask=response_mask[:cut],
-            response_logprobs=logprobs[:cut] if logprobs else None,
-            reward_score=reward,
-            num_turns=len(result.get("messages") or []) or 2,
-            metrics=AgentLoopMetrics(generate_sequences=float(timing.get("run_s") or 0.0),
-                                     compute_score=float(timing.get("eval_s") or 0.0)),
-            extra_fields=extra_fields,
-        )
+        return versions

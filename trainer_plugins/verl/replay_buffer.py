@@ -1,0 +1,100 @@
+"""verl V1 replay buffer that drops the prompt group of a filtered sample (verl 0.9.1, async trainer modes).
+
+A sample the rollout server marked ``filter: true`` (an infrastructure fault: dead sandbox, unreachable backend,
+harness fault, timeout) and that still failed after the agent loop's retries reaches verl as a zero-loss row
+with ``extra_fields.prorl.filter`` true (:mod:`trainer_plugins.verl.agent_loop`). The row itself trains
+nothing, but GRPO would still count its reward 0 in its group's baseline, so the group's other samples would
+get advantages against a reward the model never earned. :class:`ProRLReplayBuffer` evicts such a group when it
+is complete, exactly as verl's ``ReplayBufferAsync`` evicts a failed group (a session that raised), and verl
+refills one fresh prompt for it. The count is reported as ``training/prorl_filtered/evicted_samples`` (and in
+verl's ``training/rollout_failure/evicted_samples``).
+
+Set in ``config/prorl_base.yaml``::
+
+    trainer.v1.sampler.custom_sampler: {path: pkg://trainer_plugins.verl.replay_buffer, name: ProRLReplayBuffer}
+    trainer.v1.sampler.sampler_kwargs: {filter_groups_enable: ..., filter_groups_metric: ...}
+
+verl hands a custom sampler no ``filter_groups_metric`` (``PPOTrainer._build_replay_buffer``), so DAPO's
+``algorithm.filter_groups`` reaches it through ``sampler_kwargs``; everything else (staleness ``drop``/``wait``,
+DAPO filtering, refill) is verl's own ``ReplayBufferAsync``. The sync trainer mode is not supported: its
+buffer needs batch sizes verl computes only for its built-in sampler (use verl's sampler there; filtered rows
+then keep zero loss but stay in their group).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import transfer_queue as tq
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+FILTERED_METRIC = "prorl_filtered/evicted_samples"
+
+
+def is_filtered(extra_fields: Any) -> bool:
+    """Whether a stored trajectory's ``extra_fields`` (a dict, or TransferQueue's ``NonTensorData`` of one)
+    marks a filtered sample."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    return bool(isinstance(prorl, dict) and prorl.get("filter"))
+
+
+class ProRLReplayBuffer(ReplayBufferAsync):
+    """``ReplayBufferAsync`` that also evicts (and refills) every complete group holding a filtered row.
+
+    Args:
+        sampler_kwargs: ``trainer.v1.sampler.sampler_kwargs``; ``filter_groups_enable`` (bool) and
+            ``filter_groups_metric`` (str) carry ``algorithm.filter_groups`` (DAPO) to verl's buffer.
+        **kwargs: what verl's trainer passes every sampler (``trainer_mode``, ``refill_fn``, ...).
+
+    Raises:
+        ValueError: ``trainer_mode`` is ``sync`` (see the module docstring).
+    """
+
+    def __init__(self, *, sampler_kwargs: Any = None, **kwargs: Any) -> None:
+        sampler_kwargs = dict(sampler_kwargs or {})
+        if kwargs.get("trainer_mode") == "sync":
+            raise ValueError("ProRLReplayBuffer serves verl's async trainer modes (colocate_async, "
+                             "separate_async); for trainer.v1.trainer_mode=sync unset "
+                             "trainer.v1.sampler.custom_sampler")
+        if sampler_kwargs.get("filter_groups_enable") and "filter_groups_metric" not in kwargs:
+            kwargs["filter_groups_metric"] = str(sampler_kwargs.get("filter_groups_metric") or "acc")
+        super().__init__(sampler_kwargs=sampler_kwargs, **kwargs)
+        # partition -> {uid: holds a filtered row}; complete groups do not change, so each is read once
+        self._filtered_cache: dict[str, dict[str, bool]] = defaultdict(dict)
+        self._last_filtered: set[str] = set()  # of the last _terminal_eviction_reasons, for its metric
+
+    def filtered_groups(self, partition_id: str) -> set[str]:
+        """uids of the complete groups of ``partition_id`` with at least one filtered row (read from
+        TransferQueue's ``extra_fields``; validation groups are never evicted)."""
+        if partition_id == "val":
+            return set()
+        finished = self.finished_keys[partition_id]
+        cache = self._filtered_cache[partition_id]
+        for uid in cache.keys() - finished:
+            del cache[uid]
+        new = finished - cache.keys()
+        keys = [key for key in self.partitions[partition_id] if key.split("_")[0] in new]
+        for uid in new:
+            cache[uid] = False
+        if keys:
+            data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+            for key, fields in zip(keys, data["extra_fields"], strict=True):
+                if is_filtered(fields):
+                    cache[key.split("_")[0]] = True
+        return {uid for uid, filtered in cache.items() if filtered}
+
+    def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
+        stale, dapo, failed, dapo_counts = super()._terminal_eviction_reasons(global_steps, partition_id)
+        self._last_filtered = self.filtered_groups(partition_id)
+        return stale, dapo, failed | self._last_filtered, dapo_counts
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons):
+        filtered = self._last_filtered & eviction_reasons[2]
+        evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
+            global_steps, partition_id, eviction_reasons)
+        if filtered & evicted:
+            metrics[f"{self._metrics_prefix(partition_id)}/{FILTERED_METRIC}"] = len(filtered & evicted)
+            for uid in filtered & evicted:
+                self._filtered_cache[partition_id].pop(uid, None)
+        return evicted, stale_count, dapo_count, metrics
