@@ -24,6 +24,12 @@ What it does (DESIGN.md "Trainer side", issue 6):
   Submission stops whenever one more group could not be consumed within the staleness bound.
 - **DAPO dynamic sampling** (Yu et al. 2025, "DAPO", section 3.2): a complete group whose rewards are all equal
   carries no advantage signal and is dropped (its jobs' seconds are counted as wasted).
+- **Filtered samples are regenerated, never trained on**: a result with ``filter: true`` (the server's
+  ``failure_kind``: a dead sandbox, an unreachable backend, a harness fault, a timeout, a cancel it did not
+  ask for; or no answer from the server at all) is replaced by a new job for the same group, preferably on
+  another server, up to ``max_sample_retries`` times per sample; a sample still filtered after that drops its
+  whole group (its other jobs are cancelled and the next dataset item takes its place). Counted per step:
+  ``filtered_jobs``, ``samples_regenerated``, ``groups_dropped_filtered``, ``failure_kinds``.
 - **Early termination**: when a step has its groups, groups that would exceed the staleness bound at the
   next weight version can no longer be used: their in-flight jobs are cancelled on the server
   (``POST /cancel``). With ``carry_over=False`` (the reference behaviour) every unfinished group is cancelled.
@@ -82,6 +88,13 @@ class Sample:
     finished_at: Optional[float] = None
     cancel_requested: bool = False
     task: Optional[asyncio.Task] = field(default=None, repr=False)
+    slot: int = 0  # which of the group's n samples this is
+    retries: int = 0  # how many filtered results this slot had before this job
+
+    @property
+    def filtered(self) -> bool:
+        """The server said not to train on this result (``filter: true``)."""
+        return bool(self.result is not None and self.result.get("filter"))
 
     @property
     def done(self) -> bool:
@@ -165,7 +178,11 @@ class StepMetrics:
     ``carried_groups``: groups left queued for the next step, of which ``carried_finished_jobs`` jobs already
     finished and ``carried_inflight_jobs`` still run; ``wasted_rollout_s``: server seconds (counted time) of
     jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
-    ``trainer_wait_s``: how long ``next_batch`` waited for data.
+    ``trainer_wait_s``: how long ``next_batch`` waited for data. ``filtered_jobs``: results with
+    ``filter: true`` (not trained on), by ``failure_kinds`` (``{failure_kind: jobs}``; ``rollout_server``
+    when the server gave no result); ``samples_regenerated``: new jobs submitted in their place;
+    ``groups_dropped_filtered``: groups dropped because a sample stayed filtered after
+    ``max_sample_retries`` regenerations.
     """
 
     step: int
@@ -183,6 +200,10 @@ class StepMetrics:
     carried_groups: int = 0
     carried_finished_jobs: int = 0
     carried_inflight_jobs: int = 0
+    filtered_jobs: int = 0
+    samples_regenerated: int = 0
+    groups_dropped_filtered: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)
     wasted_rollout_s: float = 0.0
     mean_reward: Optional[float] = None
     trainer_wait_s: float = 0.0
@@ -307,6 +328,9 @@ class RolloutClient:
         initial_weight_version: the version before the first :meth:`update_weights`.
         unavailable_retry_s: how long a job the server answers 503 (no LLM backend yet, server stopped) is
             offered again, every 0.25 s, before it counts as failed.
+        max_sample_retries: how many times a sample whose result says ``filter: true`` (a failure the model
+            did not cause: ``failure_kind``) is regenerated as a new job of the same group; one still filtered
+            after that drops its group (default 2; 0: drop at the first).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
@@ -318,9 +342,12 @@ class RolloutClient:
                  token: Optional[str] = None, local_node: Optional[str] = None,
                  instance_fn: Optional[Callable[[Any], Instance]] = None,
                  max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
-                 initial_weight_version: int = 0, unavailable_retry_s: float = 120.0) -> None:
+                 initial_weight_version: int = 0, unavailable_retry_s: float = 120.0,
+                 max_sample_retries: int = 2) -> None:
         if groups_per_step < 1 or n_samples < 1:
             raise ValueError("groups_per_step and n_samples must be >= 1")
+        if max_sample_retries < 0:
+            raise ValueError("max_sample_retries must be >= 0")
         if staleness_policy not in ("drop", "wait"):
             raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {staleness_policy!r}")
         if max_staleness is not None and max_staleness < 0:
@@ -346,6 +373,7 @@ class RolloutClient:
         self.max_outstanding_groups = max_outstanding_groups
         self.job_prefix = job_prefix or uuid.uuid4().hex[:8]
         self.unavailable_retry_s = unavailable_retry_s
+        self.max_sample_retries = max_sample_retries
         self.weight_version = initial_weight_version
         self._first_version = initial_weight_version
         self._consumed = 0  # groups handed to the trainer, over all steps
@@ -362,6 +390,8 @@ class RolloutClient:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._counters: Counter = Counter()
+        self._failure_kinds: Counter = Counter()
+        self._cancelling: set[asyncio.Task] = set()
         self._wasted_s = 0.0
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
@@ -384,6 +414,9 @@ class RolloutClient:
             await asyncio.gather(self._replenisher, return_exceptions=True)
         if cancel_jobs:
             await self._cancel_groups([g for _, g in self.queue] + list(self._regen), "close")
+            # cancels already under way (groups dropped for a filtered sample) finish: their jobs must not
+            # keep running on a server
+            await asyncio.gather(*self._cancelling, return_exceptions=True)
         # every request still open, including those of discarded groups waiting for their cancelled result
         tasks = list(self._tasks)
         for t in tasks:
@@ -489,15 +522,17 @@ class RolloutClient:
     def _submit(self, group: Group) -> None:
         group.seq = self.queue.push(group)
         for i in range(self.n):
-            server = self._pick_server(group)
-            self._in_flight[server] += 1
-            jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{i}"
-            sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic())
-            group.samples.append(sample)
-            sample.task = asyncio.create_task(self._run_sample(group, sample))
-            self._tasks.add(sample.task)
-            sample.task.add_done_callback(self._tasks.discard)
-        self._counters["submitted_jobs"] += self.n
+            group.samples.append(self._start_sample(group, i, 0, self._pick_server(group)))
+
+    def _start_sample(self, group: Group, slot: int, retries: int, server: str) -> Sample:
+        self._in_flight[server] += 1
+        jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
+        sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic(), slot=slot, retries=retries)
+        sample.task = asyncio.create_task(self._run_sample(group, sample))
+        self._tasks.add(sample.task)
+        sample.task.add_done_callback(self._tasks.discard)
+        self._counters["submitted_jobs"] += 1
+        return sample
 
     async def _run_sample(self, group: Group, sample: Sample) -> None:
         body: dict[str, Any] = {"instance": group.instance, "sampling_params": self.sampling_params,
@@ -523,8 +558,9 @@ class RolloutClient:
             raise
         except Exception as e:  # a server that fails or vanishes must not stall the step
             log.warning("job %s on %s failed: %s", sample.job_id, sample.server, e)
+            # no result from the server is no outcome of the model either: regenerated like a filtered one
             result = {"job_id": sample.job_id, "reward": 0.0, "critical_error": "client", "error": str(e),
-                      "trajectories": []}
+                      "trajectories": [], "filter": True, "failure_kind": "rollout_server"}
         finally:
             self._in_flight[sample.server] -= 1
         sample.result = result
@@ -537,7 +573,9 @@ class RolloutClient:
         if group.discarded:
             self._wasted_s += sample.counted_s
             return
-        if group.complete:
+        if sample.filtered:
+            self._on_filtered(group, sample)
+        elif group.complete:
             if self.dynamic_sampling and not group.informative:
                 self._discard(group)
                 self._counters["dropped_groups"] += 1
@@ -546,6 +584,31 @@ class RolloutClient:
                 self.queue.mark_ready(group.seq)
         self._changed.set()
         self._wake.set()
+
+    def _on_filtered(self, group: Group, sample: Sample) -> None:
+        """A result not to be trained on: regenerate its sample (a new job of the same group, on another
+        server when there is one) or, past ``max_sample_retries``, drop the group and cancel its other jobs."""
+        assert sample.result is not None
+        self._counters["filtered_jobs"] += 1
+        self._failure_kinds[sample.result.get("failure_kind") or sample.result.get("critical_error")
+                            or "unspecified"] += 1
+        if sample.retries < self.max_sample_retries and not self._closed:
+            self._wasted_s += sample.counted_s
+            others = [u for u in self.urls if u != sample.server] or self.urls
+            server = min(others, key=lambda u: self._in_flight[u])
+            group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
+                                                                            sample.retries + 1, server)
+            self._counters["samples_regenerated"] += 1
+            return
+        self._counters["groups_dropped_filtered"] += 1
+        log.info("group %s dropped: sample %d still filtered after %d regeneration(s) (%s)", group.uid,
+                 sample.slot, sample.retries, sample.result.get("failure_kind"))
+        self._wasted_s += sum(s.counted_s for s in group.samples if s.done)
+        self._discard(group)
+        if not self._closed and any(not s.done for s in group.samples):
+            task = asyncio.create_task(self._cancel_groups([group], "a sample stayed filtered"))
+            self._cancelling.add(task)
+            task.add_done_callback(self._cancelling.discard)
 
     def _discard(self, group: Group) -> None:
         group.discarded = True
@@ -667,8 +730,10 @@ class RolloutClient:
         m.mean_reward = sum(rewards) / len(rewards) if rewards else None
         m.trainer_wait_s = waited
         for k in ("submitted_jobs", "cancelled_jobs", "failed_jobs", "dropped_groups", "stale_groups",
-                  "regenerated_groups", "waited_groups"):
+                  "regenerated_groups", "waited_groups", "filtered_jobs", "samples_regenerated",
+                  "groups_dropped_filtered"):
             setattr(m, k, self._counters.pop(k, 0))
+        m.failure_kinds, self._failure_kinds = dict(self._failure_kinds), Counter()
         carried = [g for _, g in self.queue]
         m.carried_groups = len(carried)
         m.carried_finished_jobs = sum(1 for g in carried for s in g.samples if s.done)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from handlers.base import AgentHandler
 from trainer_plugins.admission import WindowedFIFO
 from trainer_plugins.client import RolloutClient
 from trainer_plugins.servers import ServerEntry, write_servers
@@ -248,3 +249,111 @@ async def test_weight_versions_come_from_the_backends_the_client_registered(star
     assert first.metrics.lag == [0]
     # submitted while version 5 was registered: the server generated it with 5 and the lag says so
     assert second.groups[0].version == 5 and second.metrics.lag == [1]
+
+
+# ------------------------------------------------------------------------------------------ filtered samples
+class DyingSandboxHandler(AgentHandler):
+    """Fault injection standing for a task handler whose sandbox dies: the first ``fail_first`` jobs of an
+    instance id (in arrival order) raise the :class:`sandbox.errors.SandboxDeadError` a dead bubblewrap
+    sandbox raises, so the server answers ``critical_error="run"``, ``failure_kind="sandbox"``,
+    ``filter: true``; the later ones sleep ``sleep`` seconds in run and succeed with ``rewards[i % len]``
+    (i = how many have succeeded before)."""
+
+    name = "dying_sandbox"
+    needs_llm = False
+
+    def __init__(self):
+        from collections import Counter
+
+        self.started, self.succeeded, self.seen = Counter(), Counter(), []
+
+    async def init(self, job):
+        key = str(job.instance["id"])
+        job.state["k"] = self.started[key]
+        self.started[key] += 1
+        self.seen.append(job.job_id)
+
+    async def run(self, job):
+        from sandbox.errors import SandboxDeadError
+
+        if job.state["k"] < job.instance.get("fail_first", 0):
+            raise SandboxDeadError("sandbox bwrap-1234: its processes are gone while running bash")
+        await asyncio.sleep(job.instance.get("sleep", 0))
+
+    async def eval(self, job):
+        key = str(job.instance["id"])
+        rewards = job.instance.get("rewards") or [0.0, 1.0]
+        job.reward = float(rewards[self.succeeded[key] % len(rewards)])
+        self.succeeded[key] += 1
+
+
+@pytest.fixture
+def dying():
+    return DyingSandboxHandler()
+
+
+@pytest.fixture
+def start_dying_server(aiohttp_server, dying):
+    from handlers.registry import HandlerRegistry
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    async def start():
+        registry = HandlerRegistry()
+        registry.register(dying)
+        server = await aiohttp_server(create_app(ServerSettings(health_interval_s=3600), registry=registry))
+        return str(server.make_url("")).rstrip("/")
+
+    return start
+
+
+def dying_item(i, fail_first, rewards=(0, 1), sleep=0):
+    return {"data_source": "dying_sandbox", "id": f"p{i}", "fail_first": fail_first, "rewards": list(rewards),
+            "sleep": sleep}
+
+
+async def test_a_filtered_sample_is_regenerated_and_never_trained_on(start_dying_server, dying):
+    url = await start_dying_server()
+    async with RolloutClient([url], [dying_item(0, fail_first=1)], groups_per_step=1, n_samples=2,
+                             max_staleness=None, max_epochs=1, job_prefix="rg") as client:
+        batch = await asyncio.wait_for(client.next_batch(), 30)
+    (g,) = batch.groups
+    assert sorted(g.rewards) == [0.0, 1.0]
+    assert all(r["filter"] is False and r["failure_kind"] is None for r in g.results)
+    failed = [j for j in dying.seen if j not in [r["job_id"] for r in g.results]]
+    assert len(failed) == 1 and len(dying.seen) == 3  # the failed job's result is not in the group
+    assert any(r["job_id"].endswith("-r1") for r in g.results)  # its regeneration is
+    m = batch.metrics
+    assert (m.filtered_jobs, m.samples_regenerated, m.groups_dropped_filtered) == (1, 1, 0)
+    assert m.failure_kinds == {"sandbox": 1} and m.submitted_jobs == 3
+    assert m.as_dict()["failure_kinds"] == {"sandbox": 1}
+
+
+async def test_a_sample_that_stays_filtered_drops_its_group_and_the_step_goes_on(start_dying_server, dying):
+    url = await start_dying_server()
+    data = [dying_item(0, fail_first=10**6), dying_item(1, fail_first=0, rewards=(1,))]
+    # window=1: the healthy group can be taken only once the failing one ahead of it is gone, so this step's
+    # metrics hold every attempt of the failing group
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=1, window=1, dynamic_sampling=False,
+                             max_staleness=None, max_epochs=1, max_sample_retries=2) as client:
+        batch = await asyncio.wait_for(client.next_batch(), 30)
+        with pytest.raises(StopAsyncIteration):  # nothing left, nothing hangs
+            await asyncio.wait_for(client.next_batch(), 30)
+    assert [g.uid for g in batch.groups] == ["e0-i1"]
+    m = batch.metrics
+    assert (m.filtered_jobs, m.samples_regenerated, m.groups_dropped_filtered) == (3, 2, 1)
+    assert m.failure_kinds == {"sandbox": 3} and m.failed_jobs == 3
+    assert dying.started["p0"] == 3  # the first job and max_sample_retries regenerations, no more
+
+
+async def test_when_a_sample_stays_filtered_its_running_siblings_are_cancelled(start_dying_server, dying,
+                                                                               job_state):
+    url = await start_dying_server()
+    async with RolloutClient([url], [dying_item(0, fail_first=1, sleep=60)], groups_per_step=1, n_samples=2,
+                             max_staleness=None, max_epochs=1, max_sample_retries=0, job_prefix="sib") as client:
+        with pytest.raises(StopAsyncIteration):  # the only group was dropped: nothing to wait for
+            await asyncio.wait_for(client.next_batch(), 30)
+        assert dying.started["p0"] == 2  # no regeneration with max_sample_retries=0
+    states = [await job_state(url, j) for j in dying.seen]  # closing the client finished its cancels
+    outcomes = sorted((st["result"]["critical_error"], st["result"]["failure_kind"]) for st in states)
+    assert outcomes == [("cancelled", "cancelled"), ("run", "sandbox")]
