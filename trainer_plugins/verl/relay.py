@@ -1,0 +1,432 @@
+"""Per-worker relay: verl's own weight-synced inference servers serve the rollout servers' jobs, with the
+weight version of every generated turn (issue #12 items 1 and 5; ProRL Agent paper, section 3.3).
+
+Each verl ``AgentLoopWorker`` process (a Ray actor) runs one :class:`Relay`: a small aiohttp server that
+answers the subset of vLLM's OpenAI API the rollout server's LLM client uses (``prorl_server/llm_client.py``)
+on top of the worker's ``server_manager.generate`` (verl's ``LLMServerClient``):
+
+- ``POST /v1/completions``: ``prompt`` as a token id list, ``max_tokens`` and sampling parameters in; the
+  generated ``token_ids``, one logprob per token (``logprobs.token_logprobs``, ``logprobs.tokens`` as
+  ``token_id:N``), ``finish_reason`` out, plus a top-level integer ``weight_version``: the trainer step whose
+  weights generated the turn (``TokenOutput.extra_fields["min_global_steps"]``), and ``weight_versions``
+  (``[min, max]`` of the turn; two values only when a partial rollout resumed the turn after an update);
+- ``GET /v1/models``: the model (its path: the rollout server loads the tokenizer from it) and
+  ``max_model_len``; ``GET /health``; ``GET /relay/status``: version, turns served, registrations.
+
+The relay registers itself with every rollout server (``POST /add_llm_server {address, weight_version}``,
+servers on this node first) once it knows the version, re-registers when a turn reports a newer version
+(the weights were updated), and every ``heartbeat_s`` seconds (a restarted rollout server learns it back).
+
+Why a relay, not verl's replica addresses (verl 0.9.1, read in ``workers/rollout/``):
+
+- verl's vLLM replicas do serve vLLM's OpenAI app, but calls to it bypass what makes a call safe during
+  training: ``vLLMHttpServer.generate`` (the Ray path) parks requests behind the submission gate while weights
+  are synced (``_park_until_admitted``), and in ``colocate_async`` the trainer aborts and *sleeps* every
+  replica after sampling (``PPOTrainerColocateAsync.on_sample_end``): an HTTP call then reaches a sleeping
+  engine. Through ``server_manager.generate`` a turn waits for the wake-up instead, and with verl's
+  ``FullyAsyncLLMServerClient`` (``colocate_async``/``separate_async``) an aborted turn is resumed.
+- The version: the HTTP answer carries none, and the step is known only in the trainer process (it calls
+  ``set_global_steps`` on the replicas). ``TokenOutput.extra_fields`` carries ``global_steps`` (and
+  ``min_global_steps``/``max_global_steps``) for every turn, so the relay reports the exact version of the
+  weights that generated each turn, with no hook in verl's trainer.
+- verl's global load balancer (least in-flight, sticky ``request_id``) keeps spreading the turns over every
+  replica; the relay's ``request_id`` is a hash of the prompt's first tokens, so the turns of one job and the
+  samples of one group (same prompt) stay on one replica (its prefix cache).
+
+Registration is ``add`` without ``clear``: every worker's relay is registered with every rollout server (each
+relay reaches every replica through verl's balancer, so which relay a rollout server uses decides only one
+local hop; a ``clear`` by one relay would drop the others). A rollout server that already serves a backend
+with no weight version (a vLLM started from a fixed model) is refused with :class:`RelayError`: jobs there
+would look on-policy. A missing version from verl is an error answer (HTTP 500), never a guess.
+
+The relay has no authentication, like verl's own replica servers: it binds the node's address (Ray's node IP)
+unless ``host`` says otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import Any, Optional, Sequence
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer_plugins.client import register_backends
+
+log = logging.getLogger(__name__)
+
+#: sampling parameters passed through to verl (vLLM ``SamplingParams`` fields); the relay owns the others
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                 "include_stop_str_in_output", "skip_special_tokens")
+#: prompt tokens hashed into verl's sticky ``request_id`` (a job's turns and a group's samples share them)
+STICKY_PREFIX_TOKENS = 256
+
+
+class RelayError(RuntimeError):
+    """The relay cannot serve as a versioned backend: verl reports no weight version, or a rollout server
+    cannot be registered with (unreachable, refused, or it already serves a backend without a version)."""
+
+
+class CompletionRequest(BaseModel):
+    """The part of vLLM's ``/v1/completions`` body the relay serves (token ids in, token ids out)."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt: list[int] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    n: int = 1
+    stream: bool = False
+    echo: bool = False
+    request_id: Optional[str] = None
+    user: Optional[str] = None
+
+
+def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+
+
+def _node_ip() -> str:
+    """Ray's address of this node when Ray runs (verl's replicas advertise the same), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except Exception:  # Ray missing or not started: a local run
+        pass
+    return "127.0.0.1"
+
+
+def _version_of(extra_fields: dict[str, Any]) -> list[int]:
+    """``[min, max]`` weight versions of one ``TokenOutput`` (deduplicated; empty when verl has none)."""
+    gs = extra_fields.get("global_steps")
+    lo = extra_fields.get("min_global_steps", gs)
+    hi = extra_fields.get("max_global_steps", gs)
+    out = [int(v) for v in (lo, hi) if isinstance(v, int) and not isinstance(v, bool)]
+    return sorted(set(out))
+
+
+class Relay:
+    """One worker's relay (see the module docstring).
+
+    Args:
+        server_manager: verl's ``LLMServerClient`` of this worker (``AgentLoopBase.server_manager``):
+            ``await generate(request_id, prompt_ids=list[int], sampling_params=dict) -> TokenOutput``.
+        servers: rollout server base URLs, same-node first. headers: their bearer token.
+        model: the served model's name/path (``/v1/models`` id; the rollout server loads its tokenizer).
+        max_model_len: context length in tokens (prompt + generated).
+        default_max_tokens: ``max_tokens`` when a request gives none.
+        tokenizer: decodes the turn's ``text`` (optional; token ids are what the rollout server uses).
+        stop_token_ids: ids that end a turn (EOS): a turn of exactly ``max_tokens`` tokens ending in one is
+            ``"stop"``, not ``"length"``.
+        host: bind and advertise address (default: the node's IP, see :func:`_node_ip`); port: 0 = free port.
+        heartbeat_s: seconds between re-registrations (None: only at start and on a new version).
+        probe_timeout_s: seconds a rollout server and this relay get to answer at registration.
+    """
+
+    def __init__(self, server_manager: Any, *, servers: Sequence[str], headers: Optional[dict[str, str]] = None,
+                 model: str, max_model_len: int, default_max_tokens: int, tokenizer: Any = None,
+                 stop_token_ids: Sequence[int] = (), host: Optional[str] = None, port: int = 0,
+                 heartbeat_s: Optional[float] = 30.0, probe_timeout_s: float = 30.0) -> None:
+        if not servers:
+            raise ValueError("the relay needs at least one rollout server")
+        self.server_manager = server_manager
+        self.servers = [s.rstrip("/") for s in servers]
+        self.headers = dict(headers or {})
+        self.model = model
+        self.max_model_len = int(max_model_len)
+        self.default_max_tokens = int(default_max_tokens)
+        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        bind = host or _node_ip()
+        self.host = bind
+        self.advertise_host = _node_ip() if bind in ("0.0.0.0", "::", "") else bind
+        self.port = port
+        self.heartbeat_s = heartbeat_s
+        self.probe_timeout_s = probe_timeout_s
+        self.version: Optional[int] = None
+        self.stats: Counter = Counter()
+        self._registered: dict[str, int] = {}  # rollout server -> version it has for us
+        self._runner: Optional[web.AppRunner] = None
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._register_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> str:
+        """Base URL the rollout servers use (``http://host:port``)."""
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return f"http://{host}:{self.port}"
+
+    def create_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 ** 2)  # a long context is a long id list
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/relay/status", self._status)
+        return app
+
+    async def start(self) -> "Relay":
+        """Serve, learn the weight version from verl, register with every rollout server.
+
+        Raises:
+            RelayError: verl reports no version, or a rollout server could not be registered with (the
+                relay is closed again).
+        """
+        self._runner = web.AppRunner(self.create_app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS picked
+        self._session = aiohttp.ClientSession(headers=self.headers)
+        try:
+            if self.version is None:
+                await self.probe_version()
+            await self.register()
+        except BaseException:
+            await self.close()
+            raise
+        if self.heartbeat_s:
+            self._spawn(self._heartbeat())
+        log.info("relay %s serves verl's replicas at weight version %s to %s", self.address, self.version,
+                 ", ".join(self.servers))
+        return self
+
+    async def close(self) -> None:
+        """Stop serving (idempotent). The rollout servers' health probes then take the relay out."""
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # ------------------------------------------------------------------ versions and registration
+    async def probe_version(self) -> int:
+        """One 1-token greedy turn through verl, to read the version the replicas serve now.
+
+        Raises:
+            RelayError: verl's answer carries no ``global_steps`` (the trainer never set one).
+        """
+        token = next((t for t in (getattr(self.tokenizer, "eos_token_id", None), *self.stop_token_ids)
+                      if isinstance(t, int)), 0)
+        out = await self.server_manager.generate(
+            f"prorl-relay-probe-{uuid.uuid4().hex}", prompt_ids=[token],
+            sampling_params={"max_tokens": 1, "temperature": 0.0, "logprobs": True})
+        versions = _version_of(out.extra_fields or {})
+        if not versions:
+            raise RelayError("verl's replicas report no weight version (TokenOutput.extra_fields.global_steps "
+                             "is None): the trainer never called update_weights(global_steps); refusing to "
+                             "serve rollouts with no version")
+        self.version = versions[-1]
+        return self.version
+
+    async def register(self) -> None:
+        """Register the relay with every rollout server at :attr:`version` (add, never clear).
+
+        Raises:
+            RelayError: a server is unreachable, refused, or already serves a backend with no weight
+                version; or the relay's own address did not answer ``GET /health`` (probed first).
+        """
+        async with self._register_lock:
+            version = self.version
+            if version is None:
+                raise RelayError("relay has no weight version yet")
+            for server in self.servers:
+                if server not in self._registered:
+                    await self._refuse_versionless(server)
+                try:
+                    await register_backends(self._session, server, [self.address], version, clear=False,
+                                            probe_timeout_s=self.probe_timeout_s)
+                except RuntimeError as e:  # BackendUnreachableError too
+                    raise RelayError(f"relay {self.address} could not register with {server}: {e}") from None
+                self._registered[server] = version
+                self.stats["registrations"] += 1
+
+    async def _refuse_versionless(self, server: str) -> None:
+        try:
+            async with self._session.get(f"{server}/status",
+                                         timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as r:
+                if r.status != 200:
+                    raise RelayError(f"rollout server {server} answered GET /status with {r.status}: "
+                                     f"{(await r.text())[:300]}")
+                status = await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RelayError(f"rollout server {server} is unreachable (GET /status: {e!r})") from None
+        bare = [b["address"] for b in status.get("backends") or ()
+                if b.get("weight_version") is None and b.get("healthy", True)]
+        if bare:
+            raise RelayError(
+                f"rollout server {server} already serves LLM backend(s) with no weight version: "
+                f"{', '.join(bare)}. Jobs there would be trained as on-policy. For training, start the rollout "
+                "servers without a vLLM of their own (slurm/launch_rollout.sh --no-vllm, or prorl-server "
+                "without --backend).")
+
+    def _observe(self, versions: list[int]) -> None:
+        """A turn reported ``versions``: a newer one means the weights were updated; re-register."""
+        if versions and (self.version is None or versions[-1] > self.version):
+            old, self.version = self.version, versions[-1]
+            self.stats["version_changes"] += 1
+            log.info("relay %s: weights v%s -> v%s; re-registering", self.address, old, self.version)
+            self._spawn(self._reregister())
+
+    async def _reregister(self) -> None:
+        try:
+            await self.register()
+        except RelayError as e:  # the turn itself carries its exact version; the next heartbeat retries
+            self.stats["registration_failures"] += 1
+            log.warning("%s", e)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await self._reregister()
+
+    # ------------------------------------------------------------------ routes
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "verl", "max_model_len": self.max_model_len}]})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response({"address": self.address, "weight_version": self.version,
+                                  "registered": self._registered, "stats": dict(self.stats)})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        try:
+            req = CompletionRequest.model_validate(body)
+        except ValidationError as e:
+            return _error(400, f"prompt must be a non-empty list of token ids and max_tokens >= 1: "
+                               f"{e.errors()[0]['loc']}: {e.errors()[0]['msg']}")
+        if req.n != 1 or req.stream or req.echo:
+            return _error(400, "the relay serves n=1, stream=false, echo=false")
+        prompt = req.prompt
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                               f"you requested {len(prompt)} tokens in the prompt.")
+        max_tokens = min(req.max_tokens or self.default_max_tokens, room)
+        extra = req.model_extra or {}
+        sp = {k: extra[k] for k in SAMPLING_KEYS if extra.get(k) is not None}
+        sp.update(max_tokens=max_tokens, logprobs=True)
+        request_id = req.request_id or req.user or "prorl-" + hashlib.blake2b(
+            repr(prompt[:STICKY_PREFIX_TOKENS]).encode(), digest_size=12).hexdigest()
+        t0 = time.perf_counter()
+        try:
+            out = await self.server_manager.generate(request_id, prompt_ids=list(prompt), sampling_params=sp)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the rollout server fails over to another backend on a 5xx
+            self.stats["generate_errors"] += 1
+            log.warning("relay %s: verl generate failed: %r", self.address, e)
+            return _error(502, f"verl generate failed: {e!r}", "BackendError")
+        versions = _version_of(out.extra_fields or {})
+        if not versions:
+            self.stats["unversioned"] += 1
+            return _error(500, "verl's replica reported no weight version for this turn "
+                               "(TokenOutput.extra_fields.global_steps is None)", "MissingWeightVersion")
+        ids = [int(t) for t in out.token_ids]
+        if out.stop_reason in ("aborted", "abort"):
+            # Interrupted by a weight update with no resume: the rollout server's client retries the turn
+            # (as with vLLM's /pause); the partial tokens are dropped, so no turn mixes two versions.
+            finish, ids, logprobs = "abort", [], []
+        else:
+            logprobs = list(out.log_probs) if out.log_probs is not None else None
+            if logprobs is None or len(logprobs) != len(ids):
+                self.stats["generate_errors"] += 1
+                return _error(502, f"verl returned {len(ids)} tokens and "
+                                   f"{'no' if logprobs is None else len(logprobs)} logprobs", "BackendError")
+            if out.stop_reason == "length" or (len(ids) >= max_tokens and ids[-1] not in self.stop_token_ids):
+                finish = "length"
+            else:
+                finish = "stop"
+        text = ""
+        if self.tokenizer is not None and ids:
+            text = await asyncio.to_thread(self.tokenizer.decode, ids)
+        self.stats["turns"] += 1
+        self.stats["tokens"] += len(ids)
+        self._observe(versions)
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish,
+                         "stop_reason": None,
+                         "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logprobs}}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                      "total_tokens": len(prompt) + len(ids)},
+            "weight_version": versions[0],
+            "weight_versions": versions,
+            "relay_s": round(time.perf_counter() - t0, 6),
+        })
+
+
+# ------------------------------------------------------------------------------------------------ per process
+# verl instantiates one agent loop per row, but every row of a worker process shares its server_manager: the
+# relay belongs to that (one per process in practice), so it is kept here rather than on a loop instance.
+_RELAYS: dict[int, Relay] = {}
+_STARTING: dict[int, asyncio.Future] = {}
+
+
+async def ensure_relay(server_manager: Any, **settings: Any) -> Relay:
+    """The running relay of ``server_manager`` (started with ``settings``, see :class:`Relay`, on first use).
+
+    Concurrent first calls share one start; a failed start raises :class:`RelayError` to each of them and
+    the next call tries again.
+    """
+    key = id(server_manager)
+    relay = _RELAYS.get(key)
+    if relay is not None:
+        return relay
+    fut = _STARTING.get(key)
+    if fut is None:
+        fut = _STARTING[key] = asyncio.ensure_future(Relay(server_manager, **settings).start())
+        fut.add_done_callback(lambda f: _STARTING.pop(key, None))
+    relay = await asyncio.shield(fut)
+    _RELAYS[key] = relay
+    return relay
+
+
+async def close_relays() -> None:
+    """Close every relay of this process (tests; verl ends the worker process otherwise)."""
+    relays = list(_RELAYS.values())
+    _RELAYS.clear()
+    await asyncio.gather(*(r.close() for r in relays))
+
+
+
+async def relay_for_loop(loop: Any, servers: Sequence[str], headers: dict[str, str]) -> Relay:
+    """The relay of a ``ProRLAgentLoop``'s worker process, started from the loop's verl config on first use:
+    model ``actor_rollout_ref.model.path``, ``max_model_len`` from the rollout config (else prompt + response
+    length), EOS from the tokenizer, the loop's ``relay_host`` / ``relay_heartbeat_s`` settings."""
+    rollout = loop.rollout_config
+    max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
+    eos = getattr(loop.tokenizer, "eos_token_id", None)
+    return await ensure_relay(
+        loop.server_manager, servers=list(servers), headers=headers,
+        model=str(loop.config.actor_rollout_ref.model.path), max_model_len=int(max_model_len),
+        default_max_tokens=int(rollout.response_length), tokenizer=loop.tokenizer,
+        stop_token_ids=[eos] if isinstance(eos, int) else list(eos or ()), host=loop.relay_host,
+        heartbeat_s=loop.relay_heartbeat_s)
