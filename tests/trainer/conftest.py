@@ -89,7 +89,8 @@ def job_state():
 class FixedTrajectoryHandler(AgentHandler):
     """Stands in for an LLM handler when no LLM runs: returns the trajectory given in the instance
     (``{"data_source": "fixed", "trajectory": {prompt_ids, response_ids, response_logprobs, loss_mask,
-    weight_versions}, "reward": 1.0, "sleep": 0}``), or the segments of ``"trajectories": [...]`` (a rollout
+    weight_versions}, "reward": 1.0, "sleep": 0}``; ``"rewards": [1, 0]`` instead gives the k-th job of the
+    instance's ``id`` ``rewards[k % len]``), or the segments of ``"trajectories": [...]`` (a rollout
     split by a template or context rewrite), after sleeping ``sleep`` seconds in run, so the verl adapter's
     conversion, truncation and cancellation can be checked exactly.
 
@@ -106,6 +107,7 @@ class FixedTrajectoryHandler(AgentHandler):
     async def run(self, job):
         key = str(job.instance.get("id"))
         self.jobs[key] += 1
+        job.state["k"] = self.jobs[key] - 1
         if self.jobs[key] <= int(job.instance.get("fail_first", 0)):
             from sandbox.errors import SandboxDeadError
 
@@ -119,7 +121,9 @@ class FixedTrajectoryHandler(AgentHandler):
         job.messages = list(job.instance.get("messages") or [])
 
     async def eval(self, job):
-        job.reward = float(job.instance.get("reward", 0.0))
+        rewards = job.instance.get("rewards")  # per job of the id, cycled: a group with varied rewards
+        k = job.state.get("k", 0)
+        job.reward = float(rewards[k % len(rewards)] if rewards else job.instance.get("reward", 0.0))
         job.resolved = job.reward > 0
 
 
