@@ -22,7 +22,9 @@ from pydantic.json_schema import models_json_schema
 from handlers.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings
+from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
 from prorl_server.llm_context import LLMContext
+from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import Metrics
 from prorl_server.pipeline import DuplicateJobError, Pipeline, ServerStoppedError
 from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse, ErrorDetail, ErrorResponse,
@@ -37,6 +39,8 @@ POOL = web.AppKey("pool", BackendPool)
 METRICS = web.AppKey("metrics", Metrics)
 REGISTRY = web.AppKey("registry", HandlerRegistry)
 RUNTIME = web.AppKey("sandbox_runtime", object)
+CPU_POOL = web.AppKey("cpu_pool", CpuPool)
+LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
 
 
 class ApiError(Exception):
@@ -304,7 +308,9 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
     app[RUNTIME] = sandbox_runtime
     app[APP_ROUTES] = {}
     add_routes(app, ROUTES)
+    app.cleanup_ctx.append(_loop_monitor_ctx)
     app.cleanup_ctx.append(_sandbox_ctx)
+    app.cleanup_ctx.append(_cpu_pool_ctx)  # before the pipeline: closed after it, when no job scores anymore
     app.cleanup_ctx.append(_pipeline_ctx)
     app.cleanup_ctx.append(_health_ctx)
     from prorl_server.gateway import setup_gateway  # noqa: E402 (the gateway imports this module)
@@ -331,6 +337,23 @@ async def _sandbox_ctx(app: web.Application):
         await runtime.close_all()
 
 
+async def _loop_monitor_ctx(app: web.Application):
+    m = app[METRICS]
+    monitor = app[LOOP_MONITOR] = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max)
+    monitor.start()
+    yield
+    await monitor.stop()
+
+
+async def _cpu_pool_ctx(app: web.Application):
+    # Workers start on first use: a server that never scores a CPU-heavy answer never starts one.
+    tasks = app[METRICS].cpu_tasks
+    pool = app[CPU_POOL] = CpuPool(app[SETTINGS].cpu_workers or DEFAULT_WORKERS,
+                                   on_outcome=lambda outcome: tasks.labels(outcome).inc())
+    yield
+    await pool.close()
+
+
 async def _pipeline_ctx(app: web.Application):
     settings = app[SETTINGS]
     runtime = app[RUNTIME]
@@ -346,7 +369,8 @@ async def _pipeline_ctx(app: web.Application):
     llm = LLMContext(app[POOL], tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
     pipeline = Pipeline(app[REGISTRY], app[POOL], app[METRICS], settings.workers(),
                         default_timeout_s=settings.default_timeout_s, backend_wait_s=settings.backend_wait_s,
-                        keep_finished=settings.keep_finished, sandbox_opener=opener, llm=llm)
+                        keep_finished=settings.keep_finished, sandbox_opener=opener, llm=llm,
+                        cpu_pool=app[CPU_POOL])
     app[PIPELINE] = pipeline
     pipeline.start_workers()
     yield

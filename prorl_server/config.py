@@ -53,6 +53,8 @@ class ServerSettings(BaseModel):
                                        "finalize and GET /sessions/{id}")
     gateway_tool_parser: str = Field(default="hermes", description="how the gateway parses tool calls out of "
                                      "generated text (prorl_server.tool_parser.PARSERS)")
+    cpu_workers: Optional[int] = Field(default=None, ge=1, description="processes of the pool that runs "
+                                       "CPU-bound scoring off the event loop; default min(4, CPU count)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "
