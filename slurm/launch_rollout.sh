@@ -10,13 +10,23 @@
 #
 #   sbatch [sbatch options] slurm/launch_rollout.sh          # submit
 #   bash slurm/launch_rollout.sh --dry-run                   # print the plan, run nothing (also PRORL_DRY_RUN=1)
+#   sbatch slurm/launch_rollout.sh --no-vllm                 # training: the trainer's servers are the backends
+#   PRORL_VLLM_MODEL=/m sbatch --gres=gpu:8 slurm/launch_rollout.sh --weight-version 0   # evaluation
+#
+# Two set-ups (PRORL_BACKENDS, or the flags):
+#   trainer (--no-vllm; the default when PRORL_VLLM_MODEL is unset): no vLLM here. The trainer's own
+#       weight-synced inference servers are the backends: the verl plugin registers them with every server
+#       (through its per-worker relay) with the trainer step as weight_version. Use this to train.
+#   vllm (the default when PRORL_VLLM_MODEL is set): one vLLM per GPU group from a fixed model, registered
+#       with weight_version PRORL_WEIGHT_VERSION (--weight-version N, default 0), never without one. For
+#       evaluation; a verl trainer refuses rollout servers that serve backends without a version.
 #
 # What it does, in order:
 #   1. generates a bearer token (or takes $PRORL_TOKEN) that every server of the job requires;
 #   2. starts `prorl-server --port 0 --ready-file ...` on every node as a background `srun --overlap` step
 #      (without --overlap the first background step holds the allocation and every later step waits);
-#   3. optionally starts vLLM servers on each node's GPUs and registers them with that node's server
-#      (POST /add_llm_server);
+#   3. in the vllm set-up, starts vLLM servers on each node's GPUs and registers them with that node's
+#      server (POST /add_llm_server {address, weight_version});
 #   4. waits until every server answers GET /health, then writes servers.json (URLs, token, node, job id)
 #      atomically into $PRORL_SERVERS_DIR; trainers read it (python -m trainer_plugins.servers show DIR);
 #   5. stays up until the job ends. On scancel, on the time limit, or on SIGUSR1 (sent by the
@@ -44,6 +54,8 @@
 #                          (keep it below the cluster's KillWait, 30 s by default)
 #   PRORL_LOG_LEVEL        server log level                                       default: INFO
 #   PRORL_PYTHON           python with this project installed (servers.json helper)    default: python3
+#   PRORL_BACKENDS         trainer | vllm (see above)        default: vllm if PRORL_VLLM_MODEL is set, else trainer
+#   PRORL_WEIGHT_VERSION   weight_version of the vLLM servers started here (an integer >= 0)      default: 0
 #   PRORL_VLLM_MODEL       model path: start vLLM servers on the node's GPUs and register them    default: off
 #   PRORL_VLLM_GPUS_PER_SERVER  GPUs per vLLM server (tensor parallel size)       default: 1
 #   PRORL_VLLM_CMD         vLLM command (word-split)   default: $PRORL_PYTHON -m vllm.entrypoints.openai.api_server
@@ -58,9 +70,15 @@ set -uo pipefail
 log() { echo "[launch_rollout $(date +%H:%M:%S)] $*"; }
 
 DRY_RUN=${PRORL_DRY_RUN:-0}
-for arg in "$@"; do
+while [ "$#" -gt 0 ]; do
+    arg=$1; shift
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
+        --no-vllm) PRORL_BACKENDS=trainer ;;
+        --weight-version=*) PRORL_WEIGHT_VERSION=${arg#*=} ;;
+        --weight-version)
+            [ "$#" -gt 0 ] || { echo "launch_rollout.sh: --weight-version needs a value" >&2; exit 2; }
+            PRORL_WEIGHT_VERSION=$1; shift ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "launch_rollout.sh: unknown argument $arg (options are environment variables; see --help)" >&2
            exit 2 ;;
@@ -78,6 +96,25 @@ PORT=${PRORL_PORT:-0}
 STARTUP_TIMEOUT=${PRORL_STARTUP_TIMEOUT:-600}
 STOP_GRACE=${PRORL_STOP_GRACE:-25}
 VLLM_MODEL=${PRORL_VLLM_MODEL:-}
+BACKENDS=${PRORL_BACKENDS:-}
+[ -z "$BACKENDS" ] && { [ -n "$VLLM_MODEL" ] && BACKENDS=vllm || BACKENDS=trainer; }
+WEIGHT_VERSION=${PRORL_WEIGHT_VERSION:-0}
+case "$BACKENDS" in
+    trainer) if [ -n "$VLLM_MODEL" ]; then
+                 echo "launch_rollout.sh: --no-vllm / PRORL_BACKENDS=trainer starts no vLLM, but PRORL_VLLM_MODEL is" \
+                      "set ($VLLM_MODEL); unset one of them" >&2
+                 exit 2
+             fi ;;
+    vllm) if [ -z "$VLLM_MODEL" ]; then
+              echo "launch_rollout.sh: PRORL_BACKENDS=vllm needs PRORL_VLLM_MODEL (the model to serve)" >&2
+              exit 2
+          fi ;;
+    *) echo "launch_rollout.sh: PRORL_BACKENDS must be trainer or vllm, got '$BACKENDS'" >&2; exit 2 ;;
+esac
+if ! [[ "$WEIGHT_VERSION" =~ ^[0-9]+$ ]]; then
+    echo "launch_rollout.sh: the weight version must be an integer >= 0, got '$WEIGHT_VERSION'" >&2
+    exit 2
+fi
 
 server_args() {  # node -> the server's argv after $SERVER_CMD, one per line
     printf '%s\n' --host "$HOST" --port "$PORT" --ready-file "$RUN_DIR/$1.ready.json" \
@@ -143,7 +180,7 @@ node_main() {
     children+=("$!")
     nlog "prorl-server pid $! on $adv: $PRORL_L_SERVER_CMD ${args[*]}"
 
-    if [ -n "${PRORL_VLLM_MODEL:-}" ]; then
+    if [ "${PRORL_L_BACKENDS:-}" = vllm ]; then
         local gpus=() per=${PRORL_VLLM_GPUS_PER_SERVER:-1} i vport group
         if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
             IFS=, read -r -a gpus <<<"$CUDA_VISIBLE_DEVICES"
@@ -200,13 +237,14 @@ PY
         "${PRORL_PYTHON:-python3}" - "$server_url" "$url" <<'PY' || stop_children "could not register $url"
 import json, os, sys, urllib.request
 server, backend = sys.argv[1], sys.argv[2]
-req = urllib.request.Request(server + "/add_llm_server", data=json.dumps({"address": backend}).encode(),
+body = {"address": backend, "weight_version": int(os.environ["PRORL_L_WEIGHT_VERSION"])}
+req = urllib.request.Request(server + "/add_llm_server", data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json",
                                       "Authorization": "Bearer " + os.environ["PRORL_TOKEN"]})
 urllib.request.urlopen(req, timeout=30).close()
 PY
         echo "$url" >>"$PRORL_L_RUN_DIR/$node.llm.tmp"
-        nlog "registered vLLM $url with $server_url"
+        nlog "registered vLLM $url with $server_url (weight_version $PRORL_L_WEIGHT_VERSION)"
     done
     mv "$PRORL_L_RUN_DIR/$node.llm.tmp" "$PRORL_L_RUN_DIR/$node.llm"
 
@@ -231,11 +269,15 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "  per node:"
     echo "    srun $(srun_args '<node>' | tr '\n' ' ')\\"
     echo "      $SERVER_CMD $(server_args '<node>' | tr '\n' ' ')"
-    if [ -n "$VLLM_MODEL" ]; then
+    if [ "$BACKENDS" = vllm ]; then
+        echo "  backends:          vllm (evaluation): this launcher's own vLLM servers"
         echo "    vLLM: ${PRORL_VLLM_CMD:-$PY -m vllm.entrypoints.openai.api_server} --model $VLLM_MODEL" \
-             "on each group of ${PRORL_VLLM_GPUS_PER_SERVER:-1} GPU(s), registered via POST /add_llm_server"
+             "on each group of ${PRORL_VLLM_GPUS_PER_SERVER:-1} GPU(s), registered via POST /add_llm_server" \
+             "with weight_version $WEIGHT_VERSION"
     else
-        echo "    vLLM: off (set PRORL_VLLM_MODEL to start one per GPU)"
+        echo "  backends:          trainer (training): no vLLM here; the trainer registers its own inference" \
+             "servers with a weight version after each update (verl plugin: its per-worker relay)"
+        echo "    vLLM: off (for evaluation set PRORL_VLLM_MODEL to start one per GPU)"
     fi
     echo "  ready: wait up to ${STARTUP_TIMEOUT} s for every ready file and /health"
     echo "  stop:  on scancel / time limit / SIGUSR1: remove servers.json, SIGTERM the servers," \
@@ -252,9 +294,15 @@ mkdir -p "$RUN_DIR" && chmod 0700 "$RUN_DIR" || { log "cannot create $RUN_DIR"; 
 export PRORL_TOKEN=${PRORL_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 log "job $JOB_ID: ${#NODES[@]} node(s): ${NODES[*]}; servers.json -> $SERVERS_FILE"
+if [ "$BACKENDS" = vllm ]; then
+    log "backends: vllm (evaluation): $VLLM_MODEL, registered with weight_version $WEIGHT_VERSION"
+else
+    log "backends: trainer (training): no vLLM here; the trainer registers its inference servers"
+fi
 
 # The node wrapper gets its settings through the environment (srun exports ours).
 export PRORL_L_RUN_DIR=$RUN_DIR PRORL_L_HOST=$HOST PRORL_L_SERVER_CMD=$SERVER_CMD
+export PRORL_L_BACKENDS=$BACKENDS PRORL_L_WEIGHT_VERSION=$WEIGHT_VERSION
 PRORL_L_SERVER_ARGS=$(server_args @NODE@)
 export PRORL_L_SERVER_ARGS
 { echo '# Generated by launch_rollout.sh: the per-node part, run by srun on every node.'
@@ -297,7 +345,7 @@ done
 # Wait for every ready file (and the vLLM registrations), failing fast when a step dies.
 deadline=$((SECONDS + STARTUP_TIMEOUT))
 for node in "${NODES[@]}"; do
-    while [ ! -s "$RUN_DIR/$node.ready.json" ] || { [ -n "$VLLM_MODEL" ] && [ ! -e "$RUN_DIR/$node.llm" ]; }; do
+    while [ ! -s "$RUN_DIR/$node.ready.json" ] || { [ "$BACKENDS" = vllm ] && [ ! -e "$RUN_DIR/$node.llm" ]; }; do
         if ! kill -0 "${STEP_PID[$node]}" 2>/dev/null; then
             log "server step on $node ended before it was ready; its log: $RUN_DIR/$node.log"
             tail -n 20 "$RUN_DIR/$node.log" 2>/dev/null | sed 's/^/    /'

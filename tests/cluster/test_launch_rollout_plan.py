@@ -51,5 +51,44 @@ def test_unknown_argument_is_refused_instead_of_ignored():
 def test_help_prints_the_documented_options():
     r = run("--help")
     assert r.returncode == 0
-    for opt in ("PRORL_SERVERS_DIR", "PRORL_VLLM_MODEL", "PRORL_STOP_GRACE", "--dry-run"):
+    for opt in ("PRORL_SERVERS_DIR", "PRORL_VLLM_MODEL", "PRORL_STOP_GRACE", "--dry-run", "--no-vllm",
+                "--weight-version", "PRORL_BACKENDS", "PRORL_WEIGHT_VERSION"):
         assert opt in r.stdout
+
+
+def test_training_setup_starts_no_vllm_the_trainer_registers_its_own_servers(tmp_path):
+    for args, env in [(("--dry-run", "--no-vllm"), {}), (("--dry-run",), {"PRORL_BACKENDS": "trainer"}),
+                      (("--dry-run",), {})]:  # with no model to serve, training is the default
+        r = run(*args, PRORL_SERVERS_DIR=str(tmp_path), **env)
+        assert r.returncode == 0, r.stderr
+        assert "backends:          trainer (training): no vLLM here" in r.stdout, args
+        assert "--model" not in r.stdout and "registered via POST /add_llm_server" not in r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluation_setup_registers_its_vllm_with_a_weight_version_never_none(tmp_path):
+    plans = {
+        "default": run("--dry-run", PRORL_VLLM_MODEL="/models/qwen"),
+        "flag": run("--dry-run", "--weight-version", "7", PRORL_VLLM_MODEL="/models/qwen"),
+        "flag=": run("--dry-run", "--weight-version=8", PRORL_VLLM_MODEL="/models/qwen"),
+        "env": run("--dry-run", PRORL_VLLM_MODEL="/models/qwen", PRORL_WEIGHT_VERSION="9", PRORL_BACKENDS="vllm"),
+    }
+    for (name, r), version in zip(plans.items(), (0, 7, 8, 9)):
+        assert r.returncode == 0, (name, r.stderr)
+        assert "backends:          vllm (evaluation)" in r.stdout
+        assert f"registered via POST /add_llm_server with weight_version {version}" in r.stdout, name
+
+
+def test_contradictory_or_malformed_backend_settings_are_refused_before_anything_starts(tmp_path):
+    cases = [
+        (("--dry-run", "--no-vllm"), {"PRORL_VLLM_MODEL": "/models/qwen"}, "starts no vLLM, but PRORL_VLLM_MODEL"),
+        (("--dry-run",), {"PRORL_BACKENDS": "vllm"}, "needs PRORL_VLLM_MODEL"),
+        (("--dry-run",), {"PRORL_BACKENDS": "sglang"}, "must be trainer or vllm"),
+        (("--dry-run", "--weight-version", "-1"), {"PRORL_VLLM_MODEL": "/m"}, "integer >= 0, got '-1'"),
+        (("--dry-run", "--weight-version=v2"), {"PRORL_VLLM_MODEL": "/m"}, "integer >= 0, got 'v2'"),
+        (("--dry-run", "--weight-version"), {"PRORL_VLLM_MODEL": "/m"}, "--weight-version needs a value"),
+    ]
+    for args, env, needle in cases:
+        r = run(*args, PRORL_SERVERS_DIR=str(tmp_path), **env)
+        assert r.returncode == 2 and needle in r.stderr, (args, env, r.stderr)
+    assert list(tmp_path.iterdir()) == []

@@ -183,7 +183,8 @@ def test_vllm_servers_are_started_and_registered_before_servers_json_appears(slu
         backend = server.llm_backends[0]
         assert backend.startswith("http://127.0.0.1:")
         status = get(f"{server.url}/status", sf.token)
-        assert backend in [b["address"] for b in status["backends"]], status
+        # registered with a version (the launcher's default 0), never without one
+        assert [b["weight_version"] for b in status["backends"] if b["address"] == backend] == [0], status
         procs = job_processes(job_id)
     finally:
         slurm_cluster.run("scancel", job_id, check=False)
