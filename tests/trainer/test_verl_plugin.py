@@ -174,6 +174,161 @@ async def test_request_timeout_cancels_each_attempt_and_yields_a_zero_loss_filte
         assert s["result"]["critical_error"] == "cancelled"
 
 
+async def test_a_filtered_sample_is_resubmitted_and_the_retry_is_trained(cfg, worker, tokenizer, start_llm_server,
+                                                                         monkeypatch, fixed, job_state):
+    # the first job's sandbox dies (fault injection, see FixedTrajectoryHandler): the server answers
+    # failure_kind="sandbox", filter: true; the plugin re-submits and returns the retry's trajectory
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = make_loop(cfg, tokenizer)
+    row = fixed_row([1, 2, 3], [4, 5, 6], reward=1.0)
+    row["extra_info"]["instance"].update(id="flaky", fail_first=1)
+    out = await loop.run({}, **row)
+    assert fixed.jobs["flaky"] == 2
+    assert out.response_ids == [4, 5, 6] and out.response_mask == [1, 1, 1] and out.reward_score == 1.0
+    prorl = out.extra_fields["prorl"]
+    assert prorl["filter"] is False and prorl["failure_kind"] is None
+    [attempt] = prorl["attempts"]
+    assert attempt["failure_kind"] == "sandbox" and "died" in attempt["error"]
+    first = (await job_state(url, attempt["job_id"]))["result"]
+    assert first["filter"] is True and first["failure_kind"] == "sandbox"
+
+    # a sample that fails every attempt: 1 + max_sample_retries jobs, then a filtered zero-loss row
+    row["extra_info"]["instance"].update(id="dead", fail_first=99)
+    out = await make_loop(cfg, tokenizer, max_sample_retries=1).run({}, **row)
+    assert fixed.jobs["dead"] == 2
+    assert out.extra_fields["prorl"]["filter"] is True and out.reward_score == 0.0
+    assert out.response_mask == [0] and out.extra_fields["reward_extra_info"] == {"acc": 0.0, "score": 0.0}
+
+
+async def test_an_unreachable_rollout_server_is_retried_on_another(cfg, worker, tokenizer, start_llm_server,
+                                                                   monkeypatch, unused_tcp_port_factory):
+    live, dead = await start_llm_server(), f"http://127.0.0.1:{unused_tcp_port_factory()}"
+    monkeypatch.setenv("PRORL_SERVERS", f"{dead},{live}")
+    loop = make_loop(cfg, tokenizer)
+    from trainer_plugins.servers import server_for_group
+
+    # a group whose server is the dead one
+    uid = next(u for u in (f"g{k}" for k in range(100)) if server_for_group([dead, live], f"verl-{u}") == dead)
+    out = await loop.run({}, **fixed_row([1, 2], [3, 4]), uid=uid)
+    [attempt] = out.extra_fields["prorl"]["attempts"]
+    assert attempt["server"] == dead and attempt["failure_kind"] == "rollout_server"
+    assert out.response_ids == [3, 4] and out.extra_fields["prorl"]["filter"] is False
+
+
+async def test_the_samples_of_a_group_go_to_one_server_with_the_group_id(cfg, worker, tokenizer, start_llm_server,
+                                                                        monkeypatch):
+    urls = [await start_llm_server(), await start_llm_server()]
+    monkeypatch.setenv("PRORL_SERVERS", ",".join(urls))
+    loop = make_loop(cfg, tokenizer)
+    sent = []
+
+    async def process(u, headers, body, row, _real=loop._process):
+        sent.append((row["uid"], u, body.get("group_id")))
+        return await _real(u, headers, body, row)
+
+    loop._process = process
+    uids = [f"prompt-{k}" for k in range(8)]
+    await asyncio.gather(*(loop.run({}, **fixed_row([1, 2], [3]), uid=u) for u in uids for _ in range(4)))
+    by_uid = {u: {(url, gid) for uid, url, gid in sent if uid == u} for u in uids}
+    assert all(len(v) == 1 for v in by_uid.values())  # all 4 samples of a prompt: one server, one group_id
+    assert {gid for v in by_uid.values() for _, gid in v} == {f"verl-{u}" for u in uids}
+    assert {url for v in by_uid.values() for url, _ in v} == set(urls)  # groups spread over the servers
+
+
+# ---------------------------------------------------------------------------------------- default row mapping
+def verl_rows():
+    """Rows as verl's preprocessing scripts write them: gsm8k (examples/data_preprocess/gsm8k.py: the prompt
+    with an instruction appended, ground truth in reward_model, the raw question and worked solution in
+    extra_info), a MATH row (no extra_info.question), and HumanEval with its problem fields in extra_info."""
+    from handlers.code.data import humaneval_problems
+
+    he = humaneval_problems()["HumanEval/2"]
+    return {
+        "gsm8k": {"data_source": "openai/gsm8k",
+                  "raw_prompt": np.array([{"role": "user", "content": "What is 6 * 12? Let's think step by step "
+                                           "and output the final answer after \"####\"."}], dtype=object),
+                  "reward_model": {"style": "rule", "ground_truth": "72"},
+                  "extra_info": {"split": "train", "index": 3, "question": "What is 6 * 12?",
+                                 "answer": "6 * 12 = 72\n#### 72"}},
+        "math": {"data_source": "lighteval/MATH",
+                 "raw_prompt": [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Compute 2+3."}],
+                 "reward_model": {"ground_truth": "5"}, "extra_info": {"index": 4}},
+        "code": {"data_source": "code",
+                 "raw_prompt": [{"role": "user", "content": "Complete truncate_number."}],
+                 "reward_model": {"ground_truth": None},
+                 "extra_info": {"index": 5, "prompt": he["prompt"], "tests": he["test"],
+                                "entry_point": he["entry_point"]}},
+    }
+
+
+def test_default_row_mapping_fills_the_math_and_code_fields(cfg, worker, tokenizer, monkeypatch):
+    monkeypatch.setenv("PRORL_SERVERS", "http://127.0.0.1:1")
+    loop = make_loop(cfg, tokenizer)
+    r = verl_rows()
+    gsm = loop.build_instance(r["gsm8k"])
+    assert (gsm["data_source"], gsm["question"], gsm["answer"], gsm["instance_id"]) == \
+        ("math", "What is 6 * 12?", "72", "3")  # ground truth over extra_info's worked solution
+    assert "split" not in gsm and gsm["messages"][0]["role"] == "user"
+    math = loop.build_instance(r["math"])
+    assert (math["data_source"], math["question"], math["answer"]) == ("math", "Compute 2+3.", "5")
+    code = loop.build_instance(r["code"])
+    assert code["data_source"] == "code" and code["entry_point"] == "truncate_number"
+    from handlers.code.data import validate_instance
+
+    validate_instance(code)
+    from trainer_plugins.verl.agent_loop import InvalidRowError
+
+    with pytest.raises(InvalidRowError, match="index"):
+        loop.build_instance({"raw_prompt": [{"role": "user", "content": "x"}], "extra_info": {"index": 9}})
+
+
+class UnstartableRuntime:
+    """Stands for a node whose sandboxes cannot start (``SandboxStartError`` on every start): a job whose
+    instance passed its handler's validation (which the shipped handlers do before opening a sandbox) then
+    fails with ``failure_kind="sandbox"``, one that did not with ``invalid_instance``."""
+
+    async def start(self, spec):
+        from sandbox.errors import SandboxStartError
+
+        raise SandboxStartError("injected: no sandbox can start here")
+
+    async def close_all(self):
+        pass
+
+
+async def test_default_row_mapping_is_accepted_by_the_real_math_and_code_handlers(
+        cfg, worker, tokenizer, aiohttp_server, scripted_policy, monkeypatch):
+    from handlers.code import CodeHandler
+    from handlers.math import MathHandler
+    from handlers.registry import HandlerRegistry
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+    from trainer_plugins.verl.agent_loop import InvalidRowError
+
+    registry = HandlerRegistry()
+    registry.register(MathHandler)
+    registry.register(CodeHandler)
+    llm = await scripted_policy(lambda prompt, turn: "unused")
+    server = await aiohttp_server(create_app(ServerSettings(backends=[llm], health_interval_s=3600),
+                                             registry=registry, sandbox_runtime=UnstartableRuntime()))
+    monkeypatch.setenv("PRORL_SERVERS", str(server.make_url("")).rstrip("/"))
+    loop = make_loop(cfg, tokenizer, max_sample_retries=0)
+    for name, row in verl_rows().items():
+        out = await loop.run({}, **row)
+        assert out.extra_fields["prorl"]["failure_kind"] == "sandbox", (name, out.extra_fields["prorl"])
+
+    bad = verl_rows()["code"]
+    del bad["extra_info"]["tests"]  # a code row with no tests: no valid instance
+    with pytest.raises(InvalidRowError, match=r"index=5.*'code'.*tests"):
+        await loop.run({}, **bad)
+    bad = verl_rows()["math"]
+    bad["reward_model"] = {}  # a math row with no answer
+    with pytest.raises(InvalidRowError, match=r"lighteval/MATH.*answer"):
+        await loop.run({}, **bad)
+
+
 def loss_batch(data: DataProto, rewards: list[float]):
     """Advantages (GRPO, verl's estimator) for ``data``'s rows with the given outcome rewards."""
     mask = data.batch["response_mask"].float()

@@ -178,3 +178,71 @@ async def test_v1_worker_stores_every_segment_and_a_zero_loss_row_for_a_failed_j
         a0, a1 = adv[f"{split}_{s}_0"], adv[f"{split}_{s}_1"]
         assert a0[0] != 0 and torch.allclose(a0[:6], a0[0].expand(6))
         assert torch.allclose(a1[:5], a0[0] * torch.tensor([1.0, 1, 0, 1, 1]))
+
+
+# ------------------------------------------------------------------------------ real tier: Ray + TransferQueue
+@pytest.fixture(scope="module")
+def transfer_queue():
+    """A local Ray (logical CPUs: TransferQueue's controller and storage units are actors) and TransferQueue,
+    as verl's V1 trainer starts them."""
+    ray = pytest.importorskip("ray")
+    import transfer_queue as tq
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    tq.init()
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+@pytest.mark.real
+async def test_v1_trainer_path_with_ray_transfer_queue_and_the_plugins_replay_buffer(
+        transfer_queue, tiny_model_dir, start_llm_server, fixed):
+    from trainer_plugins.verl.replay_buffer import FILTERED_METRIC
+    from verl.utils.import_utils import load_extern_type
+
+    tq = transfer_queue
+    url = await start_llm_server()
+    cfg = v1_config(tiny_model_dir)
+    # the worker as verl's AgentLoopManagerTQ starts it: a Ray actor of AgentLoopWorkerTQ
+    worker = agent_loop_tq.AgentLoopWorkerTQ.options(
+        runtime_env={"env_vars": {"PRORL_SERVERS": url, "HF_HUB_OFFLINE": "1"}}).remote(cfg, None)
+    batch = v1_batch(step=0)
+    uids = list(batch["uid"])
+    # submitted as PPOTrainer._submit_batch_to_rollout does: prompt tags first, then the worker
+    tq.kv_batch_put(keys=uids, partition_id="train",
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": 0} for _ in uids])
+    await worker.generate_sequences.remote(batch)
+    for _ in range(600):
+        tags = (await tq.async_kv_list(partition_id="train"))["train"]
+        if all(tags[u]["status"] in ("finished", "failure") for u in uids):
+            break
+        await asyncio.sleep(0.2)
+    assert [tags[u]["status"] for u in uids] == ["finished"] * 3
+
+    # verl's trainer builds the shipped custom sampler from the config, with the kwargs it gives any sampler
+    sampler = cfg.trainer.v1.sampler
+    cls = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)
+    refills = []
+    buffer = cls(trainer_mode=cfg.trainer.v1.trainer_mode, trainer_config={},
+                 max_off_policy_threshold=sampler.max_off_policy_threshold,
+                 max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
+                 refill_fn=refills.append, poll_interval=0.1)
+    meta, metrics = buffer.sample(global_steps=0, partition_id="train", batch_size=2)
+    normal, split, dead = uids
+    assert refills == [1]  # the group with the filtered row was evicted and one fresh prompt asked for
+    assert metrics[f"training/{FILTERED_METRIC}"] == 1
+    assert sorted(meta.keys) == sorted([f"{normal}_{s}_0" for s in range(N)]
+                                       + [f"{split}_{s}_{i}" for s in range(N) for i in range(2)])
+    # the advantage exactly as PPOTrainer._compute_advantage computes it from TransferQueue
+    data = tq.kv_batch_get(keys=meta.keys, partition_id="train", select_fields=["uid", "response_mask", "rm_scores"])
+    data = DataProto(batch=data.to_padded_tensor())
+    data.batch["token_level_rewards"] = data.batch["rm_scores"]
+    data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    data = compute_advantage_for_multi_trajectories(data, batch_keys=meta.keys,
+                                                    adv_estimator=AdvantageEstimator.GRPO, num_repeat=N)
+    adv = dict(zip(meta.keys, data.batch["advantages"]))
+    for s in range(N):
+        assert adv[f"{split}_{s}_0"][0] != 0 and adv[f"{split}_{s}_1"][0] == adv[f"{split}_{s}_0"][0]
+    assert fixed.jobs["dead"] == 3 * N
