@@ -3,6 +3,7 @@ configs, and verl's DAPO/CISPO losses on batches built from rollout-server traje
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,13 @@ def test_shipped_configs_compose_into_verl_dataclasses(tiny_model_dir, name, los
     assert rollout.agent.default_agent_loop == "prorl" and rollout.calculate_log_probs
     assert c.trainer.v1.trainer_mode == "colocate_async"
     assert c.trainer.v1.sampler.max_off_policy_threshold == 1
+    # the V1 sampler that drops groups with a filtered row, given DAPO's settings (verl passes it none)
+    from trainer_plugins.verl.replay_buffer import ProRLReplayBuffer
+    from verl.utils.import_utils import load_extern_type
+
+    sampler = c.trainer.v1.sampler
+    assert load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name) is ProRLReplayBuffer
+    assert (sampler.sampler_kwargs.filter_groups_enable, sampler.sampler_kwargs.filter_groups_metric) == (True, "acc")
 
 
 async def test_output_is_truncated_and_carries_versions_and_reward_extras(cfg, worker, tokenizer,
@@ -126,6 +134,21 @@ async def test_output_is_truncated_and_carries_versions_and_reward_extras(cfg, w
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)
     assert all(type(out.extra_fields[k]) is int for k in ("min_global_steps", "max_global_steps"))
     assert out.extra_fields["prorl"]["truncated"] is True
+
+
+async def test_the_legacy_worker_gets_the_last_segment_of_a_split_rollout(cfg, worker, tokenizer,
+                                                                         start_llm_server, monkeypatch):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    row = fixed_row([1, 2], [3, 4], versions=(2,))
+    second = {"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "response_logprobs": [-0.1, -0.2],
+              "loss_mask": [1, 1], "weight_versions": [3]}
+    row["extra_info"]["instance"]["trajectories"] = [row["extra_info"]["instance"]["trajectory"], second]
+    out = await make_loop(cfg, tokenizer).run({}, **row)  # no session_id: verl's legacy AgentLoopWorker
+    assert (out.prompt_ids, out.response_ids) == ([5, 6, 7], [8, 9])
+    assert out.extra_fields["prorl"]["segments"] == 2 and out.extra_fields["min_global_steps"] == 3
+    outs = await make_loop(cfg, tokenizer).run({}, **row, session_id=0)  # V1's AgentLoopWorkerTQ: all of them
+    assert [o.response_ids for o in outs] == [[3, 4], [8, 9]] and [o.reward_score for o in outs] == [1.0, 1.0]
 
 
 async def test_cancelling_the_loop_cancels_the_job_on_the_server(cfg, worker, tokenizer, start_llm_server,
@@ -327,6 +350,46 @@ async def test_default_row_mapping_is_accepted_by_the_real_math_and_code_handler
     bad["reward_model"] = {}  # a math row with no answer
     with pytest.raises(InvalidRowError, match=r"lighteval/MATH.*answer"):
         await loop.run({}, **bad)
+
+
+@pytest.mark.real
+async def test_verl_rows_solve_real_math_and_code_jobs_through_the_default_mapping(
+        cfg, worker, tokenizer, aiohttp_server, scripted_policy, bwrap_runtime, sandbox_procs, monkeypatch):
+    # verl-shaped rows (gsm8k, MATH, HumanEval) -> the default mapping -> real math and code handlers in
+    # bubblewrap sandboxes, answered by the scripted policy (a test double standing for a capable model)
+    from handlers.code import CodeHandler
+    from handlers.code.data import humaneval_problems
+    from handlers.math import MathHandler
+    from handlers.registry import HandlerRegistry
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    he = humaneval_problems()["HumanEval/2"]
+
+    def script(prompt: str, turn: int) -> str:
+        if "truncate_number" in prompt:
+            call = {"name": "bash", "arguments": {
+                "command": f"cat > solution.py <<'EOF'\n{he['prompt'] + he['canonical_solution']}\nEOF"}}
+            if turn > 0:
+                call = {"name": "finish", "arguments": {"answer": "done"}}
+        else:
+            call = {"name": "finish", "arguments": {"answer": "\\boxed{72}" if "6 * 12" in prompt else "\\boxed{5}"}}
+        return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+
+    registry = HandlerRegistry()
+    registry.register(MathHandler)
+    registry.register(CodeHandler)
+    llm = await scripted_policy(script)
+    server = await aiohttp_server(create_app(ServerSettings(backends=[llm], health_interval_s=3600),
+                                             registry=registry, sandbox_runtime=bwrap_runtime))
+    monkeypatch.setenv("PRORL_SERVERS", str(server.make_url("")).rstrip("/"))
+    loop = make_loop(cfg, tokenizer, max_tokens=1024)
+    outs = {name: await loop.run({}, **row) for name, row in verl_rows().items()}
+    for name, out in outs.items():
+        assert out.reward_score == 1.0, (name, out.extra_fields["prorl"])
+        assert out.extra_fields["reward_extra_info"]["acc"] == 1.0 and sum(out.response_mask) > 0
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
 
 
 def loss_batch(data: DataProto, rewards: list[float]):
