@@ -84,11 +84,24 @@ def v1_batch(step: int = 3):
 
 class KVStore:
     """Stands for TransferQueue's KV store (a Ray controller and storage actors): keeps what
-    ``AgentLoopWorkerTQ`` writes through ``tq.async_kv_put`` / ``tq.async_kv_batch_put``, tags and rows."""
+    ``AgentLoopWorkerTQ`` writes through ``tq.async_kv_put`` / ``tq.async_kv_batch_put``, tags and rows, and
+    answers the synchronous ``kv_list`` / ``kv_batch_get`` / ``kv_clear`` verl's replay buffer reads it with
+    (one partition)."""
 
     def __init__(self) -> None:
         self.tags: dict[str, dict] = {}
         self.rows: dict[str, object] = {}
+
+    def kv_list(self, partition_id=None):
+        return {"train": {k: dict(v) for k, v in self.tags.items()}}
+
+    def kv_batch_get(self, keys, partition_id, select_fields=None):
+        return {f: [self.rows[k][f] for k in keys] for f in select_fields}
+
+    def kv_clear(self, keys, partition_id):
+        for k in [keys] if isinstance(keys, str) else keys:
+            self.tags.pop(k, None)
+            self.rows.pop(k, None)
 
     async def kv_put(self, key, partition_id, fields=None, tag=None):
         self.tags[key] = {**self.tags.get(key, {}), **(tag or {})}
@@ -116,6 +129,8 @@ def tq_worker(tiny_model_dir, tokenizer, monkeypatch):
     store = KVStore()
     monkeypatch.setattr(agent_loop_tq.tq, "async_kv_put", store.kv_put)
     monkeypatch.setattr(agent_loop_tq.tq, "async_kv_batch_put", store.kv_batch_put)
+    for name in ("kv_list", "kv_batch_get", "kv_clear"):
+        monkeypatch.setattr(agent_loop_tq.tq, name, getattr(store, name))
     w.store = store
     return w
 
@@ -130,9 +145,11 @@ async def test_v1_worker_stores_every_segment_and_a_zero_loss_row_for_a_failed_j
     monkeypatch.setenv("PRORL_SERVERS", url)
     batch = v1_batch()
     uids = list(batch["uid"])
+    store = tq_worker.store
+    # what PPOTrainer._submit_batch_to_rollout tags before the worker runs
+    store.tags.update({u: {"is_prompt": True, "status": "pending", "global_steps": 3} for u in uids})
     await tq_worker.generate_sequences(batch)
     await asyncio.gather(*list(tq_worker.background_tasks))
-    store = tq_worker.store
 
     # no session raised: V1 marks every group finished (an exception would fail the whole group)
     assert [store.tags[u]["status"] for u in uids] == ["finished"] * 3
@@ -246,3 +263,21 @@ async def test_v1_trainer_path_with_ray_transfer_queue_and_the_plugins_replay_bu
     for s in range(N):
         assert adv[f"{split}_{s}_0"][0] != 0 and adv[f"{split}_{s}_1"][0] == adv[f"{split}_{s}_0"][0]
     assert fixed.jobs["dead"] == 3 * N
+
+    # the shipped V1 sampler evicts the group with the filtered rows and asks verl for one fresh prompt
+    from trainer_plugins.verl.replay_buffer import FILTERED_METRIC
+    from verl.utils.import_utils import load_extern_type
+
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+    sampler = tq_worker.config.trainer.v1.sampler
+    kwargs = dict(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=1,
+                  max_off_policy_strategy="drop", sampler_kwargs={"filter_groups_enable": False})
+    # (DAPO off here, so only the filtered rows decide; verl's own buffer would train all three groups)
+    assert ReplayBufferAsync(**kwargs).get_sampleable_count(3, "train") == 3
+    refills = []
+    buffer = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)(
+        **kwargs, refill_fn=refills.append)
+    meta, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=2)
+    assert refills == [1] and metrics[f"training/{FILTERED_METRIC}"] == 1
+    assert {k.split("_")[0] for k in meta.keys} == {normal, split} and dead not in store.tags

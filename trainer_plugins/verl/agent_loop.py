@@ -260,6 +260,7 @@ class ProRLAgentLoop(AgentLoopBase):
             asyncio.CancelledError: the loop was cancelled (the job is cancelled on the server first).
             InvalidRowError: the row maps to no valid instance (the server answered 4xx, or the job failed
                 with ``failure_kind="invalid_instance"``).
+            RuntimeError: a rollout server refused our bearer token (401/403).
         """
         urls, headers = await self._servers()
         if self.managed:  # registers the trainer's replicas (through the relay) before the first job
@@ -333,10 +334,13 @@ class ProRLAgentLoop(AgentLoopBase):
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as s:
             async with s.post(f"{url}/process", json=body) as r:
                 data = await r.json(content_type=None)
-        if 400 <= r.status < 500:
+        if r.status in (401, 403):
+            raise RuntimeError(f"rollout server {url} refused our bearer token (HTTP {r.status}): set `token` "
+                               "(PRORL_TOKEN) or use the servers.json that carries it")
+        if 400 <= r.status < 500 and r.status not in (408, 429):
             raise InvalidRowError(f"rollout server {url} refused the instance of row ({row_name(row)}): "
                                   f"HTTP {r.status} {data}")
-        if r.status != 200:  # 503 (no backend yet, stopping), 500: another attempt, elsewhere
+        if r.status != 200:  # 503 (no backend yet, stopping), 5xx, 408/429: another attempt, elsewhere
             return {"job_id": body["job_id"], "reward": 0.0, "resolved": False, "critical_error": "run",
                     "failure_kind": "rollout_server", "filter": True, "trajectories": [],
                     "error": f"rollout server {url} answered HTTP {r.status}: {data}"}
