@@ -196,6 +196,24 @@ async def test_v1_worker_stores_every_segment_and_a_zero_loss_row_for_a_failed_j
         assert a0[0] != 0 and torch.allclose(a0[:6], a0[0].expand(6))
         assert torch.allclose(a1[:5], a0[0] * torch.tensor([1.0, 1, 0, 1, 1]))
 
+    # the shipped V1 sampler evicts the group with the filtered rows and asks verl for one fresh prompt
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+    from verl.utils.import_utils import load_extern_type
+
+    from trainer_plugins.verl.replay_buffer import FILTERED_METRIC
+
+    sampler = tq_worker.config.trainer.v1.sampler
+    kwargs = dict(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=1,
+                  max_off_policy_strategy="drop", sampler_kwargs={"filter_groups_enable": False})
+    # (DAPO off here, so only the filtered rows decide; verl's own buffer would train all three groups)
+    assert ReplayBufferAsync(**kwargs).get_sampleable_count(3, "train") == 3
+    refills = []
+    buffer = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)(
+        **kwargs, refill_fn=refills.append)
+    meta, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=2)
+    assert refills == [1] and metrics[f"training/{FILTERED_METRIC}"] == 1
+    assert {k.split("_")[0] for k in meta.keys} == {normal, split} and dead not in store.tags
+
 
 # ------------------------------------------------------------------------------ real tier: Ray + TransferQueue
 @pytest.fixture(scope="module")
@@ -264,20 +282,3 @@ async def test_v1_trainer_path_with_ray_transfer_queue_and_the_plugins_replay_bu
         assert adv[f"{split}_{s}_0"][0] != 0 and adv[f"{split}_{s}_1"][0] == adv[f"{split}_{s}_0"][0]
     assert fixed.jobs["dead"] == 3 * N
 
-    # the shipped V1 sampler evicts the group with the filtered rows and asks verl for one fresh prompt
-    from trainer_plugins.verl.replay_buffer import FILTERED_METRIC
-    from verl.utils.import_utils import load_extern_type
-
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
-
-    sampler = tq_worker.config.trainer.v1.sampler
-    kwargs = dict(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=1,
-                  max_off_policy_strategy="drop", sampler_kwargs={"filter_groups_enable": False})
-    # (DAPO off here, so only the filtered rows decide; verl's own buffer would train all three groups)
-    assert ReplayBufferAsync(**kwargs).get_sampleable_count(3, "train") == 3
-    refills = []
-    buffer = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)(
-        **kwargs, refill_fn=refills.append)
-    meta, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=2)
-    assert refills == [1] and metrics[f"training/{FILTERED_METRIC}"] == 1
-    assert {k.split("_")[0] for k in meta.keys} == {normal, split} and dead not in store.tags
