@@ -183,7 +183,7 @@ class Relay:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS picked
+        self.port = self._runner.addresses[0][1]  # the free port the OS picked when port=0
         self._session = aiohttp.ClientSession(headers=self.headers)
         try:
             if self.version is None:
