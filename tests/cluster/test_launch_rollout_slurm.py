@@ -192,6 +192,25 @@ def test_vllm_servers_are_started_and_registered_before_servers_json_appears(slu
     assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
 
 
+def test_training_setup_starts_no_vllm_and_leaves_the_backends_to_the_trainer(slurm_cluster, tmp_path):
+    # the trainer's own servers are the backends: the launcher starts and registers nothing, even with a vLLM
+    # command at hand
+    job_id = submit(slurm_cluster, tmp_path, PRORL_BACKENDS="trainer", PRORL_VLLM_CPU="1",
+                    PRORL_VLLM_CMD=f"{sys.executable} {FAKE_VLLM}")
+    try:
+        sf = wait_ready(slurm_cluster, tmp_path, job_id)
+        server = sf.servers[0]
+        assert server.llm_backends == (), sf
+        assert get(f"{server.url}/status", sf.token)["backends"] == []
+        assert "backends: trainer (training)" in job_output(tmp_path, job_id)
+        assert not list((tmp_path / f"prorl-{job_id}").glob("*.vllm-*.log"))
+        procs = job_processes(job_id)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    slurm_cluster.wait_job_done(job_id, timeout=60)
+    assert_stopped_cleanly(slurm_cluster, tmp_path, job_id, procs)
+
+
 @pytest.mark.skipif(os.environ.get("PRORL_SLOW_TESTS") == "0", reason="PRORL_SLOW_TESTS=0: time-limit test off")
 def test_time_limit_stops_servers_before_slurm_kills_them(slurm_cluster, tmp_path):
     # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the warning signal at the first
