@@ -21,16 +21,25 @@ from __future__ import annotations
 import socket
 import sys
 
-import plain
+if __package__:  # imported as handlers.code.* (the unit tests); in a sandbox it runs as a script beside plain.py
+    from . import plain
+else:
+    import plain
 
 MAX_MESSAGE_CHARS = 2000
 
 
-def _numpy_scalar(value):
-    """A numpy scalar as the Python number it holds (an honest solution may return ``np.float64``)."""
+def _convert(value):
+    """What an honest solution may return that is not plain data but stands for it: a numpy scalar (as the
+    Python number it holds) and the standard library's dicts (``Counter``, ``defaultdict``, ``OrderedDict``,
+    as a dict). The host decodes whatever arrives as plain data, so this only spares honest answers."""
+    import collections
+
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.generic):
         return value.item()
+    if type(value) in (collections.Counter, collections.defaultdict, collections.OrderedDict):
+        return dict.copy(value)
     return value
 
 
@@ -74,7 +83,7 @@ def serve(chan, solution_path: str, entry_point: str) -> None:
             answer["raised"] = _describe(e)
         else:
             try:
-                answer["value"] = plain.encode(result, _numpy_scalar)
+                answer["value"] = plain.encode(result, _convert)
                 send(answer)
                 continue
             except BaseException as e:  # not plain data, too large, or a conversion that raised

@@ -10,11 +10,12 @@ One JSON line each way (values encoded by :mod:`plain`)::
 
     -> {"hello": TOKEN}
     <- {"job": {"prompt": str, "tests": str, "entry_point": str}}
+    -> {"ready": true}   (the tests loaded) | {"invalid_tests": str} | {"verdict": ...} (no check function)
     <- {"start": true} | {"abort": str}
     -> {"call": {"args": [<value>...], "kwargs": {"name": <value>}}}        (per candidate call)
     <- {"value": <value>} | {"raised": {"type": str, "message": str}} | {"fatal": str}
     -> {"verdict": {"passed": bool, "error": str|null, "failed_test": str|null}}
-       | {"grader_error": str}   (the tests could not be run: e.g. an argument that is not plain data)
+       | {"invalid_tests": str}  (the tests do not load, or pass an argument that is not plain data)
 
 The proxy only ever hands the tests freshly decoded plain data, so nothing the solution controls runs here.
 A ``fatal`` answer (the solution's process died, timed out, or answered garbage or a value that is not plain
@@ -29,7 +30,10 @@ import socket
 import sys
 import traceback
 
-import plain
+if __package__:  # imported as handlers.code.* (the unit tests); in a sandbox it runs as a script beside plain.py
+    from . import plain
+else:
+    import plain
 
 TESTS_FILE = "<hidden tests>"
 PROMPT_FILE = "<prompt>"
@@ -48,7 +52,7 @@ class CandidateFault(BaseException):
     fails, whatever the tests do with this exception."""
 
 
-class GraderFault(BaseException):
+class InvalidTests(BaseException):
     """The tests passed the candidate an argument that is not plain data: they cannot be graded here."""
 
 
@@ -84,7 +88,7 @@ class Grading:
     def __init__(self, chan: Channel) -> None:
         self.chan = chan
         self.fault: str | None = None
-        self.grader_error: str | None = None
+        self.invalid_tests: str | None = None
 
     def candidate(self, *args, **kwargs):
         if self.fault is not None:
@@ -93,8 +97,8 @@ class Grading:
             call = {"args": [plain.encode(a) for a in args], "kwargs": {k: plain.encode(v) for k, v in kwargs.items()}}
             line = plain.dumps_line({"call": call})
         except plain.PlainDataError as e:
-            self.grader_error = f"the tests passed the candidate an argument that cannot be sent: {e}"
-            raise GraderFault(self.grader_error) from None
+            self.invalid_tests = f"they pass the candidate an argument that cannot be sent: {e}"
+            raise InvalidTests(self.invalid_tests) from None
         self.chan.sock.sendall(line)
         reply = self.chan.recv()
         if "value" in reply:
@@ -119,10 +123,11 @@ def run_tests(chan: Channel, job: dict) -> dict:
             exec(prompt_code, ns)
         exec(compile(job["tests"], TESTS_FILE, "exec"), ns)
     except BaseException as e:
-        return {"grader_error": f"the tests failed to load: {type(e).__name__}: {e}"}
+        return {"invalid_tests": f"they failed to load: {type(e).__name__}: {e}"}
     check = ns.get("check")
     if not callable(check):
         return {"verdict": {"passed": False, "error": "the tests define no check(candidate)", "failed_test": None}}
+    chan.send({"ready": True})
     start = chan.recv()
     if "start" not in start:
         return {"verdict": {"passed": False, "error": str(start.get("abort")), "failed_test": None}}
@@ -132,6 +137,10 @@ def run_tests(chan: Channel, job: dict) -> dict:
         return grading.candidate(*args, **kwargs)
 
     candidate.__name__ = candidate.__qualname__ = job["entry_point"]
+    # The tests see the function's own name as the candidate too, as in HumanEval's reference execution (prompt,
+    # completion and tests in one program): HumanEval/33 compares candidate(x) with sort_third(x). The prompt's
+    # other helpers stay the prompt's: the solution cannot redefine what the tests check with.
+    ns[job["entry_point"]] = candidate
     error = failed = None
     try:
         check(candidate)
@@ -139,8 +148,8 @@ def run_tests(chan: Channel, job: dict) -> dict:
         frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == TESTS_FILE]
         failed = frames[-1].line if frames else None
         error = f"{type(e).__name__}: {e}".strip()
-    if grading.grader_error is not None:
-        return {"grader_error": grading.grader_error}
+    if grading.invalid_tests is not None:
+        return {"invalid_tests": grading.invalid_tests}
     if grading.fault is not None:  # also when the tests caught the fault and carried on
         return {"verdict": {"passed": False, "error": f"candidate fault: {grading.fault}", "failed_test": failed}}
     return {"verdict": {"passed": error is None, "error": error, "failed_test": failed}}

@@ -16,7 +16,9 @@ The graded code and its grader never share a sandbox, a process, a stream or a w
   The verdict travels from G to the host over G's socket, which S cannot reach.
 
 S dying, timing out, or answering garbage or a value that is not plain data fails the test run (reward 0.0).
-G failing or answering garbage is an infrastructure fault: :class:`GraderError`.
+G failing or answering garbage is an infrastructure fault (:class:`GraderError`); tests that do not load, or
+that pass the candidate an argument that is not plain data, make the instance invalid
+(:class:`~prorl_server.failures.InvalidInstanceError`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Union
 
+from handlers.base import InfrastructureError, InvalidInstanceError
 from handlers.code import plain
 
 log = logging.getLogger(__name__)
@@ -44,18 +47,22 @@ GRADER_DIR = "/run/prorl-grader"
 SOCKET_NAME = "chan.sock"
 SOLUTION_NAME = "solution.py"
 #: Limits of the solution's processes (``sandbox.Limits`` fields): enough for any honest HumanEval answer.
-CANDIDATE_LIMITS = {"max_processes": 64, "max_memory_bytes": 4 << 30, "max_file_bytes": 16 << 20}
+CANDIDATE_LIMITS = {"max_processes": 64, "max_memory_bytes": 8 << 30, "max_file_bytes": 16 << 20}
 #: Limits of the grader's processes (trusted code; bounded all the same).
-GRADER_LIMITS = {"max_processes": 64, "max_memory_bytes": 4 << 30, "max_file_bytes": 16 << 20}
+GRADER_LIMITS = {"max_processes": 64, "max_memory_bytes": 8 << 30, "max_file_bytes": 16 << 20}
 # How long the grader's process may take to connect (interpreter start): beyond that it is an infrastructure
 # fault, not charged to the solution.
 GRADER_START_TIMEOUT_S = 30.0
 _MAX_INFO_CHARS = 2000
 
 
-class GraderError(RuntimeError):
-    """The grader sandbox failed (did not start its grader, crashed, answered garbage, or the tests cannot be
-    run by this protocol): an infrastructure fault, not the solution's. The eval stage fails with it."""
+class GraderError(InfrastructureError, RuntimeError):
+    """The grader's sandbox failed (its grader did not connect, ended without a verdict, or answered
+    garbage): an infrastructure fault, not the solution's. The eval stage fails with it
+    (``failure_kind="harness"``, the sample is filtered out of training)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("harness", message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +239,8 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
     s_dir, g_dir, empty_dir = dirs
     codec = (HERE / "plain.py").read_bytes()
     empty_file = os.path.join(root, "empty-file")
-    files = {(root, "empty-file"): b"", (s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(), (s_dir, "plain.py"): codec,
+    files = {(root, "empty-file"): b"", (s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(),
+             (s_dir, "plain.py"): codec,
              (s_dir, SOLUTION_NAME): solution.encode("utf-8", errors="surrogateescape"),
              (g_dir, "grader.py"): (HERE / "grader.py").read_bytes(), (g_dir, "plain.py"): codec}
     for (d, name), data in files.items():
@@ -277,6 +285,8 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
 
     Raises:
         GraderError: the grader sandbox's process failed (see the class).
+        InvalidInstanceError: the instance's tests do not load, or pass the candidate an argument that is not
+            plain data.
         sandbox.SandboxError: a sandbox failed to start.
     """
     loop = asyncio.get_running_loop()
@@ -310,14 +320,21 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         for t in tasks:
             t.add_done_callback(_consume)
         grader = await _accept_grader(g_listener, g_task, token, loop.time() + GRADER_START_TIMEOUT_S)
-        await grader.send({"job": {"prompt": instance["prompt"], "tests": instance["tests"],
-                                   "entry_point": instance["entry_point"]}})
+        await _to_grader(grader, {"job": {"prompt": instance["prompt"], "tests": instance["tests"],
+                                          "entry_point": instance["entry_point"]}})
         try:
             candidate = await _start_candidate(s_listener, deadline, limits)
         except _Fault as e:
             await _send_quietly(grader, {"abort": str(e)})
             return _fail(str(e), e.timed_out)
-        await grader.send({"start": True})
+        # G says whether its tests loaded before it is told to start, so that nothing is written to a G that
+        # has already ended (its last message would be lost with the connection).
+        ready = await _from_grader(grader, g_task, deadline, limits)
+        if isinstance(ready, tuple):  # a verdict without a test run (no check function), or the time is up
+            return ready
+        if ready != {"ready": True}:
+            raise GraderError("the grader called the candidate before it was told to start")
+        await _to_grader(grader, {"start": True})
         return await _relay(grader, g_task, candidate, deadline, limits)
     finally:
         for t in tasks:
@@ -326,6 +343,13 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         g_listener.close()
         await _close_all(handles)
         await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+async def _to_grader(grader: _Peer, message: dict) -> None:
+    """Send to G. A G that has gone shows at the next read (its buffered last message, or the end of the
+    connection), where it is told apart from one that sent a verdict and exited: so a send error is ignored."""
+    with contextlib.suppress(ConnectionError, OSError):
+        await grader.send(message)
 
 
 async def _send_quietly(peer: _Peer, message: dict) -> None:
@@ -395,35 +419,47 @@ async def _start_candidate(listener: _Listener, deadline: float, limits: Grading
     raise _Fault("the solution's process answered garbage instead of its load status")
 
 
+async def _from_grader(grader: _Peer, g_task: asyncio.Task, deadline: float,
+                       limits: GradingLimits) -> Union[dict, tuple[float, dict[str, Any]]]:
+    """G's next message (a dict) if it is ``ready`` or a ``call``; the result of :func:`grade` (a tuple) if G
+    has a verdict or the time is up. Raises :class:`GraderError` / ``InvalidInstanceError`` (see :func:`grade`)."""
+    try:
+        msg = await _until(grader.recv(), deadline)
+    except asyncio.TimeoutError:
+        return _fail(f"the tests exceeded the {limits.timeout_s:g} s limit", timed_out=True)
+    except (EOFError, OSError):
+        raise GraderError(f"the grader ended without a verdict ({await _grader_output(g_task)})") from None
+    except plain.PlainDataError as e:
+        raise GraderError(f"the grader sent a malformed message: {e}") from None
+    if "verdict" in msg:
+        return _verdict(msg["verdict"])
+    if "invalid_tests" in msg:
+        raise InvalidInstanceError(f"the instance's tests cannot be run: "
+                                   f"{str(msg['invalid_tests'])[:_MAX_INFO_CHARS]}")
+    if msg == {"ready": True} or isinstance(msg.get("call"), dict):
+        return msg
+    raise GraderError(f"the grader sent an unknown message: {sorted(msg)[:5]}")
+
+
 async def _relay(grader: _Peer, g_task: asyncio.Task, candidate: _Peer, deadline: float,
                  limits: GradingLimits) -> tuple[float, dict[str, Any]]:
     """Relay G's calls to S until G's verdict. Returns the result of :func:`grade`."""
     loop = asyncio.get_running_loop()
     call_id = 0
     while True:
-        try:
-            msg = await _until(grader.recv(), deadline)
-        except asyncio.TimeoutError:
-            return _fail(f"the tests exceeded the {limits.timeout_s:g} s limit", timed_out=True)
-        except (EOFError, OSError):
-            raise GraderError(f"the grader ended without a verdict ({await _grader_output(g_task)})") from None
-        except plain.PlainDataError as e:
-            raise GraderError(f"the grader sent a malformed message: {e}") from None
-        if "verdict" in msg:
-            return _verdict(msg["verdict"])
-        if "grader_error" in msg:
-            raise GraderError(f"the grader could not run the tests: {str(msg['grader_error'])[:_MAX_INFO_CHARS]}")
-        call = msg.get("call")
-        if not isinstance(call, dict):
-            raise GraderError(f"the grader sent an unknown message: {sorted(msg)[:5]}")
+        msg = await _from_grader(grader, g_task, deadline, limits)
+        if isinstance(msg, tuple):
+            return msg
+        if "call" not in msg:
+            raise GraderError("the grader said it was ready twice")
         call_id += 1
         try:
-            reply = await _call(candidate, call_id, call, min(deadline, loop.time() + limits.call_timeout_s))
+            reply = await _call(candidate, call_id, msg["call"], min(deadline, loop.time() + limits.call_timeout_s))
         except _Fault as e:
             # The run has failed; the grader's verdict cannot change that, so it is not awaited.
             await _send_quietly(grader, {"fatal": str(e)})
             return _fail(f"call {call_id} of the candidate: {e}", e.timed_out)
-        await grader.send(reply)
+        await _to_grader(grader, reply)
 
 
 async def _call(candidate: _Peer, call_id: int, call: dict, deadline: float) -> dict:

@@ -1,14 +1,23 @@
-"""The ``code`` handler: its eval scores truth on all 164 HumanEval problems, a scripted policy reaches reward
-1.0 through the real server, and a real tiny-model rollout yields complete, token-true trajectories."""
+"""The ``code`` handler: its eval scores truth on all 164 HumanEval problems, the plain-data channel between
+the solution's and the grader's sandboxes keeps honest values intact and refuses everything else, a scripted
+policy reaches reward 1.0 through the real server, and a real tiny-model rollout yields complete, token-true
+trajectories. Solutions that try to forge their reward are in test_reward_integrity.py."""
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import shlex
+import socket
+import textwrap
 
 import pytest
 
-from handlers.code import evaluate_solution
+from handlers.code import GraderError, evaluate_solution, plain
 from handlers.code.data import humaneval_problems, load_dataset, to_instance, validate_instance
+from handlers.code.grader import CandidateError, _rebuilt
+from handlers.code.grading import GRADER_DIR, _call, _Fault, _Peer
+from prorl_server.failures import InvalidInstanceError, classify
 
 
 
@@ -25,10 +34,145 @@ def test_humaneval_ships_164_problems_and_inline_instances_are_checked():
         validate_instance({"prompt": "def f(): ...", "tests": "def check(c): pass"})
 
 
+# ------------------------------------------------------------------------------------- plain-data channel
+HONEST_VALUES = [None, True, False, 0, -1, 2 ** 200, -(3 ** 5000), 0.1, -0.0, math.inf, -math.inf, 1e-310,
+                 1 + 2j, "", "h\u00e9llo\n\"", "\ud800", b"", b"\x00\xff", [], (), {}, set(), frozenset(),
+                 [1, [2, (3, "x")]], (1,), {"a": [1.5], 2: None, (1, 2): frozenset({3})}, {1, "a", (2,)},
+                 frozenset({frozenset({1})}), [[[[[]]]]]]
+
+
+def _typed(value):
+    """``value`` with the exact type of every node spelled out (``{1} == frozenset({1})`` is True)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), [_typed(v) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return (type(value), sorted(map(repr, (_typed(v) for v in value))))
+    if isinstance(value, dict):
+        return (dict, [(_typed(k), _typed(v)) for k, v in value.items()])
+    return (type(value), value)
+
+
+def test_plain_data_round_trips_exactly_with_types_kept():
+    for value in HONEST_VALUES:
+        line = plain.dumps_line({"value": plain.encode(value)})
+        back = plain.decode(plain.loads_line(line)["value"])
+        assert _typed(back) == _typed(value), value
+    nan = plain.decode(plain.loads_line(plain.dumps_line({"v": plain.encode(math.nan)}))["v"])
+    assert type(nan) is float and math.isnan(nan)
+
+
+class _Int(int):
+    def __eq__(self, other):
+        return True
+
+
+class _AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+
+@pytest.mark.parametrize("value", [_Int(1), _AlwaysEqual(), [1, _AlwaysEqual()], {"k": _Int(2)},
+                                   type("S", (str,), {})("x"), type("L", (list,), {})(), iter([1]), len,
+                                   object(), Exception("x")], ids=repr)
+def test_plain_data_refuses_anything_but_exact_builtin_types(value):
+    with pytest.raises(plain.PlainDataError):
+        plain.encode(value)
+
+
+def test_plain_data_refuses_cycles_depth_and_size():
+    cyclic: list = []
+    cyclic.append(cyclic)
+    deep: list = []
+    for _ in range(plain.MAX_DEPTH + 2):
+        deep = [deep]
+    for value in (cyclic, deep):
+        with pytest.raises(plain.PlainDataError, match="deeper"):
+            plain.encode(value)
+    with pytest.raises(plain.PlainDataError, match="larger"):
+        plain.dumps_line({"v": plain.encode("x" * plain.MAX_MESSAGE_BYTES)})
+
+
+@pytest.mark.parametrize("encoded", [1, "s", None, [], ["x"], ["n", 1], ["b", 1], ["i", 5], ["i", "0x10"], ["i", " 1"],
+                                     ["i", "1_0"], ["i", ""], ["f", 1.5], ["f", "1e9999999" * 10], ["f", "abc"],
+                                     ["s", 1], ["y", "!!"], ["l", "abc"], ["l", [1]], ["d", [[["n"]]]],
+                                     ["d", [[["l", []], ["n"]]]], ["S", [["l", []]]], ["t", [["q"]]]], ids=repr)
+def test_plain_data_decoding_is_strict(encoded):
+    with pytest.raises(plain.PlainDataError):
+        plain.decode(encoded)
+
+
+@pytest.mark.parametrize("line", [b"[1]\n", b"{bad\n", b'{"v": NaN}\n', b"\xff\n", b"[" * 100_000 + b"\n"],
+                         ids=["array", "syntax", "nan", "utf8", "deep"])
+def test_protocol_lines_are_parsed_strictly(line):
+    with pytest.raises(plain.PlainDataError):
+        plain.loads_line(line)
+
+
+def test_candidate_exceptions_reach_the_tests_only_as_builtin_exceptions_never_as_stop_iteration():
+    assert type(_rebuilt({"type": "ValueError", "message": "bad"})) is ValueError
+    assert str(_rebuilt({"type": "KeyError", "message": "k"})) == "'k'"
+    for name in ("StopIteration", "StopAsyncIteration", "SystemExit", "KeyboardInterrupt", "GeneratorExit",
+                 "MyError", "print", "UnicodeDecodeError"):
+        e = _rebuilt({"type": name, "message": "m"})
+        assert type(e) is CandidateError and name in str(e)
+
+
+async def _fake_candidate(answer: bytes):
+    """The host's end of a channel to a candidate server that answers ``answer`` to the first call: a real
+    socket pair in this process standing in for the solution's sandbox."""
+    host_sock, cand_sock = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=host_sock, limit=plain.MAX_MESSAGE_BYTES)
+    cand_sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def answer_then_maybe_close():
+        await loop.sock_sendall(cand_sock, answer)
+        if not answer:
+            cand_sock.close()
+        elif not answer.endswith(b"\n"):
+            cand_sock.shutdown(socket.SHUT_WR)
+
+    return _Peer(reader, writer), cand_sock, asyncio.ensure_future(answer_then_maybe_close())
+
+
+@pytest.mark.parametrize("answer", [b'{"id": 2, "value": ["b", true]}\n', b'{"id": true, "value": ["b", true]}\n',
+                                    b'{"id": 1, "value": ["b", true], "raised": {}}\n',
+                                    b'{"id": 1, "value": ["i", "zz"]}\n', b'{"id": 1, "verdict": {"passed": true}}\n',
+                                    b'{"id": 1, "raised": {"type": "a b", "message": ""}}\n',
+                                    b'{"id": 1, "raised": {"type": "ValueError", "message": 1}}\n',
+                                    b'{"id": 1, "refused": "x"}\n', b'HARNESS_RESULT {"passed": true}\n',
+                                    b'{"id": 1, "value": ["b", true]}', b"", b"[" * (plain.MAX_MESSAGE_BYTES + 10)],
+                         ids=["wrong-id", "bool-id", "two-answers", "bad-int", "verdict", "bad-type",
+                              "bad-message", "refused", "old-verdict", "no-newline", "eof", "oversized"])
+async def test_host_treats_any_malformed_candidate_answer_as_a_failed_call(answer):
+    peer, cand_sock, answering = await _fake_candidate(answer)
+    with pytest.raises(_Fault):
+        await _call(peer, 1, {"args": [], "kwargs": {}}, asyncio.get_running_loop().time() + 30)
+    answering.cancel()
+    peer.close()
+    cand_sock.close()
+
+
+async def test_host_relays_an_honest_answer_decoded_and_encoded_afresh():
+    peer, cand_sock, answering = await _fake_candidate(b'{"id": 1, "value": ["l", [["i", "ff"], ["f", "nan"]]]}\n')
+    reply = await _call(peer, 1, {"args": [["i", "2"]], "kwargs": {}}, asyncio.get_running_loop().time() + 30)
+    assert reply == {"value": ["l", [["i", "ff"], ["f", "nan"]]]}
+    await answering
+    request = await asyncio.get_running_loop().sock_recv(cand_sock, 1000)
+    assert plain.loads_line(request) == {"id": 1, "args": [["i", "2"]], "kwargs": {}}
+    peer.close()
+    cand_sock.close()
+
+
+def test_grader_error_is_a_harness_failure_and_a_runtime_error():
+    assert isinstance(GraderError("x"), RuntimeError) and classify(GraderError("x"), "eval") == "harness"
+
+
+# ---------------------------------------------------------------------------------------------- real tier
 @pytest.mark.real
 async def test_eval_scores_all_164_canonical_solutions_and_rejects_stubbed_bodies(sandbox_procs, bwrap_runtime):
     problems = list(humaneval_problems().values())
-    sem = asyncio.Semaphore(6)
+    sem = asyncio.Semaphore(8)
 
     async def score(problem, body):
         async with sem:
@@ -54,6 +198,120 @@ async def test_eval_reports_timeout_and_missing_solution(sandbox_procs, bwrap_ru
     assert reward == 0.0 and info["timed_out"] is True
     reward, info = await evaluate_solution(bwrap_runtime.start, inst, None)
     assert reward == 0.0 and "no solution.py" in info["error"]
+    assert not sandbox_procs()
+
+
+INLINE = {"data_source": "code", "instance_id": "inline/double", "entry_point": "double",
+          "prompt": "def double(x):\n    \"\"\"Twice x; ValueError for a negative x.\"\"\"\n",
+          "tests": textwrap.dedent("""
+              def check(candidate):
+                  assert candidate(2) == 4 and type(candidate(2)) is int
+                  assert candidate(x=3) == 6                     # keyword arguments
+                  assert candidate(2 ** 100) == 2 ** 101          # no digit limit
+                  a = [1, 2]
+                  assert candidate(a) == (1, 2, 1, 2)             # a tuple stays a tuple
+                  assert a == [1, 2]                              # the grader's own objects are never touched
+                  assert type(candidate("numpy")) is float        # a numpy scalar arrives as the number it is
+                  assert candidate("counter") == {"a": 2, "b": 1}   # so does a Counter, as a dict
+                  assert candidate(float("inf")) == float("inf")
+                  try:
+                      candidate(-1)
+                  except ValueError as e:                         # tests may expect the candidate's exceptions
+                      assert "negative" in str(e)
+                  else:
+                      raise AssertionError("no ValueError")
+              """)}
+DOUBLE = textwrap.dedent("""
+    import collections
+    import numpy as np
+    print("noise on stdout", flush=True)
+    def double(x):
+        if x == "numpy":
+            return np.float64(1.5)
+        if x == "counter":
+            return collections.Counter("aab")
+        if isinstance(x, list):
+            x.extend(x)
+            return tuple(x)
+        if x < 0:
+            raise ValueError("negative input")
+        return 2 * x
+    """)
+
+
+@pytest.mark.real
+async def test_honest_values_kwargs_and_exceptions_cross_the_channel_intact(bwrap_runtime, sandbox_procs):
+    reward, info = await evaluate_solution(bwrap_runtime.start, INLINE, DOUBLE)
+    assert (reward, info) == (1.0, {"passed": True, "error": None, "failed_test": None, "timed_out": False})
+    wrong = DOUBLE.replace("raise ValueError", "raise TypeError")
+    reward, info = await evaluate_solution(bwrap_runtime.start, INLINE, wrong)
+    assert reward == 0.0 and info["error"] == "TypeError: negative input"
+    assert info["failed_test"] == "candidate(-1)"
+    assert not sandbox_procs()
+
+
+@pytest.mark.real
+async def test_eval_works_on_the_local_runtime_too(sandbox_procs):
+    from sandbox import make_runtime
+
+    rt = make_runtime("local")
+    problem = humaneval_problems()["HumanEval/0"]
+    good = await evaluate_solution(rt.start, to_instance(problem), problem["prompt"] + problem["canonical_solution"])
+    bad = await evaluate_solution(rt.start, to_instance(problem), problem["prompt"] + "    return True\n")
+    assert good[0] == 1.0 and bad[0] == 0.0, (good, bad)
+    await rt.close_all()
+    assert not sandbox_procs()
+
+
+class _FaultyGraderSandbox:
+    """Fault injection: a real sandbox standing for a grader's sandbox whose grader process fails. Its
+    ``bash`` runs ``fault`` (a Python snippet given the grader's socket and token) instead of the grader."""
+
+    def __init__(self, handle, fault: str) -> None:
+        self._handle, self._fault = handle, fault
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    async def bash(self, command: str, **kw):
+        argv = shlex.split(command)
+        return await self._handle.bash(shlex.join(["python3", "-c", self._fault, *argv[-2:]]), **kw)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("fault", ["raise SystemExit(3)",
+                                   "import socket, sys, json\n"
+                                   "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                                   "s.sendall(json.dumps({'hello': sys.argv[2]}).encode() + b'\\n')\n"
+                                   "s.makefile('rb').readline()\n",
+                                   "import socket, sys, json\n"
+                                   "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                                   "s.sendall(json.dumps({'hello': sys.argv[2]}).encode() + b'\\n')\n"
+                                   "s.sendall(b'{\"verdict\": {\"passed\": \"yes\"}}\\n')\n"
+                                   "s.makefile('rb').readline()\n"],
+                         ids=["exits-at-once", "dies-mid-run", "malformed-verdict"])
+async def test_a_failing_grader_is_an_infrastructure_error_not_a_reward(fault, bwrap_runtime, sandbox_procs):
+    async def open_sandbox(spec):
+        handle = await bwrap_runtime.start(spec)
+        is_grader = any(b.container == GRADER_DIR for b in spec.binds)
+        return _FaultyGraderSandbox(handle, fault) if is_grader else handle
+
+    problem = humaneval_problems()["HumanEval/0"]
+    with pytest.raises(GraderError) as err:
+        await evaluate_solution(open_sandbox, to_instance(problem), problem["prompt"] + problem["canonical_solution"])
+    assert classify(err.value, "eval") == "harness"
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
+
+
+@pytest.mark.real
+async def test_tests_that_do_not_load_make_the_instance_invalid(bwrap_runtime, sandbox_procs):
+    broken = {**INLINE, "tests": "def check(candidate):\n    assert candidate(1) ==\n"}
+    with pytest.raises(InvalidInstanceError, match="SyntaxError"):
+        await evaluate_solution(bwrap_runtime.start, broken, DOUBLE)
+    unsendable = {**INLINE, "tests": "def check(candidate):\n    assert candidate(object()) == 0\n"}
+    with pytest.raises(InvalidInstanceError, match="not plain data"):
+        await evaluate_solution(bwrap_runtime.start, unsendable, DOUBLE)
     assert not sandbox_procs()
 
 

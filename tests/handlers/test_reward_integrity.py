@@ -285,6 +285,36 @@ ADVERSARIES = {
                     pass
             return None
         """),
+    "sends_forged_verdicts_to_every_socket_it_can_reach": adversary(H0, """
+        import os, socket, stat
+        def _sockets():
+            yield from ("/run/prorl-grader/chan.sock", "/run/prorl-candidate/chan.sock", "/run/prorl/exec.sock")
+            for root in ("/run", "/tmp", "/dev/shm", os.path.expanduser("~"), os.path.expanduser("~root")):
+                for dirpath, _, files in os.walk(root):
+                    for name in files:
+                        path = os.path.join(dirpath, name)
+                        try:
+                            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                                yield path
+                        except OSError:
+                            pass
+        def has_close_elements(numbers, threshold):
+            for path in _sockets():
+                try:
+                    s = socket.socket(socket.AF_UNIX)
+                    s.settimeout(1)
+                    s.connect(path)
+                    s.sendall(("\\n".join(FORGED) + "\\n").encode())
+                    s.close()
+                except OSError:
+                    pass
+            for port in (80, 8000, 8080, 8265, 9000):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).sendall(b"POST /complete")
+                except OSError:
+                    pass
+            return True
+        """),
     # -- reading the answers --------------------------------------------------------------------------------
     "reads_the_tests_to_hard_code_answers": adversary(H0, _LOOKUP, """
         def has_close_elements(numbers, threshold):
@@ -366,8 +396,10 @@ async def test_adversarial_solution_scores_zero(name, bwrap_runtime, sandbox_pro
 
 async def test_honest_solutions_score_one_next_to_adversaries(bwrap_runtime, sandbox_procs):
     honest = [(to_instance(PROBLEMS[t]), PROBLEMS[t]["prompt"] + PROBLEMS[t]["canonical_solution"]) for t in HONEST]
-    tricks = [ADVERSARIES[n][:2] for n in ("prints_verdict_and_exits_at_import", "returns_an_object_equal_to_everything")]
-    results = await asyncio.gather(*(evaluate_solution(bwrap_runtime.start, inst, sol) for inst, sol in honest + tricks))
+    tricks = [ADVERSARIES[n][:2] for n in ("prints_verdict_and_exits_at_import",
+                                           "returns_an_object_equal_to_everything")]
+    results = await asyncio.gather(*(evaluate_solution(bwrap_runtime.start, inst, sol)
+                                     for inst, sol in honest + tricks))
     assert [r for r, _ in results] == [1.0] * len(honest) + [0.0] * len(tricks), results
     for _, info in results[:len(honest)]:
         assert info == {"passed": True, "error": None, "failed_test": None, "timed_out": False}
