@@ -165,7 +165,7 @@ class SweHandler(AgentHandler):
                 await self._restore(handle, base, grader, restored, set(base_files))
             info["harness_restored"] = restored
         else:
-            info["patch_applied"] = False
+            info["patch_applied"], info["harness_restored"] = False, {}
         for path, text in (inst.get("test_files") or {}).items():
             await handle.upload(f"repo/{path}", text.encode())
         if inst.get("test_patch"):
