@@ -65,6 +65,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import aiohttp
 
 from trainer_plugins.admission import WindowedFIFO
+from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result
 from trainer_plugins.servers import ServersFile, load_servers
 
 log = logging.getLogger(__name__)
@@ -233,6 +234,15 @@ class StepBatch:
 # ------------------------------------------------------------------------------------------------ client
 
 
+def _describe(instance: Mapping[str, Any], limit: int = 200) -> str:
+    """A short name of an instance for error messages: its id, else its JSON, cut to ``limit`` characters."""
+    import json
+
+    ident = instance.get("instance_id", instance.get("id"))
+    text = f"instance_id={ident!r}" if ident is not None else json.dumps(instance, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def resolve_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]],
                     local_node: Optional[str] = None) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Rollout servers from URLs, a :class:`ServersFile` or the path of ``servers.json``: ``(urls in same-node
@@ -395,6 +405,8 @@ class RolloutClient:
         self._wasted_s = 0.0
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self._jobs: Optional[JobSubmitter] = None
+        self._error: Optional[Exception] = None  # a refused instance or token: raised by next_batch
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "RolloutClient":
@@ -402,6 +414,7 @@ class RolloutClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self.headers,
                                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+            self._jobs = JobSubmitter(session=self._session, unavailable_retry_s=self.unavailable_retry_s)
         if self._replenisher is None:
             self._replenisher = asyncio.create_task(self._replenish_forever())
         return self
@@ -539,28 +552,19 @@ class RolloutClient:
                                 "job_id": sample.job_id, "group_id": f"{self.job_prefix}-{group.uid}"}
         if self.timeout_s is not None:
             body["timeout_s"] = self.timeout_s
-        deadline = time.monotonic() + self.unavailable_retry_s
+        # The shared submit rules (trainer_plugins.jobs): 503 offered again for unavailable_retry_s; a server
+        # that fails or vanishes gives a filtered result (no outcome of the model: regenerated like one the
+        # server filtered); a refused instance or token is an error for the trainer, raised by next_batch.
         try:
-            while True:
-                async with self._session.post(f"{sample.server}/process", json=body) as r:
-                    data = await r.json(content_type=None)
-                # 503: no LLM backend registered yet (or being swapped in a weight update), or the server is
-                # stopped: both pass, so the job is offered again until unavailable_retry_s runs out.
-                if r.status == 503 and not sample.cancel_requested and time.monotonic() < deadline:
-                    await asyncio.sleep(0.25)
-                    continue
-                if r.status != 200:
-                    err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-                    raise RuntimeError(f"{sample.server} answered {r.status}: {err.get('message', data)}")
-                break
-            result = data
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a server that fails or vanishes must not stall the step
-            log.warning("job %s on %s failed: %s", sample.job_id, sample.server, e)
-            # no result from the server is no outcome of the model either: regenerated like a filtered one
-            result = {"job_id": sample.job_id, "reward": 0.0, "critical_error": "client", "error": str(e),
-                      "trajectories": [], "filter": True, "failure_kind": "rollout_server"}
+            result = await self._jobs.submit(sample.server, body, what=f"dataset item {group.index} of epoch "
+                                             f"{group.epoch} ({_describe(group.instance)})",
+                                             cancelled=lambda: sample.cancel_requested)
+        except (InvalidInstanceError, RolloutAuthError) as e:
+            self._error = self._error or e
+            sample.result = filtered_result(sample.job_id, "invalid_instance", str(e))
+            sample.finished_at = time.monotonic()
+            self._discard(group)  # not regenerated: the next next_batch call raises the error
+            return
         finally:
             self._in_flight[sample.server] -= 1
         sample.result = result
@@ -632,24 +636,10 @@ class RolloutClient:
             log.debug("cancelling %d job(s): %s", len(calls), why)
             await asyncio.gather(*calls)
 
-    async def _cancel_job(self, sample: Sample, patience_s: float = 5.0) -> None:
-        # /process may not have reached the server yet (404): retry until the job is known or has ended.
-        deadline = time.monotonic() + patience_s
-        while not sample.done:
-            try:
-                async with self._session.post(f"{sample.server}/cancel", json={"job_id": sample.job_id}) as r:
-                    if r.status == 200:
-                        self._counters["cancelled_jobs"] += 1
-                        return
-                    if r.status != 404:
-                        log.warning("cancel %s on %s: HTTP %d", sample.job_id, sample.server, r.status)
-                        return
-            except aiohttp.ClientError as e:
-                log.warning("cancel %s on %s: %s", sample.job_id, sample.server, e)
-                return
-            if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.05)
+    async def _cancel_job(self, sample: Sample) -> None:
+        # /process may not have reached the server yet (404): retried until the job is known or has ended.
+        if await self._jobs.cancel(sample.server, sample.job_id, done=lambda: sample.done):
+            self._counters["cancelled_jobs"] += 1
 
     # ------------------------------------------------------------------ staleness
     def lag(self, group: Group, version: Optional[int] = None) -> int:
@@ -681,12 +671,16 @@ class RolloutClient:
         bound; take them; cancel what can no longer be used (early termination); report metrics.
 
         Returns fewer groups only when the dataset is exhausted. Raises ``StopAsyncIteration`` when it is
-        exhausted and nothing is left.
+        exhausted and nothing is left; :class:`trainer_plugins.jobs.InvalidInstanceError` (naming the dataset
+        item) when a server or its handler refused an instance, :class:`trainer_plugins.jobs.RolloutAuthError`
+        when a server refused the token: both are the trainer's configuration to fix, never retried.
         """
         await self.start()
         t0 = time.monotonic()
         taken: list[Group] = []
         while len(taken) < self.B:
+            if self._error is not None:
+                raise self._error
             # One at a time: taking the head slides the window and may bring ready groups into it.
             ready = self.queue.takeable()
             due = self._due()

@@ -1,0 +1,123 @@
+"""The ``shout`` handler: a multi-turn task a tiny random model can learn in minutes on a CPU.
+
+Episode (the model's turns are generated token-in/token-out on the job's backend; every other message is the
+environment's, tokenized as a delta and masked out of the loss):
+
+1. system + user: the instance's ``prompt`` (e.g. "Say something about the sea.");
+2. assistant turn 1 (``sampling_params.max_tokens`` tokens at most);
+3. user (the environment): ``feedback`` (default "Louder! Say it again in capital letters only.");
+4. assistant turn 2; steps 3-4 repeat until the model has had ``turns`` turns (default 2).
+
+Reward (:func:`capital_share`, computed from the decoded text of the tokens of the model's **last** turn only):
+capital letters / cased letters (``str.isupper`` / (``isupper`` or ``islower``)); 0.0 when that turn has no
+cased letter (silence, digits or punctuation are not an answer). ``resolved``: at least
+``min_letters`` cased letters, all capitals. For the tiny random test model (vocab 4096, about uniform over
+tokens) the reward starts near 0.19 (measured: 0.18 of the vocabulary's cased letters are capitals); a policy
+that learns to favour the capital-letter tokens raises it towards 1.0.
+
+What the policy could game: nothing outside its own last turn enters the reward (earlier turns and the
+feedback do not), and the reward is a pure function of that text, so the only way up is more capitals and
+fewer lower-case letters in it, which is the task.
+"""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from handlers.base import AgentHandler, InvalidInstanceError
+
+DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
+SYSTEM_PROMPT = "You are a helpful assistant."
+TOPICS = ("the sea", "a mountain", "the city", "a forest", "the weather", "a river", "the night sky", "a garden",
+          "the desert", "a storm", "the harbour", "an old bridge", "a train", "the market", "a lighthouse", "snow")
+
+
+class ShoutInstance(BaseModel):
+    """``{"data_source": "shout", "prompt": str, "feedback"?: str, "turns"?: int (2-8), "min_letters"?: int}``;
+    unknown fields are allowed (``instance_id``, a trainer's bookkeeping)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str = Field(min_length=1, max_length=4000)
+    feedback: str = Field(default=DEFAULT_FEEDBACK, min_length=1, max_length=4000)
+    turns: int = Field(default=2, ge=2, le=8)
+    min_letters: int = Field(default=1, ge=1, le=1000)
+
+
+def capital_share(text: str) -> tuple[float, int]:
+    """``(capitals / cased letters, cased letters)`` of ``text``; ``(0.0, 0)`` when it has no cased letter."""
+    upper = sum(1 for c in text if c.isupper())
+    cased = upper + sum(1 for c in text if c.islower())
+    return (upper / cased if cased else 0.0), cased
+
+
+class ShoutHandler(AgentHandler):
+    """See the module docstring. Instance: :class:`ShoutInstance`."""
+
+    name = "shout"
+    needs_llm = True
+
+    async def init(self, job) -> None:
+        try:
+            job.state["instance"] = ShoutInstance.model_validate(job.instance)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err.get("loc", ())) or "instance"
+            raise InvalidInstanceError(f"shout instance field {field!r}: {err.get('msg')}") from None
+
+    async def run(self, job) -> None:
+        from prorl_server.conversation import Conversation
+
+        inst: ShoutInstance = job.state["instance"]
+        if job.llm is None:
+            raise RuntimeError("this server has no LLM context")
+        backend = await job.backend()
+        tokenizer = await job.llm.tokenizer(backend)
+        max_len = (await job.llm.client.model_info(backend.address)).max_model_len
+        sp = dict(job.sampling_params or {})
+        per_turn = int(sp.pop("max_tokens", 0) or 16)
+        conv = await Conversation.create(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT},
+                                                     {"role": "user", "content": inst.prompt}],
+                                         max_context_tokens=max_len)
+        finish = "max_turns"
+        while conv.num_turns < inst.turns:
+            if conv.room < 1:
+                finish = "length"
+                break
+            comp = await job.llm.client.complete(conv.token_ids, backend=job, max_tokens=min(per_turn, conv.room),
+                                                 sampling_params=sp)
+            conv.add_completion(comp)
+            if conv.num_turns < inst.turns and not await conv.add_messages(
+                    [{"role": "user", "content": inst.feedback}]):
+                finish = "length"
+                break
+        conv.finish(finish)
+        job.messages = conv.messages
+        job.trajectories = conv.trajectories()
+        job.state["turns"] = conv.num_turns
+        job.extra["shout"] = {"turns": conv.num_turns, "finish_reason": finish}
+
+    async def eval(self, job) -> None:
+        inst: ShoutInstance = job.state["instance"]
+        # The reward is the last generated turn's alone, and only if the episode reached it: a rollout cut
+        # short by the context has no answer to the feedback.
+        last = next((m.get("content") or "" for m in reversed(job.messages) if m.get("role") == "assistant"), "")
+        reached = job.state.get("turns", 0) >= inst.turns
+        share, cased = capital_share(last) if reached else (0.0, 0)
+        job.reward = share
+        job.resolved = reached and cased >= inst.min_letters and share == 1.0
+        job.extra.setdefault("shout", {}).update(capital_share=share, cased_letters=cased)
+
+
+def load_dataset(arg: Optional[str] = None, limit: Optional[int] = None, seed: int = 0) -> list[dict]:
+    """``limit`` (default 16) shout instances, prompts "Say something about <topic>." over
+    :data:`TOPICS`, shuffled with ``seed``; ``arg`` is the number of model turns (default 2)."""
+    rng = random.Random(seed)
+    topics = list(TOPICS)
+    rng.shuffle(topics)
+    turns = int(arg) if arg else 2
+    n = limit or 16
+    return [{"data_source": "shout", "instance_id": f"shout-{seed}-{i}",
+             "prompt": f"Say something about {topics[i % len(topics)]}.", "turns": turns} for i in range(n)]

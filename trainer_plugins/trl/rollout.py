@@ -1,0 +1,467 @@
+"""TRL ``GRPOTrainer`` rollouts on ProRL rollout servers.
+
+``GRPOTrainer(rollout_func=ProRLRollout(...))`` (trl 1.16): TRL calls the rollout function with the prompts of
+one generation batch, each prompt repeated ``num_generations`` times in a row (its ``RepeatSampler``), and
+expects, per prompt entry, ``prompt_ids``, ``completion_ids`` and ``logprobs``; ``env_mask`` (1: a token the
+model generated, 0: an environment token) is its loss mask for multi-turn rollouts, and every other key is
+forwarded to the reward functions (``GRPOTrainer._generate`` / ``_calculate_rewards``).
+
+Per call, :meth:`ProRLRollout.__call__`:
+
+1. maps each prompt to a rollout-server instance (:meth:`ProRLRollout.instance_for`: a table built from the
+   instances, or a function); a prompt it cannot map is an :class:`UnknownPromptError` naming the prompt;
+2. runs each entry as one job (``POST /process``) through the shared submit/cancel/retry rules of
+   :mod:`trainer_plugins.jobs`; the ``num_generations`` jobs of one prompt share a ``group_id`` and a rollout
+   server (the least loaded, by this function's own count), so the server keeps them on one LLM backend (the
+   prompt's prefix cache). A result with ``filter: true`` (sandbox died, backend unreachable, timeout, a dead
+   rollout server) is re-submitted up to ``max_sample_retries`` times, on another server when the server did
+   not answer; a prompt the handler refuses is an :class:`~trainer_plugins.jobs.InvalidInstanceError`
+   naming the prompt;
+3. returns the job's trajectory as TRL's row: ``prompt_ids`` / ``completion_ids`` = the server's exact
+   ``prompt_ids`` / ``response_ids`` (model turns *and* the environment's messages between them),
+   ``logprobs`` = ``response_logprobs`` (0.0 on environment tokens), ``env_mask`` = the server's
+   ``loss_mask``, and extra fields for the reward functions: ``prorl_reward`` (the server's reward; use
+   :func:`server_reward` as the reward function), ``prorl_weight_versions``, ``prorl_job_id``,
+   ``prorl_filtered``, ``prorl_failure_kind``.
+
+A rollout split into several segments by a template or context rewrite gives TRL its last segment (the one that
+ends the episode; TRL takes one sequence per row); the others' tokens are counted in
+``tokens_discarded``. A sample still filtered after its retries becomes a row TRL cannot learn from: one EOS
+token with ``env_mask`` 0 and reward ``None`` (:func:`server_reward` returns None for it; TRL leaves a row
+that every reward function scores None out of its group's baseline and gives it advantage 0).
+
+Sampling: every job is sent TRL's ``temperature`` (TRL divides the trainer's logits by it, so the rollout must
+sample at the same temperature for the importance ratio to be 1), ``top_p`` / ``top_k`` when set, and
+``max_tokens`` (per model turn; default ``max_completion_length``).
+
+Per call, :attr:`ProRLRollout.history` gets a :class:`RolloutStats` (rewards, versions, filtered rows,
+discarded tokens, the first-batch importance ratio when ``measure_ratio`` is on).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+from trainer_plugins.client import resolve_servers
+from trainer_plugins.jobs import JobOutcome, JobSubmitter
+from trainer_plugins.servers import ServersFile
+
+log = logging.getLogger(__name__)
+
+Prompt = Union[str, list]
+Instances = Union[Sequence[Mapping[str, Any]], Mapping[str, Mapping[str, Any]], Callable[[Prompt], Mapping[str, Any]]]
+
+
+class UnknownPromptError(KeyError):
+    """A prompt of the dataset maps to no rollout-server instance. The message names the prompt."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown prompt"
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """The text a prompt is looked up by: the prompt itself (a string), or the content of the last ``user``
+    message of a conversational prompt (list of ``{role, content}``)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        for m in reversed(prompt):
+            if isinstance(m, Mapping) and m.get("role") == "user":
+                content = m.get("content")
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+                return str(content)
+    raise UnknownPromptError(f"prompt {_short(prompt)} is neither a string nor a conversation with a user message")
+
+
+def server_reward(prompts: list, completions: list, prorl_reward: Optional[list] = None, **kwargs: Any) -> list:
+    """TRL reward function: the rollout server's reward of each row (``prorl_reward``, forwarded by
+    :class:`ProRLRollout`); ``None`` for a row that must not be trained on.
+
+    Raises:
+        ValueError: the rows did not come from :class:`ProRLRollout` (no ``prorl_reward``).
+    """
+    if prorl_reward is None:
+        raise ValueError("server_reward needs the prorl_reward field: use it with rollout_func=ProRLRollout(...)")
+    return list(prorl_reward)
+
+
+@dataclass
+class RolloutStats:
+    """One :meth:`ProRLRollout.__call__`. ``rewards``: per row (None for filtered rows); ``versions``: the
+    distinct weight versions the batch's turns were generated with; ``filtered_rows``: rows still filtered after
+    their retries; ``retries``: re-submissions; ``failure_kinds``: ``{failure_kind: attempts}`` over every
+    filtered attempt; ``tokens_generated``: response tokens with ``env_mask`` 1 handed to TRL;
+    ``tokens_discarded``: generated tokens not handed to TRL (filtered attempts' are unknown and not counted;
+    earlier segments of split rollouts are); ``ratio_dev``: mean ``|exp(trainer logprob - rollout logprob) - 1|``
+    over the rows' generated tokens, measured before this batch is trained on (``measure_ratio``; else None);
+    ``wall_s``: seconds the call took; ``weight_version``: the version the trainer was at."""
+
+    step: int
+    weight_version: int
+    rewards: list[Optional[float]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    filtered_rows: int = 0
+    retries: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    tokens_generated: int = 0
+    tokens_discarded: int = 0
+    ratio_dev: Optional[float] = None
+    wall_s: float = 0.0
+
+    @property
+    def mean_reward(self) -> Optional[float]:
+        xs = [r for r in self.rewards if r is not None]
+        return sum(xs) / len(xs) if xs else None
+
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread: TRL calls the rollout function and callbacks synchronously,
+    and the HTTP session must outlive one call."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="prorl-trl-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: Optional[float] = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+class ProRLRollout:
+    """TRL ``rollout_func`` that runs each prompt as jobs on ProRL rollout servers (see the module docstring).
+
+    Args:
+        servers: rollout servers: URLs (a list or a comma-separated string), a :class:`ServersFile`, or the
+            path of ``servers.json`` (same-node servers first; its bearer token is used).
+        instances: how a prompt becomes an instance: a list of instances (looked up by ``instance[prompt_field]``,
+            the text the dataset's ``prompt`` column holds, see :meth:`dataset_rows`), a mapping
+            ``prompt text -> instance``, or a function ``prompt -> instance``.
+        prompt_field: the instance field holding the prompt text (for a list of instances).
+        max_tokens: per model turn (default: the trainer's ``max_completion_length``).
+        sampling_params: extra vLLM sampling parameters (temperature/top_p/top_k come from the trainer).
+        job_timeout_s: the job's ``timeout_s`` (counted seconds on the server; None: the server's default).
+        request_timeout_s: wall-clock limit of one attempt, queue waits included; the job is then cancelled and
+            re-submitted (None: none).
+        max_sample_retries: re-submissions of a filtered sample before its row is left out of training.
+        token: bearer token (servers.json brings its own). local_node: for same-node-first ordering.
+        measure_ratio: also run the trainer's model over each batch before it is trained on and record
+            ``ratio_dev`` (costs one forward pass per batch).
+        unavailable_retry_s: how long a job the server answers 503 is offered again (seconds).
+    """
+
+    def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
+                 prompt_field: str = "prompt", max_tokens: Optional[int] = None,
+                 sampling_params: Optional[Mapping[str, Any]] = None, job_timeout_s: Optional[float] = None,
+                 request_timeout_s: Optional[float] = None, max_sample_retries: int = 2,
+                 token: Optional[str] = None, local_node: Optional[str] = None, measure_ratio: bool = False,
+                 unavailable_retry_s: float = 120.0, run_id: Optional[str] = None) -> None:
+        self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
+        if token:
+            headers = {**headers, "Authorization": f"Bearer {token}"}
+        self.headers = headers
+        self.prompt_field = prompt_field
+        self._table: Optional[dict[str, Mapping[str, Any]]] = None
+        self._fn: Optional[Callable[[Prompt], Mapping[str, Any]]] = None
+        if callable(instances) and not isinstance(instances, Mapping):
+            self._fn = instances
+        elif isinstance(instances, Mapping):
+            self._table = {str(k): v for k, v in instances.items()}
+        else:
+            self._table = {}
+            for i, inst in enumerate(instances):
+                if not isinstance(inst, Mapping) or not isinstance(inst.get(prompt_field), str):
+                    raise ValueError(f"instance {i} has no string field {prompt_field!r} to look it up by")
+                self._table[inst[prompt_field]] = inst
+        if max_sample_retries < 0:
+            raise ValueError("max_sample_retries must be >= 0")
+        self.max_tokens = max_tokens
+        self.sampling_params = dict(sampling_params or {})
+        self.job_timeout_s = job_timeout_s
+        self.max_sample_retries = max_sample_retries
+        self.measure_ratio = measure_ratio
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        self.weight_version = 0  # advanced by WeightPushCallback after each push
+        self.history: list[RolloutStats] = []
+        self._calls = 0
+        self._in_flight: Counter = Counter({u: 0 for u in self.urls})
+        self._loop: Optional[_LoopThread] = None
+        self._submitter_args = dict(unavailable_retry_s=unavailable_retry_s, request_timeout_s=request_timeout_s)
+        self._jobs: Optional[JobSubmitter] = None
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def loop(self) -> _LoopThread:
+        if self._loop is None:
+            self._loop = _LoopThread()
+        return self._loop
+
+    def run_async(self, coro, timeout: Optional[float] = None):
+        """Run ``coro`` on this rollout's event loop thread and wait for it (for callbacks)."""
+        return self.loop.run(coro, timeout)
+
+    def close(self) -> None:
+        """Close the HTTP session and stop the loop thread (idempotent)."""
+        if self._loop is not None:
+            if self._jobs is not None:
+                self._loop.run(self._jobs.close())
+                self._jobs = None
+            self._loop.stop()
+            self._loop = None
+
+    def __del__(self) -> None:  # a loop thread is a daemon; the session should still be closed
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _submitter(self) -> JobSubmitter:
+        if self._jobs is None:
+            self._jobs = JobSubmitter(self.headers, **self._submitter_args)
+        return self._jobs
+
+    # ------------------------------------------------------------------ prompts
+    def instance_for(self, prompt: Prompt) -> dict[str, Any]:
+        """The instance of one prompt (a copy).
+
+        Raises:
+            UnknownPromptError: the table has no such prompt, or the function raised KeyError/ValueError or gave
+                no instance with a ``data_source``; the message names the prompt.
+        """
+        key = prompt_key(prompt)
+        try:
+            inst = self._fn(prompt) if self._fn is not None else self._table[key]  # type: ignore[index]
+        except (KeyError, ValueError) as e:
+            raise UnknownPromptError(f"prompt {_short(prompt)} maps to no rollout-server instance ({e!r}); "
+                                     f"{self._known_hint()}") from None
+        if not isinstance(inst, Mapping) or not isinstance(inst.get("data_source"), str):
+            raise UnknownPromptError(f"prompt {_short(prompt)} maps to {_short(inst)}, not an instance with a "
+                                     "data_source")
+        return dict(inst)
+
+    def _known_hint(self) -> str:
+        if self._table is None:
+            return "the instance function refused it"
+        return f"{len(self._table)} prompts are known, e.g. {_short(next(iter(self._table), None))}"
+
+    @staticmethod
+    def dataset_rows(instances: Sequence[Mapping[str, Any]], prompt_field: str = "prompt") -> list[dict[str, Any]]:
+        """Rows for a TRL dataset (``datasets.Dataset.from_list``): ``{"prompt": instance[prompt_field]}`` per
+        instance (the text :meth:`instance_for` looks the instance up by)."""
+        return [{"prompt": inst[prompt_field]} for inst in instances]
+
+    # ------------------------------------------------------------------ TRL entry point
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        """TRL's ``rollout_func(prompts, trainer)`` (see the module docstring).
+
+        Raises:
+            UnknownPromptError, trainer_plugins.jobs.InvalidInstanceError: a prompt with no instance, or one the
+                server's handler refuses (each names the prompt).
+            trainer_plugins.jobs.RolloutAuthError: a server refused the token.
+        """
+        t0 = time.monotonic()
+        n = int(getattr(trainer, "num_generations", 1) or 1) if trainer is not None else 1
+        step = int(getattr(getattr(trainer, "state", None), "global_step", self._calls) or 0)
+        instances = [self.instance_for(p) for p in prompts]  # every prompt is checked before any job runs
+        sp = self._sampling_params(trainer)
+        outcomes = self.run_async(self._run_batch(prompts, instances, sp, n, step))
+        rows = self._rows(prompts, outcomes, trainer, step)
+        self._calls += 1
+        stats = rows.pop("_stats")
+        if self.measure_ratio and trainer is not None:
+            stats.ratio_dev = ratio_deviation(trainer, rows)
+        stats.wall_s = time.monotonic() - t0
+        self.history.append(stats)
+        log.info("rollout step %d: %d rows, mean reward %s, versions %s, %d filtered, %.1f s", step, len(prompts),
+                 stats.mean_reward, stats.versions, stats.filtered_rows, stats.wall_s)
+        return rows
+
+    def _sampling_params(self, trainer: Any) -> dict[str, Any]:
+        sp = dict(self.sampling_params)
+        args = getattr(trainer, "args", None)
+        if args is not None:
+            sp.setdefault("temperature", float(getattr(trainer, "temperature", args.temperature)))
+            if getattr(args, "top_p", None) not in (None, 1.0):
+                sp.setdefault("top_p", float(args.top_p))
+            if getattr(args, "top_k", None) not in (None, 0, -1):
+                sp.setdefault("top_k", int(args.top_k))
+        max_tokens = self.max_tokens or (getattr(args, "max_completion_length", None) if args is not None else None)
+        if max_tokens:
+            sp["max_tokens"] = int(max_tokens)
+        return sp
+
+    async def _run_batch(self, prompts: list, instances: list[dict], sp: dict, n: int,
+                         step: int) -> list[JobOutcome]:
+        jobs = self._submitter()
+        groups: list[tuple[str, str]] = []  # per row: (group_id, server)
+        group_server: dict[int, str] = {}
+        for i in range(len(prompts)):
+            g = i // n  # TRL's RepeatSampler puts the n samples of a prompt in a row
+            if g not in group_server:
+                group_server[g] = min(self.urls, key=lambda u: self._in_flight[u])
+            server = group_server[g]
+            self._in_flight[server] += 1
+            groups.append((f"trl-{self.run_id}-s{step}-c{self._calls}-g{g}", server))
+
+        async def one(i: int) -> JobOutcome:
+            gid, server = groups[i]
+            body: dict[str, Any] = {"instance": instances[i], "sampling_params": sp, "group_id": gid}
+            if self.job_timeout_s is not None:
+                body["timeout_s"] = float(self.job_timeout_s)
+
+            def pick(urls: Sequence[str], unreachable: set[str]) -> str:
+                # the group's server first; after it failed to answer, the least loaded of the others
+                if server not in unreachable:
+                    return server
+                others = [u for u in urls if u not in unreachable] or list(urls)
+                return min(others, key=lambda u: self._in_flight[u])
+
+            try:
+                return await jobs.run(self.urls, body, max_sample_retries=self.max_sample_retries, pick=pick,
+                                      what=f"prompt {_short(prompts[i])} (row {i})", job_prefix=gid)
+            finally:
+                self._in_flight[server] -= 1
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # one row's error (a refused prompt) ends the batch: cancel the others' jobs on the servers
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def _rows(self, prompts: list, outcomes: list[JobOutcome], trainer: Any, step: int) -> dict[str, list]:
+        stats = RolloutStats(step=step, weight_version=self.weight_version)
+        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
+                                                "prorl_reward", "prorl_weight_versions", "prorl_job_id",
+                                                "prorl_filtered", "prorl_failure_kind")}
+        fallback_prompt: dict[str, list[int]] = {}
+        pending: list[int] = []
+        kinds: Counter = Counter()
+        for i, oc in enumerate(outcomes):
+            stats.retries += len(oc.attempts)
+            kinds.update(a.failure_kind or "unspecified" for a in oc.attempts)
+            r = oc.result
+            segments = [t for t in r.get("trajectories") or [] if t.get("prompt_ids")]
+            if oc.filtered or not segments:
+                if oc.filtered:
+                    kinds[r.get("failure_kind") or "unspecified"] += 1
+                stats.filtered_rows += 1
+                pending.append(i)
+                for k in out:
+                    out[k].append(None)
+                out["prorl_job_id"][i] = r.get("job_id")
+                out["prorl_filtered"][i] = True
+                out["prorl_failure_kind"][i] = r.get("failure_kind") or "no_trajectory"
+                out["prorl_weight_versions"][i] = []
+                continue
+            seg = segments[-1]
+            stats.tokens_discarded += sum(sum(int(m) for m in s.get("loss_mask") or []) for s in segments[:-1])
+            ids = [int(t) for t in seg["response_ids"]]
+            mask = [int(m) for m in seg.get("loss_mask") or [1] * len(ids)]
+            lps = [float(x) for x in seg.get("response_logprobs") or []]
+            if len(mask) != len(ids) or len(lps) != len(ids):
+                raise ValueError(f"job {r.get('job_id')}: {len(ids)} response tokens, {len(mask)} mask entries, "
+                                 f"{len(lps)} logprobs")
+            versions = [v for v in seg.get("weight_versions") or () if isinstance(v, int)]
+            if not versions and isinstance(r.get("weight_version"), int):
+                versions = [r["weight_version"]]
+            out["prompt_ids"].append([int(t) for t in seg["prompt_ids"]])
+            out["completion_ids"].append(ids)
+            out["logprobs"].append(lps)
+            out["env_mask"].append(mask)
+            out["prorl_reward"].append(float(r.get("reward") or 0.0))
+            out["prorl_weight_versions"].append(versions)
+            out["prorl_job_id"].append(r.get("job_id"))
+            out["prorl_filtered"].append(False)
+            out["prorl_failure_kind"].append(None)
+            fallback_prompt.setdefault(prompt_key(prompts[i]), out["prompt_ids"][-1])
+            stats.tokens_generated += sum(mask)
+            for v in versions:
+                if v not in stats.versions:
+                    stats.versions.append(v)
+        eos = _eos_id(trainer)
+        for i in pending:
+            # A row TRL cannot learn from: the prompt (a sibling's tokens, else the chat template's), one EOS
+            # token outside the loss, and reward None (out of the group baseline, advantage 0).
+            out["prompt_ids"][i] = fallback_prompt.get(prompt_key(prompts[i])) or _render_prompt(trainer, prompts[i])
+            out["completion_ids"][i] = [eos]
+            out["logprobs"][i] = [0.0]
+            out["env_mask"][i] = [0]
+        stats.rewards = list(out["prorl_reward"])
+        stats.failure_kinds = dict(kinds)
+        stale = [v for v in stats.versions if v != self.weight_version]
+        if stale:
+            log.warning("rollout step %d: turns generated with weight versions %s while the trainer is at %d",
+                        step, stale, self.weight_version)
+        out["_stats"] = stats  # type: ignore[assignment]
+        return out
+
+
+def ratio_deviation(trainer: Any, rows: Mapping[str, list]) -> Optional[float]:
+    """Mean ``|exp(trainer logprob - rollout logprob) - 1|`` over the generated tokens (``env_mask`` 1) of
+    ``rows``, with the trainer's model as it is now, its logits divided by TRL's temperature (what TRL's loss
+    sees). None when no row has a generated token."""
+    import torch
+
+    model = trainer.model
+    temp = float(getattr(trainer, "temperature", 1.0) or 1.0)
+    device = next(model.parameters()).device
+    devs: list[float] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for p, c, lps, mask in zip(rows["prompt_ids"], rows["completion_ids"], rows["logprobs"], rows["env_mask"]):
+                if not any(mask):
+                    continue
+                ids = torch.tensor([list(p) + list(c)], device=device)
+                logits = model(input_ids=ids).logits[0, len(p) - 1:-1].float() / temp
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(c, device=device)[:, None])[:, 0]
+                for k, m in enumerate(mask):
+                    if m:
+                        devs.append(abs(math.exp(float(lp[k]) - lps[k]) - 1.0))
+    finally:
+        model.train(was_training)
+    return sum(devs) / len(devs) if devs else None
+
+
+def _eos_id(trainer: Any) -> int:
+    tok = getattr(trainer, "processing_class", None)
+    tok = getattr(tok, "tokenizer", tok)
+    for tid in (getattr(tok, "eos_token_id", None), getattr(tok, "pad_token_id", None)):
+        if isinstance(tid, int):
+            return tid
+    return 0
+
+
+def _render_prompt(trainer: Any, prompt: Prompt) -> list[int]:
+    tok = getattr(trainer, "processing_class", None)
+    tok = getattr(tok, "tokenizer", tok)
+    if tok is None:
+        return [0]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids] or [0]
+
+
+def _short(x: Any, limit: int = 160) -> str:
+    s = repr(x)
+    return s if len(s) <= limit else s[:limit] + "..."

@@ -1,0 +1,167 @@
+"""vLLM worker extension that loads new weights into a running vLLM server, CPU included.
+
+Start vLLM with it and with its development endpoints::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --worker-extension-cls trainer_plugins.vllm_weights.WeightLoaderExtension ...
+
+then call it through vLLM's ``POST /collective_rpc`` (every worker runs the method; only string arguments
+cross the HTTP API, so the weights travel as a file the trainer wrote)::
+
+    {"method": "prorl_load_weights", "args": ["/shared/run1/weights/step-3.safetensors"]}
+
+The trainer side of this is :func:`trainer_plugins.trl.weights.push_weights` (and its TRL callback).
+
+Why a worker extension. vLLM's own ``reload_weights`` does not change what a CPU server generates: on CPU,
+``UnquantizedLinearMethod.process_weights_after_loading`` hands each linear layer's weight to
+``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py), which packs it into a kernel-specific
+layout held by a closure (``layer.cpu_linear``: oneDNN ``create_onednn_mm``, the SGL ``convert_weight_packed``
+kernel, or zentorch) and replaces ``layer.weight`` by an empty tensor; the LM head
+(``UnquantizedEmbeddingMethod``) is packed the same way but keeps its weight. Loading into the parameters
+leaves the packed copies, the ones the forward pass uses, as they were. :meth:`prorl_load_weights`
+therefore gives every unquantized linear layer back a full-size weight parameter (with vLLM's own weight
+loader), loads the checkpoint through the model's ``load_weights`` (which knows the fused ``qkv_proj`` /
+``gate_up_proj`` layouts), then runs each layer's ``process_weights_after_loading`` again so the packed
+copies are rebuilt from the new values. On GPU the same call works (there is nothing to pack; the weights
+are loaded in place).
+
+The file is a safetensors file (or a directory of them) with the trainer's (Hugging Face) parameter names;
+its tensors are loaded as they are (the server's dtype is applied by the weight loaders).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+def _safetensors_files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {path}")
+        return files
+    if not p.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    return [p]
+
+
+def _iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def _packed_linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Unquantized linear layers whose weight the CPU GEMM dispatch removed (kept only in packed form)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    out = []
+    for module in model.modules():
+        if (isinstance(module, LinearBase) and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+                and getattr(module, "weight", None) is not None and module.weight.numel() == 0):
+            out.append(module)
+    return out
+
+
+def _restore_weight(layer: torch.nn.Module) -> None:
+    """Give ``layer`` a full-size weight parameter again, created the way vLLM created it at start-up
+    (``UnquantizedLinearMethod.create_weights`` with the layer's own weight loader), so the checkpoint
+    loader can write into it (fused layers included)."""
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+
+    method = layer.quant_method
+    loader = (layer.weight_loader_v2 if method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+              else layer.weight_loader)
+    dtype = layer.params_dtype
+    del layer._parameters["weight"]
+    method.create_weights(layer=layer, input_size_per_partition=layer.input_size_per_partition,
+                          output_partition_sizes=list(layer.output_partition_sizes), input_size=layer.input_size,
+                          output_size=layer.output_size, params_dtype=dtype, weight_loader=loader)
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls`` (vLLM >= 0.9): its methods are callable
+    through ``collective_rpc``. ``self`` is the worker (``self.model_runner`` holds the model)."""
+
+    def _prorl_model(self) -> torch.nn.Module:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    @torch.no_grad()
+    def prorl_load_weights(self, path: str, expected_sha256: str = "") -> dict[str, Any]:
+        """Load the weights in ``path`` (a safetensors file or a directory of them, Hugging Face names) into
+        the served model and rebuild the CPU kernels' packed copies.
+
+        Args:
+            path: file or directory readable by the vLLM worker (same node or a shared file system).
+            expected_sha256: when given (hex), the file's SHA-256 must match (a torn or stale file is refused
+                before anything is loaded).
+
+        Returns:
+            ``{"loaded": int (tensors read), "params": int (model parameters written), "repacked": int
+            (layers whose kernel weights were rebuilt), "load_s": float (seconds)}``.
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: checksum mismatch, or a tensor name the model does not
+            have (nothing of a mismatched file is loaded; a load that fails half-way leaves the model mixed,
+            and the caller keeps the old version registered: see ``push_weights``).
+        """
+        t0 = time.monotonic()
+        files = _safetensors_files(path)
+        if expected_sha256:
+            if len(files) != 1:
+                raise ValueError("expected_sha256 is for a single weights file")
+            h = hashlib.sha256()
+            with open(files[0], "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != expected_sha256:
+                raise ValueError(f"{path}: sha256 {h.hexdigest()} != expected {expected_sha256}")
+        model = self._prorl_model()
+        # Names are checked before anything is touched: a checkpoint of another model is refused whole.
+        from safetensors import safe_open
+
+        names: list[str] = []
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                names.extend(sf.keys())
+        if not names:
+            raise ValueError(f"{path} holds no tensor")
+
+        packed = _packed_linear_layers(model)
+        for layer in packed:
+            _restore_weight(layer)
+        try:
+            loaded = model.load_weights(_iter_weights(files))
+        finally:
+            # Rebuild every layer's kernel form, whether or not the load finished: a layer left with a
+            # full-size weight but its old packed closure would serve the old weights silently.
+            repacked = 0
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if method is None or not hasattr(method, "process_weights_after_loading"):
+                    continue
+                if module in packed or method.__class__.__name__ in ("UnquantizedEmbeddingMethod",):
+                    method.process_weights_after_loading(module)
+                    repacked += 1
+        return {"loaded": len(names), "params": len(loaded) if loaded is not None else -1, "repacked": repacked,
+                "load_s": time.monotonic() - t0, "pid": os.getpid()}
+
+    @torch.no_grad()
+    def prorl_weights_checksum(self) -> str:
+        """SHA-256 over the served model's parameters as vLLM holds them (packed layers count as empty):
+        a cheap way to tell that a load changed something. For the served *values*, compare logprobs."""
+        h = hashlib.sha256()
+        for name, p in sorted(self._prorl_model().named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+        return h.hexdigest()
