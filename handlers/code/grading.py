@@ -5,7 +5,8 @@ The graded code and its grader never share a sandbox, a process, a stream or a w
 - **S**, the solution's sandbox (fresh, no network, :data:`CANDIDATE_LIMITS`), runs :mod:`candidate
   <handlers.code.candidate>`: it loads the solution and answers calls of its entry point. It gets only the
   solution and the candidate-server code, in a read-only directory outside its (empty, writable) working
-  directory; host paths that hold hidden tests (the HumanEval data) or other sandboxes' sockets are masked.
+  directory; of the host's file system it sees only the system directories, the interpreter and the
+  execution server's package (:func:`_hidden_host_paths`), so no dataset, cache or other sandbox's socket.
 - **G**, the grader's sandbox (fresh, no network), runs :mod:`grader <handlers.code.grader>`: it executes the
   instance's trusted ``prompt`` and ``tests`` (received over its socket: no test file exists anywhere) and
   calls ``check(candidate)`` with a proxy.
@@ -50,15 +51,16 @@ SOLUTION_NAME = "solution.py"
 CANDIDATE_LIMITS = {"max_processes": 64, "max_memory_bytes": 8 << 30, "max_file_bytes": 16 << 20}
 #: Limits of the grader's processes (trusted code; bounded all the same).
 GRADER_LIMITS = {"max_processes": 64, "max_memory_bytes": 8 << 30, "max_file_bytes": 16 << 20}
-# How long the grader's process may take to connect (interpreter start): beyond that it is an infrastructure
-# fault, not charged to the solution.
+# How long the grader's and the candidate server's processes may take to connect (interpreter start, before any
+# solution code runs): beyond that it is an infrastructure fault, not charged to the solution.
 GRADER_START_TIMEOUT_S = 30.0
 _MAX_INFO_CHARS = 2000
 
 
 class GraderError(InfrastructureError, RuntimeError):
-    """The grader's sandbox failed (its grader did not connect, ended without a verdict, or answered
-    garbage): an infrastructure fault, not the solution's. The eval stage fails with it
+    """The grading failed for a reason that is not the solution's: the grader did not connect, ended without
+    a verdict or answered garbage, or the candidate server did not start (it connects before it reads the
+    solution) — an infrastructure fault. The eval stage fails with it
     (``failure_kind="harness"``, the sample is filtered out of training)."""
 
     def __init__(self, message: str) -> None:
@@ -69,8 +71,8 @@ class GraderError(InfrastructureError, RuntimeError):
 class GradingLimits:
     """Time limits of one grading, in seconds.
 
-    - ``timeout_s``: the whole test run, from the start of the solution's process to the verdict (its
-      interpreter start, loading the solution, every call, the tests' own work).
+    - ``timeout_s``: the whole test run, from the moment the solution's process is ready to read the solution
+      to the verdict (loading the solution, every call, the tests' own work between calls).
     - ``call_timeout_s``: one call of the candidate, and loading the solution (never beyond ``timeout_s``).
     """
 
@@ -311,25 +313,32 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
                                                    f"{s_path}/{SOCKET_NAME}", f"{s_path}/{SOLUTION_NAME}",
                                                    instance["entry_point"]])
         g_task = asyncio.ensure_future(g_handle.bash(g_cmd, timeout_s=bash_timeout_s))
-        tasks.append(g_task)
-        deadline = loop.time() + limits.timeout_s
         # The solution's output goes nowhere: the host never reads a stream that the solution can write.
         s_task = asyncio.ensure_future(s_handle.bash(f"{s_cmd} </dev/null >/dev/null 2>&1",
                                                      timeout_s=bash_timeout_s))
-        tasks.append(s_task)
+        tasks += [g_task, s_task]
+        # Both interpreters start at once, on the infrastructure's time: the solution's time limit starts when
+        # its candidate server has connected, before it reads the solution.
+        start_deadline = loop.time() + GRADER_START_TIMEOUT_S
+        accepting = asyncio.ensure_future(_accept_grader(g_listener, g_task, token, start_deadline))
+        connecting = asyncio.ensure_future(_accept_candidate(s_listener, s_task, start_deadline))
+        tasks += [accepting, connecting]
         for t in tasks:
             t.add_done_callback(_consume)
-        grader = await _accept_grader(g_listener, g_task, token, loop.time() + GRADER_START_TIMEOUT_S)
+        grader = await accepting
         await _to_grader(grader, {"job": {"prompt": instance["prompt"], "tests": instance["tests"],
                                           "entry_point": instance["entry_point"]}})
+        candidate = await connecting
+        deadline = loop.time() + limits.timeout_s
         try:
-            candidate = await _start_candidate(s_listener, deadline, limits)
+            await _await_loaded(candidate, deadline, limits)
         except _Fault as e:
             await _send_quietly(grader, {"abort": str(e)})
             return _fail(str(e), e.timed_out)
         # G says whether its tests loaded before it is told to start, so that nothing is written to a G that
         # has already ended (its last message would be lost with the connection).
-        ready = await _from_grader(grader, g_task, deadline, limits)
+        ready = await _from_grader(grader, g_task, max(deadline, loop.time() + GRADER_START_TIMEOUT_S), limits,
+                                   late="the grader did not load the tests in time")
         if isinstance(ready, tuple):  # a verdict without a test run (no check function), or the time is up
             return ready
         if ready != {"ready": True}:
@@ -394,15 +403,26 @@ async def _accept_grader(listener: _Listener, g_task: asyncio.Task, token: str, 
     raise GraderError(f"the grader's process did not connect within {GRADER_START_TIMEOUT_S:g} s")
 
 
-async def _start_candidate(listener: _Listener, deadline: float, limits: GradingLimits) -> _Peer:
-    """S's connection, once the solution has loaded. Raises :class:`_Fault` if it does not connect, fails to
-    load, or answers anything but ``{"loaded": true}`` in time."""
+async def _accept_candidate(listener: _Listener, s_task: asyncio.Task, deadline: float) -> _Peer:
+    """S's connection. The candidate server connects before it reads the solution, so a failure here is the
+    infrastructure's (no interpreter, a sandbox that cannot run it): :class:`GraderError`."""
+    accept = asyncio.ensure_future(listener.accept())
+    timeout = max(0.0, deadline - asyncio.get_running_loop().time())
     try:
-        peer = await _until(listener.accept(), deadline)
-    except asyncio.TimeoutError:
-        raise _Fault(f"the solution's process did not start within the {limits.timeout_s:g} s limit",
-                     timed_out=True) from None
-    listener.stop_listening()  # nothing else (a process the solution starts) can connect afterwards
+        done, _ = await asyncio.wait({accept, s_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not accept.done():
+            accept.cancel()
+    if accept in done:
+        listener.stop_listening()  # nothing else (a process the solution starts) can connect afterwards
+        return accept.result()
+    status = "" if s_task not in done or s_task.exception() else f" (exit {s_task.result().exit_code})"
+    raise GraderError(f"the candidate server did not start{status} within {GRADER_START_TIMEOUT_S:g} s")
+
+
+async def _await_loaded(peer: _Peer, deadline: float, limits: GradingLimits) -> None:
+    """Wait for S's ``{"loaded": true}``. Raises :class:`_Fault` if the solution fails to load, or S ends or
+    answers anything else, or not in time."""
     try:
         hello = await _until(peer.recv(), min(deadline, asyncio.get_running_loop().time() + limits.call_timeout_s))
     except asyncio.TimeoutError:
@@ -413,19 +433,22 @@ async def _start_candidate(listener: _Listener, deadline: float, limits: Grading
     except plain.PlainDataError as e:
         raise _Fault(f"the solution's process answered garbage: {e}") from None
     if hello == {"loaded": True}:
-        return peer
+        return
     if set(hello) == {"loaded", "error"} and hello["loaded"] is False and isinstance(hello["error"], str):
         raise _Fault(hello["error"])
     raise _Fault("the solution's process answered garbage instead of its load status")
 
 
-async def _from_grader(grader: _Peer, g_task: asyncio.Task, deadline: float,
-                       limits: GradingLimits) -> Union[dict, tuple[float, dict[str, Any]]]:
+async def _from_grader(grader: _Peer, g_task: asyncio.Task, deadline: float, limits: GradingLimits,
+                       late: Optional[str] = None) -> Union[dict, tuple[float, dict[str, Any]]]:
     """G's next message (a dict) if it is ``ready`` or a ``call``; the result of :func:`grade` (a tuple) if G
-    has a verdict or the time is up. Raises :class:`GraderError` / ``InvalidInstanceError`` (see :func:`grade`)."""
+    has a verdict or the time is up (``late``: raise :class:`GraderError` with that message instead). Raises
+    :class:`GraderError` / ``InvalidInstanceError`` (see :func:`grade`)."""
     try:
         msg = await _until(grader.recv(), deadline)
     except asyncio.TimeoutError:
+        if late is not None:
+            raise GraderError(late) from None
         return _fail(f"the tests exceeded the {limits.timeout_s:g} s limit", timed_out=True)
     except (EOFError, OSError):
         raise GraderError(f"the grader ended without a verdict ({await _grader_output(g_task)})") from None

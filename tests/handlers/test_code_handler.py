@@ -263,9 +263,10 @@ async def test_eval_works_on_the_local_runtime_too(sandbox_procs):
     assert not sandbox_procs()
 
 
-class _FaultyGraderSandbox:
-    """Fault injection: a real sandbox standing for a grader's sandbox whose grader process fails. Its
-    ``bash`` runs ``fault`` (a Python snippet given the grader's socket and token) instead of the grader."""
+class _FaultySandbox:
+    """Fault injection: a real sandbox standing for a grading sandbox whose process fails. Its ``bash`` runs
+    ``fault`` (a Python snippet given the last two arguments of the real command: for the grader, its socket
+    and token) instead of the grader or the candidate server."""
 
     def __init__(self, handle, fault: str) -> None:
         self._handle, self._fault = handle, fault
@@ -274,27 +275,28 @@ class _FaultyGraderSandbox:
         return getattr(self._handle, name)
 
     async def bash(self, command: str, **kw):
-        argv = shlex.split(command)
+        argv = shlex.split(command.split(" <")[0])
         return await self._handle.bash(shlex.join(["python3", "-c", self._fault, *argv[-2:]]), **kw)
 
 
+HELLO = ("import socket, sys, json\n"
+         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+         "s.sendall(json.dumps({'hello': sys.argv[2]}).encode() + b'\\n')\n")
+
+
 @pytest.mark.real
-@pytest.mark.parametrize("fault", ["raise SystemExit(3)",
-                                   "import socket, sys, json\n"
-                                   "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-                                   "s.sendall(json.dumps({'hello': sys.argv[2]}).encode() + b'\\n')\n"
-                                   "s.makefile('rb').readline()\n",
-                                   "import socket, sys, json\n"
-                                   "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-                                   "s.sendall(json.dumps({'hello': sys.argv[2]}).encode() + b'\\n')\n"
-                                   "s.sendall(b'{\"verdict\": {\"passed\": \"yes\"}}\\n')\n"
-                                   "s.makefile('rb').readline()\n"],
-                         ids=["exits-at-once", "dies-mid-run", "malformed-verdict"])
-async def test_a_failing_grader_is_an_infrastructure_error_not_a_reward(fault, bwrap_runtime, sandbox_procs):
+@pytest.mark.parametrize("role, fault", [
+    ("grader", "raise SystemExit(3)"),
+    ("grader", HELLO + "s.makefile('rb').readline()\n"),
+    ("grader", HELLO + "s.sendall(b'{\"verdict\": {\"passed\": \"yes\"}}\\n'); s.makefile('rb').readline()\n"),
+    ("candidate", "raise SystemExit(127)")],
+    ids=["grader-exits-at-once", "grader-dies-mid-run", "grader-malformed-verdict", "candidate-server-cannot-start"])
+async def test_a_failing_grading_process_is_an_infrastructure_error_not_a_reward(role, fault, bwrap_runtime,
+                                                                                 sandbox_procs):
     async def open_sandbox(spec):
         handle = await bwrap_runtime.start(spec)
         is_grader = any(b.container == GRADER_DIR for b in spec.binds)
-        return _FaultyGraderSandbox(handle, fault) if is_grader else handle
+        return _FaultySandbox(handle, fault) if is_grader == (role == "grader") else handle
 
     problem = humaneval_problems()["HumanEval/0"]
     with pytest.raises(GraderError) as err:

@@ -4,7 +4,7 @@ score 0.0; honest ones score 1.0. Real HumanEval problems, real bubblewrap sandb
 Each adversary is written to win against a grader that shares a process, a stream or a file system with the
 solution (the ``code`` handler before issue #14: one process ran the solution, then the tests, and printed
 its verdict on the stdout the solution shared). Which of them did win there is noted on each entry
-(``old: 1.0``); the others are robustness cases (``old: 0.0``).
+(``old=1.0``); the others are robustness cases (``old=0.0``).
 """
 from __future__ import annotations
 
@@ -404,4 +404,28 @@ async def test_honest_solutions_score_one_next_to_adversaries(bwrap_runtime, san
     for _, info in results[:len(honest)]:
         assert info == {"passed": True, "error": None, "failed_test": None, "timed_out": False}
     await bwrap_runtime.close_all()
+    assert not sandbox_procs()
+
+
+# The cli_agent handler grades /workspace/solution.py with the same function (eval "code", the default for an
+# instance with tests). Its agent here writes the solution it was given and exits without asking the model (its
+# own choice, not a failure); the backend is registered but never contacted.
+WRITER = "open('solution.py', 'w').write(open('answer.txt').read())\n"
+
+
+async def test_cli_agent_code_eval_scores_the_same_tricks_zero(rollout_server, sandbox_procs):
+    client = await rollout_server(["http://127.0.0.1:9"])
+    problem = PROBLEMS[H0]
+    names = ["prints_verdict_and_exits_at_import", "atexit_hook_forges_verdict",
+             "returns_an_object_equal_to_everything", "reads_the_tests_to_hard_code_answers"]
+    answers = [problem["prompt"] + problem["canonical_solution"]] + [ADVERSARIES[n][1] for n in names]
+    results = []
+    for i, answer in enumerate(answers):
+        inst = {**to_instance(problem), "data_source": "cli_agent", "instance_id": f"cli-{i}",
+                "command": "python3 agent.py", "files": {"agent.py": WRITER, "answer.txt": answer}}
+        r = await client.post("/process", json={"instance": inst, "timeout_s": 120})
+        results.append(await r.json())
+    for res in results:
+        assert res["critical_error"] is None, (res["error"], res.get("traceback"))
+    assert [res["reward"] for res in results] == [1.0] + [0.0] * len(names), [r["extra"]["eval"] for r in results]
     assert not sandbox_procs()
