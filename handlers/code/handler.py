@@ -108,9 +108,12 @@ class CodeHandler(AgentHandler):
 
 
 async def _read_solution(handle) -> Optional[str]:
-    from sandbox import SandboxError
+    """The agent's solution file, or None when it wrote none (a missing or unreadable file is the agent's
+    doing: graded as no solution). A dead sandbox is not: its SandboxError propagates and fails the job as
+    an infrastructure fault (``failure_kind="sandbox"``), never a trained-on 0.0."""
+    from sandbox import ToolError
 
     try:
         return (await handle.download(SOLUTION)).decode("utf-8", errors="replace")
-    except SandboxError:
+    except ToolError:
         return None

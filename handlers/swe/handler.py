@@ -34,7 +34,7 @@ import secrets
 import shlex
 from typing import Any
 
-from handlers.base import AgentHandler
+from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
 from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
                                   parse_status, read_report, file_of_test, report_statuses)
 from handlers.swe.run_tests import TIMEOUT_EXIT
@@ -67,12 +67,16 @@ def _spec(instance: dict[str, Any]) -> Any:
 
 
 async def _checkout(handle, instance: dict[str, Any]) -> str:
-    """Copy the repository into the workspace; returns the starting commit. Raises RuntimeError on failure."""
+    """Copy the repository into the workspace; returns the starting commit.
+
+    Raises:
+        InfrastructureError: ``harness`` kind, the copy failed (no model action has run yet).
+    """
     src = REPO_SRC if instance.get("repo") else instance["repo_path"]
     r = await handle.bash(f"mkdir -p ~/repo && cp -a {shlex.quote(src)}/. ~/repo/ 2>&1 && "
                           "git -C ~/repo rev-parse HEAD", timeout_s=300)
     if r.exit_code != 0:
-        raise RuntimeError(f"could not copy the repository from {src}: {r.output[-1000:]}")
+        raise InfrastructureError("harness", f"could not copy the repository from {src}: {r.output[-1000:]}")
     return r.output.strip().splitlines()[-1]
 
 
@@ -171,13 +175,13 @@ class SweHandler(AgentHandler):
         if inst.get("test_patch"):
             r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{grader}/test.diff", timeout_s=120)
             if r.exit_code != 0:
-                raise RuntimeError(f"the instance's test_patch does not apply on the base commit: {r.output[-1000:]}")
+                raise InvalidInstanceError(f"the instance's test_patch does not apply on the base commit: {r.output[-1000:]}")
         await self._run_tests(job, handle, grader, info)
 
     @staticmethod
     async def _restore(handle, base: str, grader: str, paths: dict[str, str], base_files: set[str]) -> None:
         """Delete every harness path the patch touched, then check out from ``base`` those the base commit
-        has. Runs before any code of the patch does. Raises RuntimeError if git fails."""
+        has. Runs before any code of the patch does. Raises InfrastructureError (``harness``) if git fails."""
         await handle.upload(f"{grader}/harness-all", b"\0".join(p.encode("utf-8", "surrogateescape") for p in paths))
         in_base = [p for p in paths if p in base_files]
         await handle.upload(f"{grader}/harness-base", b"\0".join(p.encode("utf-8", "surrogateescape") for p in in_base))
@@ -187,7 +191,7 @@ class SweHandler(AgentHandler):
                   "--pathspec-file-nul" if in_base else ""))
         r = await handle.bash(cmd, timeout_s=120)
         if r.exit_code != 0:
-            raise RuntimeError(f"could not restore the test harness from {base}: {r.output[-1000:]}")
+            raise InfrastructureError("harness", f"could not restore the test harness from {base}: {r.output[-1000:]}")
 
     @staticmethod
     async def _run_tests(job, handle, grader: str, info: dict[str, Any]) -> None:
@@ -221,8 +225,8 @@ class SweHandler(AgentHandler):
 async def _git_output(handle, git_cmd: str, grader: str, name: str) -> bytes:
     """Run ``git_cmd`` in the repository with its output to a file of the grader directory, and download it
     (binary-safe: NUL-separated lists do not travel through the terminal). Only used while no code of the
-    patch has run. Raises RuntimeError when git fails."""
+    patch has run. Raises InfrastructureError (``harness``) when git fails."""
     r = await handle.bash(f"cd ~/repo && {git_cmd} > ../{grader}/{name}", timeout_s=120)
     if r.exit_code != 0:
-        raise RuntimeError(f"{git_cmd.split(' -')[0]} failed in the eval sandbox: {r.output[-1000:]}")
+        raise InfrastructureError("harness", f"{git_cmd.split(' -')[0]} failed in the eval sandbox: {r.output[-1000:]}")
     return await handle.download(f"{grader}/{name}")
