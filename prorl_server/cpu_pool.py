@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import sys
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 #: Default size: one worker per core, at most 4 (scoring shares the node with sandboxes and the server).
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+
+
+WARM_TIMEOUT_S = 300.0
+"""Longest a worker may take to start and import a function's modules (not charged to any call), seconds."""
 
 
 class CpuTimeoutError(TimeoutError):
@@ -53,7 +58,8 @@ class WorkerCrashedError(InfrastructureError):
         super().__init__("harness", message)
 
 
-def _init_worker(nice: int, memory_limit_bytes: Optional[int]) -> None:
+def _init_worker(server_pid: int, nice: int, memory_limit_bytes: Optional[int]) -> None:
+    _exit_with_server(server_pid)
     if nice:
         try:
             os.nice(nice)
@@ -65,6 +71,49 @@ def _init_worker(nice: int, memory_limit_bytes: Optional[int]) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
 
 
+def _exit_with_server(server_pid: int) -> None:
+    """End this worker when the server process ends, even by SIGKILL (then nothing runs ``close()``).
+
+    A worker's parent is the forkserver, which waits for its children's pipes before it exits, so the
+    parent-death signal would never fire: a thread waits on a pidfd of the server instead (Linux >= 5.3; a
+    pidfd never refers to a reused pid). Signals still go to the main thread, where the scorer runs."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(server_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: the pool's close() still ends workers on a clean exit
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="exit-with-server", daemon=True).start()
+
+
+def _warm(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` in a worker (its first call for a function of theirs then pays nothing for them)."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+
+
+def warm_modules(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """What a worker imports before running ``fn`` the first time, uncharged to the call's limit:
+    ``fn``'s module and the names in that module's ``CPU_PRELOAD`` tuple (the heavy modules it imports
+    lazily, e.g. ``("math_verify",)``)."""
+    module = getattr(fn, "__module__", None)
+    if module is None and hasattr(fn, "func"):  # functools.partial
+        return warm_modules(fn.func)
+    if module is None:
+        return ()
+    return (module, *getattr(sys.modules.get(module), "CPU_PRELOAD", ()))
+
+
 class _Slot:
     """One worker process (a one-process executor, created on first use and after a kill or crash)."""
 
@@ -72,6 +121,7 @@ class _Slot:
         self.index = index
         self._make = make
         self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self.warmed: set[str] = set()  # modules imported in the current worker
 
     def submit(self, fn: Callable[..., Any], args: tuple) -> concurrent.futures.Future:
         if self.executor is None:
@@ -88,6 +138,7 @@ class _Slot:
         """Forget this slot's executor (the next call starts a fresh worker); ``kill``: SIGKILL its process
         first (a call is still running in it)."""
         ex, self.executor = self.executor, None
+        self.warmed = set()
         if ex is None:
             return
         if kill:
@@ -127,7 +178,8 @@ class CpuPool:
 
         def make() -> concurrent.futures.ProcessPoolExecutor:
             return concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=ctx, initializer=_init_worker, initargs=(nice, memory_limit_bytes))
+                max_workers=1, mp_context=ctx, initializer=_init_worker,
+                initargs=(os.getpid(), nice, memory_limit_bytes))
 
         self._slots = [_Slot(i, make) for i in range(workers)]
         self._free: Optional[asyncio.Queue[_Slot]] = None
@@ -150,7 +202,8 @@ class CpuPool:
         """``fn(*args)`` in a worker process; waits for a free worker first (that wait is not counted).
 
         Args:
-            timeout_s: wall-clock limit of the call in the worker, seconds.
+            timeout_s: wall-clock limit of the call in the worker, seconds. A worker's start and its first
+                import of ``fn``'s modules (:func:`warm_modules`) are done before and not counted.
 
         Raises:
             CpuTimeoutError: the call ran past ``timeout_s``; its worker was killed.
@@ -179,6 +232,9 @@ class CpuPool:
     async def _call(self, slot: _Slot, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
         outcome = "error"
         try:
+            modules = tuple(m for m in warm_modules(fn) if m not in slot.warmed)
+            if modules:
+                await self._warm(slot, modules)
             try:
                 fut = asyncio.wrap_future(slot.submit(fn, args))
             except BrokenProcessPool as e:  # died while idle: nothing ran yet, but the caller still learns it
@@ -209,6 +265,25 @@ class CpuPool:
                 self._on_outcome(outcome)
             if not self.closed:
                 self._free_slots().put_nowait(slot)
+
+    async def _warm(self, slot: _Slot, modules: tuple[str, ...]) -> None:
+        """Start the slot's worker if needed and import ``modules`` there, outside any call's limit: a worker
+        starting and importing sympy on a loaded node takes seconds that are no answer's doing.
+
+        Raises:
+            WorkerCrashedError: the worker died or did not get ready within :data:`WARM_TIMEOUT_S`.
+        """
+        try:
+            fut = asyncio.wrap_future(slot.submit(_warm, (modules,)))
+            done, _ = await asyncio.wait({fut}, timeout=WARM_TIMEOUT_S)
+            if not done:
+                fut.cancel()
+                raise BrokenProcessPool(f"not ready within {WARM_TIMEOUT_S:g} s")
+            fut.result()
+        except (BrokenProcessPool, ImportError) as e:
+            slot.discard(kill=True)
+            raise WorkerCrashedError(f"CPU worker {slot.index} could not start or import {modules}: {e}") from e
+        slot.warmed.update(modules)
 
     async def close(self) -> None:
         """Stop every worker (killing any still running a call) and wait until they are reaped. Idempotent."""

@@ -29,6 +29,9 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+CPU_PRELOAD = ("math_verify",)
+"""Imported by a CPU pool worker before its first call of :func:`score` (not charged to the call's limit);
+reasoning-gym (2 s, 115 MB) is imported on the first reasoning-gym instance only."""
 MAX_ANSWER_CHARS = 2000
 """Longest boxed answer scored, characters (a 10x10 matrix of fractions fits; a gold answer is far shorter)."""
 PARSE_TIMEOUT_S = 5
