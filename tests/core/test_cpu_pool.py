@@ -185,3 +185,27 @@ def test_arithmetic_refuses_integers_too_large_to_compute_on_the_event_loop():
     for expr in ("((9**999)**999)**999", "(2**1000)**1000", "9**999*" * 60 + "9"):
         with pytest.raises(ValueError, match="larger than"):
             evaluate(expr)
+
+
+def test_workers_exit_when_the_server_process_is_killed():
+    # SIGKILL runs no cleanup: the workers must notice by themselves (their parent, the forkserver, stays up
+    # as long as they do). One worker is busy in a call that would run for an hour.
+    import subprocess
+    import sys
+
+    code = ("import asyncio, os, signal, time\n"
+            "from prorl_server.cpu_pool import CpuPool\n"
+            "async def main():\n"
+            "    p = CpuPool(2)\n"
+            "    print(*await asyncio.gather(p.run(os.getpid, timeout_s=60), p.run(os.getpid, timeout_s=60)),"
+            " flush=True)\n"
+            "    asyncio.create_task(p.run(time.sleep, 3600, timeout_s=3600))\n"
+            "    await asyncio.sleep(0.5)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "asyncio.run(main())\n")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    pids = [int(p) for p in out.stdout.split()]
+    assert out.returncode == -9 and len(pids) == 2
+    assert all(gone(p) for p in pids)
