@@ -96,8 +96,38 @@ class WeightLoaderExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    @torch.no_grad()
+    def _prorl_checkpoint_names(self) -> "set[str] | None":
+        """Tensor names of the checkpoint the server was started with (its local safetensors files), read once;
+        None when the model is not a local directory of safetensors files (then names are not checked)."""
+        if not hasattr(self, "_prorl_names"):
+            names: "set[str] | None" = None
+            try:
+                model_path = Path(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+                files = sorted(model_path.glob("*.safetensors")) if model_path.is_dir() else []
+                if files:
+                    from safetensors import safe_open
+
+                    names = set()
+                    for f in files:
+                        with safe_open(str(f), framework="pt", device="cpu") as sf:
+                            names.update(sf.keys())
+            except (AttributeError, OSError):
+                names = None
+            self._prorl_names = names
+        return self._prorl_names
+
     def prorl_load_weights(self, path: str, expected_sha256: str = "") -> dict[str, Any]:
+        """The ``collective_rpc`` entry point: :meth:`prorl_load_weights_or_raise`, with a failure returned as
+        ``{"ok": False, "error": "<type>: <message>"}`` instead of raised (a raising worker method becomes an
+        HTTP 500 with no message at vLLM's ``/collective_rpc``, and the trainer must be able to say why).
+        Success: the load report with ``"ok": True``."""
+        try:
+            return {"ok": True, **self.prorl_load_weights_or_raise(path, expected_sha256)}
+        except Exception as e:  # every failure travels back as data; vLLM keeps serving
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+    @torch.no_grad()
+    def prorl_load_weights_or_raise(self, path: str, expected_sha256: str = "") -> dict[str, Any]:
         """Load the weights in ``path`` (a safetensors file or a directory of them, Hugging Face names) into
         the served model and rebuild the CPU kernels' packed copies.
 
@@ -111,9 +141,10 @@ class WeightLoaderExtension:
             (layers whose kernel weights were rebuilt), "load_s": float (seconds)}``.
 
         Raises:
-            FileNotFoundError: no such file. ValueError: checksum mismatch, or a tensor name the model does not
-            have (nothing of a mismatched file is loaded; a load that fails half-way leaves the model mixed,
-            and the caller keeps the old version registered: see ``push_weights``).
+            FileNotFoundError: no such file. ValueError: checksum mismatch, an empty file, or a tensor name the
+            checkpoint the server was started with does not have; in these cases nothing is loaded. (A load that
+            fails half-way, e.g. a tensor of the wrong shape, leaves the model mixed; the caller must not
+            register it under any version: ``push_weights`` does not.)
         """
         t0 = time.monotonic()
         files = _safetensors_files(path)
@@ -136,6 +167,12 @@ class WeightLoaderExtension:
                 names.extend(sf.keys())
         if not names:
             raise ValueError(f"{path} holds no tensor")
+        known = self._prorl_checkpoint_names()
+        if known is not None:
+            foreign = sorted(set(names) - known)
+            if foreign:
+                raise ValueError(f"{path}: {len(foreign)} tensor(s) the served model's checkpoint does not have, "
+                                 f"e.g. {foreign[:3]}; nothing was loaded")
 
         packed = _packed_linear_layers(model)
         for layer in packed:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
@@ -111,15 +112,34 @@ async def load_into_backend(session: aiohttp.ClientSession, backend: str, path: 
     if pause:
         await _post(session, f"{backend}/pause", timeout_s)
     try:
-        await _post(session, f"{backend}/collective_rpc", timeout_s,
-                    json={"method": RPC_METHOD, "args": [str(path), sha256], "timeout": timeout_s})
+        text = await _post(session, f"{backend}/collective_rpc", timeout_s,
+                           json={"method": RPC_METHOD, "args": [str(path), sha256], "timeout": timeout_s})
+        results = (json.loads(text) or {}).get("results") if text else None
+        if not isinstance(results, list) or not results:
+            raise RuntimeError(f"{backend}/collective_rpc {RPC_METHOD} gave no result ({text[:300]!r}): is vLLM "
+                               f"started with --worker-extension-cls trainer_plugins.vllm_weights."
+                               f"WeightLoaderExtension?")
+        failed = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failed:
+            why = failed[0].get("error") if isinstance(failed[0], dict) else failed[0]
+            raise RuntimeError(f"{backend} did not load {path}: {why}")
         await _post(session, f"{backend}/reset_prefix_cache", timeout_s)
     finally:
         if pause:
-            try:
-                await _post(session, f"{backend}/resume", timeout_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as e:
+            await _resume(session, backend, timeout_s)
+
+
+async def _resume(session: aiohttp.ClientSession, backend: str, timeout_s: float, attempts: int = 3) -> None:
+    # A backend left paused would hold every later turn: a dropped keep-alive connection is retried.
+    for k in range(attempts):
+        try:
+            await _post(session, f"{backend}/resume", timeout_s)
+            return
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as e:
+            if k == attempts - 1:
                 log.warning("could not resume %s after a weight load: %r", backend, e)
+            else:
+                await asyncio.sleep(0.2)
 
 
 async def push_weights(session: aiohttp.ClientSession, path: str, version: int,
