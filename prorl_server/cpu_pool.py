@@ -234,7 +234,9 @@ class CpuPool:
         try:
             modules = tuple(m for m in warm_modules(fn) if m not in slot.warmed)
             if modules:
+                outcome = "crashed"  # unless it gets ready
                 await self._warm(slot, modules)
+                outcome = "error"
             try:
                 fut = asyncio.wrap_future(slot.submit(fn, args))
             except BrokenProcessPool as e:  # died while idle: nothing ran yet, but the caller still learns it
