@@ -1,28 +1,17 @@
-"""Weight push (trainer_plugins/trl/weights.py) and the vLLM worker extension (trainer_plugins/vllm_weights.py).
+"""Weight push (trainer_plugins/trl/weights.py), fast tier; the vLLM worker extension itself is tested against a
+real vLLM CPU server in tests/trainer/test_trl_real.py.
 
-Real tier: a vLLM CPU server of its own (module scope: it gets new weights, so it is not the session's shared
-server, whose logprobs other tests compare with the original model) started with the worker extension; the
-served logprobs of a fixed token sequence are compared with a transformers forward pass of the pushed weights.
-
-Fast tier: real rollout servers (the project's app on loopback) and a stand-in for a vLLM server's
+Real rollout servers (the project's app on loopback) and a stand-in for a vLLM server's
 development endpoints (``/pause``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/resume``) that fails the
 load on request (fault injection: a real vLLM that cannot read the file is covered in the real tier).
 """
 from __future__ import annotations
-
-import json
-import os
-import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 from trainer_plugins.client import register_backends
 from trainer_plugins.trl.weights import WeightPushError, push_weights, save_weights
-
-ROOT = Path(__file__).resolve().parents[2]
-EXTENSION = "trainer_plugins.vllm_weights.WeightLoaderExtension"
 
 
 # ------------------------------------------------------------------ fast tier
@@ -105,109 +94,3 @@ def test_saved_weights_are_written_whole_with_their_checksum(tmp_path):
     sha = save_weights(model, path)
     assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
     assert [p.name for p in path.parent.iterdir()] == ["step-1.safetensors"]  # no temporary left behind
-
-
-# ------------------------------------------------------------------ real tier: vLLM CPU + the extension
-@pytest.fixture(scope="module")
-def ext_vllm(tiny_model_dir):
-    pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
-
-    server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, timeout_s=300,
-                        log_path=ROOT / ".cache" / "logs" / f"vllm-weights-{os.getpid()}.log",
-                        extra_args=["--worker-extension-cls", EXTENSION])
-    yield server
-    server.stop()
-
-
-IDS = list(range(100, 140))
-
-
-def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read() or b"null")
-
-
-def served_logprobs(server, model_dir):
-    """vLLM's logprob of each token of IDS given the ones before it (``prompt_logprobs``)."""
-    import torch
-
-    out = post(f"{server.address}/v1/completions", {"model": str(model_dir), "prompt": IDS, "max_tokens": 1,
-                                                   "prompt_logprobs": 0, "temperature": 0})
-    rows = out["choices"][0]["prompt_logprobs"][1:]
-    return torch.tensor([rows[k][str(IDS[k + 1])]["logprob"] for k in range(len(IDS) - 1)])
-
-
-def hf_logprobs(model):
-    import torch
-
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([IDS])).logits[0].float(), -1)
-    return torch.stack([lp[k, IDS[k + 1]] for k in range(len(IDS) - 1)])
-
-
-@pytest.mark.real
-def test_pushed_weights_are_served_as_a_transformers_forward_pass_computes_them(ext_vllm, tiny_model_dir,
-                                                                                  tmp_path):
-    import asyncio
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    before = served_logprobs(ext_vllm, tiny_model_dir)
-    assert (before - hf_logprobs(model)).abs().max() < 1e-4
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():  # every tensor changes: embeddings, every projection, norms, LM head
-            p.add_(torch.randn_like(p) * 0.05)
-    expected = hf_logprobs(model)
-    assert (expected - before).abs().max() > 0.1  # the change is visible in the logprobs
-
-    path = tmp_path / "step-1.safetensors"
-    sha = save_weights(model, path)
-
-    async def push():
-        async with aiohttp.ClientSession() as s:
-            from trainer_plugins.trl.weights import load_into_backend
-
-            await load_into_backend(s, ext_vllm.address, str(path), sha)
-
-    asyncio.run(push())
-    after = served_logprobs(ext_vllm, tiny_model_dir)
-    assert (after - expected).abs().max() < 1e-4, (after - expected).abs().max()
-
-
-@pytest.mark.real
-def test_a_torn_or_foreign_weights_file_is_refused_and_the_served_weights_stay(ext_vllm, tiny_model_dir, tmp_path):
-    import asyncio
-
-    import torch
-    from safetensors.torch import save_file
-
-    before = served_logprobs(ext_vllm, tiny_model_dir)
-    good = tmp_path / "w.safetensors"
-    save_file({"model.norm.weight": torch.zeros(128)}, str(good))
-
-    async def load(path, sha=""):
-        from trainer_plugins.trl.weights import load_into_backend
-
-        async with aiohttp.ClientSession() as s:
-            await load_into_backend(s, ext_vllm.address, str(path), sha)
-
-    with pytest.raises(RuntimeError, match="sha256"):  # checksum of another file: refused before loading
-        asyncio.run(load(good, "0" * 64))
-    with pytest.raises(RuntimeError, match="does not exist"):
-        asyncio.run(load(tmp_path / "missing.safetensors"))
-    foreign = tmp_path / "gpt2.safetensors"  # another model's names: refused whole, nothing loaded
-    save_file({"model.norm.weight": torch.zeros(128), "transformer.h.0.attn.c_attn.weight": torch.zeros(4, 4)},
-              str(foreign))
-    with pytest.raises(RuntimeError, match="transformer.h.0.attn.c_attn.weight"):
-        asyncio.run(load(foreign))
-    after = served_logprobs(ext_vllm, tiny_model_dir)
-    assert (after - before).abs().max() < 1e-6
-    # vLLM still generates after the refused loads (it was resumed)
-    out = post(f"{ext_vllm.address}/v1/completions", {"model": str(tiny_model_dir), "prompt": IDS[:5],
-                                                     "max_tokens": 2})
-    assert out["choices"][0]["text"] is not None

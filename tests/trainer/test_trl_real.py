@@ -1,0 +1,279 @@
+"""The TRL plugin with real components: a vLLM CPU server with the weight-loader worker extension, rollout
+servers in their own processes (``python -m prorl_server``, the ``shout`` handler), and TRL's GRPOTrainer.
+
+The vLLM server is this module's own (module scope): it gets new weights, so it is not the session's shared
+server, whose logprobs other tests compare with the original model. Served logprobs of a fixed token sequence
+(vLLM ``prompt_logprobs``) are compared with a transformers forward pass of the weights that were pushed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+
+from trainer_plugins.trl.weights import save_weights
+
+pytestmark = pytest.mark.real
+
+ROOT = Path(__file__).resolve().parents[2]
+EXTENSION = "trainer_plugins.vllm_weights.WeightLoaderExtension"
+IDS = list(range(100, 140))
+
+
+@pytest.fixture(scope="module")
+def ext_vllm(tiny_model_dir):
+    pytest.importorskip("vllm")
+    from prorl_server.vllm_launcher import start_vllm
+
+    server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, timeout_s=300,
+                        log_path=ROOT / ".cache" / "logs" / f"vllm-weights-{os.getpid()}.log",
+                        extra_args=["--worker-extension-cls", EXTENSION])
+    yield server
+    server.stop()
+
+
+class RolloutServerProcess:
+    """``python -m prorl_server`` in its own process group with ``backend`` registered; ``kill()`` is SIGKILL
+    (a crashed node), ``stop()`` a clean stop."""
+
+    def __init__(self, backend: str) -> None:
+        ready = Path(tempfile.mkdtemp(prefix="trl-real-")) / "ready.json"
+        self.log = ROOT / ".cache" / "logs" / f"rollout-trl-{os.getpid()}-{time.monotonic_ns()}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file",
+                                          str(ready), "--backend", backend, "--log-level", "WARNING"], cwd=ROOT,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for _ in range(1200):
+            if ready.exists() or self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        if not ready.exists():
+            self.stop()
+            raise RuntimeError(f"rollout server did not start: {self.log.read_text()[-2000:]}")
+        self.url = json.loads(ready.read_text())["url"]
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/status", timeout=10) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def rollout_server(ext_vllm):
+    servers = []
+
+    def start():
+        servers.append(RolloutServerProcess(ext_vllm.address))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def post(url, body=None, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def served_logprobs(server, model_dir):
+    """vLLM's logprob of each token of IDS given the ones before it (``prompt_logprobs``)."""
+    import torch
+
+    out = post(f"{server.address}/v1/completions", {"model": str(model_dir), "prompt": IDS, "max_tokens": 1,
+                                                   "prompt_logprobs": 0, "temperature": 0})
+    rows = out["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([rows[k][str(IDS[k + 1])]["logprob"] for k in range(len(IDS) - 1)])
+
+
+def hf_logprobs(model):
+    import torch
+
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([IDS])).logits[0].float(), -1)
+    model.train(was)
+    return torch.stack([lp[k, IDS[k + 1]] for k in range(len(IDS) - 1)])
+
+
+async def _load(backend, path, sha=""):
+    from trainer_plugins.trl.weights import load_into_backend
+
+    async with aiohttp.ClientSession() as s:
+        await load_into_backend(s, backend, str(path), sha)
+
+
+def push_original(ext_vllm, tiny_model_dir):
+    """Put the tiny model's own weights back (each test starts from them)."""
+    asyncio.run(_load(ext_vllm.address, Path(tiny_model_dir) / "model.safetensors"))
+
+
+# ------------------------------------------------------------------ the worker extension
+def test_pushed_weights_are_served_as_a_transformers_forward_pass_computes_them(ext_vllm, tiny_model_dir,
+                                                                                  tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    push_original(ext_vllm, tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = served_logprobs(ext_vllm, tiny_model_dir)
+    assert (before - hf_logprobs(model)).abs().max() < 1e-4
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # every tensor changes: embeddings, every projection, norms, LM head
+            p.add_(torch.randn_like(p) * 0.05)
+    expected = hf_logprobs(model)
+    assert (expected - before).abs().max() > 0.1  # the change is visible in the logprobs
+
+    path = tmp_path / "step-1.safetensors"
+    asyncio.run(_load(ext_vllm.address, path, save_weights(model, path)))
+    after = served_logprobs(ext_vllm, tiny_model_dir)
+    assert (after - expected).abs().max() < 1e-4, (after - expected).abs().max()
+
+
+def test_a_torn_or_foreign_weights_file_is_refused_and_the_served_weights_stay(ext_vllm, tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    before = served_logprobs(ext_vllm, tiny_model_dir)
+    good = tmp_path / "w.safetensors"
+    save_file({"model.norm.weight": torch.zeros(128)}, str(good))
+    with pytest.raises(RuntimeError, match="sha256"):  # checksum of another file: refused before loading
+        asyncio.run(_load(ext_vllm.address, good, "0" * 64))
+    with pytest.raises(RuntimeError, match="does not exist"):
+        asyncio.run(_load(ext_vllm.address, tmp_path / "missing.safetensors"))
+    foreign = tmp_path / "gpt2.safetensors"  # another model's names: refused whole, nothing loaded
+    save_file({"model.norm.weight": torch.zeros(128), "transformer.h.0.attn.c_attn.weight": torch.zeros(4, 4)},
+              str(foreign))
+    with pytest.raises(RuntimeError, match="transformer.h.0.attn.c_attn.weight"):
+        asyncio.run(_load(ext_vllm.address, foreign))
+    after = served_logprobs(ext_vllm, tiny_model_dir)
+    assert (after - before).abs().max() < 1e-6
+    # vLLM still generates after the refused loads (it was resumed each time)
+    out = post(f"{ext_vllm.address}/v1/completions", {"model": str(tiny_model_dir), "prompt": IDS[:5],
+                                                     "max_tokens": 2})
+    assert len(out["choices"][0]["text"]) >= 0 and out["usage"]["completion_tokens"] == 2
+
+
+# ------------------------------------------------------------------ three GRPO steps through the service
+def test_three_trl_steps_change_the_served_weights_and_every_turn_carries_its_version(
+        ext_vllm, tiny_model_dir, rollout_server, tmp_path):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from handlers.shout import load_dataset
+    from trainer_plugins.trl import ProRLRollout, WeightPushCallback
+
+    push_original(ext_vllm, tiny_model_dir)
+    server = rollout_server()
+    before = served_logprobs(ext_vllm, tiny_model_dir)
+    instances = load_dataset(limit=4)
+    rollout = ProRLRollout([server.url], instances, max_tokens=6, measure_ratio=True, request_timeout_s=300)
+    push = WeightPushCallback(rollout, [ext_vllm.address], weights_dir=tmp_path / "weights")
+    seen_versions = []
+
+    def reward(prompts, completions, prorl_reward, prorl_weight_versions, **kw):
+        seen_versions.append(list(prorl_weight_versions))  # what the reward function receives per row
+        return prorl_reward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                        max_completion_length=6, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=3,
+                        beta=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                        disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_list(ProRLRollout.dataset_rows(instances)),
+                          processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), rollout_func=rollout,
+                          callbacks=[push])
+    try:
+        trainer.train()
+    finally:
+        rollout.close()
+
+    # each batch was generated by the weights of the step before it, and its rows say so
+    assert [h.versions for h in rollout.history] == [[0], [1], [2]]
+    assert [sorted({v for vs in rows for v in vs}) for rows in seen_versions] == [[0], [1], [2]]
+    assert all(len(rows) == 8 and all(vs for vs in rows) for rows in seen_versions)
+    # the rollout server's backend is registered with the version of the weights it serves now
+    assert {b["address"]: b["weight_version"] for b in server.status()["backends"]} == {ext_vllm.address: 3}
+    assert [r.version for r in push.reports] == [1, 2, 3] and all(not r.failed for r in push.reports)
+    # the first batch's importance ratio is 1: vLLM served what the trainer computes
+    assert rollout.history[0].ratio_dev < 1e-3
+    # vLLM serves the trained weights: different from the start, and what a transformers forward pass of the
+    # trainer's parameters computes (a fresh model: the trainer's own instance is left as TRL configured it)
+    after = served_logprobs(ext_vllm, tiny_model_dir)
+    assert (after - before).abs().max() > 1e-3
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trained.load_state_dict(trainer.model.state_dict())
+    assert (after - hf_logprobs(trained)).abs().max() < 1e-4
+    # every row is a two-turn episode: model tokens, the environment's message (mask 0), model tokens
+    assert rollout.history[0].tokens_generated == 8 * 2 * 6
+
+
+# ------------------------------------------------------------------ a rollout server killed mid-step
+def test_a_rollout_server_killed_mid_step_gives_its_jobs_back_failed_and_they_run_elsewhere(
+        ext_vllm, tiny_model_dir, rollout_server, tokenizer):
+    from handlers.shout import load_dataset
+    from trainer_plugins.trl import ProRLRollout
+
+    push_original(ext_vllm, tiny_model_dir)
+    a, b = rollout_server(), rollout_server()
+    instances = load_dataset(limit=2)
+    rollout = ProRLRollout([a.url, b.url], instances, max_tokens=4, max_sample_retries=1, request_timeout_s=300)
+    trainer = SimpleNamespace(num_generations=2, temperature=1.0, state=SimpleNamespace(global_step=0),
+                              args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=None, max_completion_length=4),
+                              processing_class=tokenizer)  # stand-in for GRPOTrainer's attributes
+    prompts = [instances[0]["prompt"]] * 2 + [instances[1]["prompt"]] * 2
+    # vLLM holds every request (pause mode "keep") so both servers are mid-job when one is killed
+    post(f"{ext_vllm.address}/pause?mode=keep")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=rollout(prompts, trainer)), daemon=True)
+    try:
+        thread.start()
+        for _ in range(600):
+            if a.status()["jobs_in_flight"] == 2 and b.status()["jobs_in_flight"] == 2:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the jobs did not reach both servers")
+        a.kill()
+    finally:
+        post(f"{ext_vllm.address}/resume")
+    thread.join(timeout=240)
+    rollout.close()
+    assert not thread.is_alive(), "the step hung"
+    out = result["out"]
+    assert out["prorl_filtered"] == [False] * 4
+    stats = rollout.history[-1]
+    assert stats.retries == 2 and stats.failure_kinds == {"rollout_server": 2}
+    assert all(sum(m) == 8 and 0 in m for m in out["env_mask"])  # two turns of 4 tokens, feedback between
