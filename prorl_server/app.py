@@ -87,7 +87,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         kind = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status, "http_error")
-        return error_response(e.status, kind, e.text or e.reason)
+        resp = error_response(e.status, kind, e.text or e.reason)
+        if "Allow" in e.headers:  # RFC 9110: a 405 says which methods the resource has
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     except asyncio.CancelledError:
         raise
     except Exception as e:  # a bug; still answer in the contract's shape
@@ -119,7 +122,9 @@ def auth_middleware(token: str):
 async def process(request: web.Request) -> web.Response:
     """Submit a job and block until it ends; answers the JobResult (ProRL-compatible)."""
     job = _submit(request, await parse_body(request, ProcessRequest))
-    return json_response(await asyncio.shield(job.done))
+    response = json_response(await asyncio.shield(job.done))
+    request.app[PIPELINE].delivered(job)  # its client has it: GET /jobs/{id} keeps a summary only
+    return response
 
 
 async def submit_job(request: web.Request) -> web.Response:
@@ -206,7 +211,8 @@ class Route:
     """One endpoint: registered on the app and described in ``/openapi.json``. ``auth``: ``"bearer"`` (the
     server token, when one is configured), ``"capability"`` (a secret in the path; the gateway's agent
     routes) or ``"none"``. ``openai_errors``: errors answer in the OpenAI format (the gateway's routes), not
-    as :class:`ErrorResponse`."""
+    as :class:`ErrorResponse`. ``status``: the success status the handler answers with ``response``;
+    ``errors``: 5xx statuses it can answer by design (``503`` no backend / stopped), besides every 4xx."""
 
     method: str
     path: str
@@ -216,11 +222,15 @@ class Route:
     response: Optional[Type[BaseModel]] = None
     auth: str = "bearer"
     openai_errors: bool = False
+    status: int = 200
+    errors: tuple[int, ...] = ()
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/process", process, "Run a job and wait for its result", ProcessRequest, JobResult),
-    Route("POST", "/jobs", submit_job, "Submit a job without waiting", ProcessRequest, SubmitResponse),
+    Route("POST", "/process", process, "Run a job and wait for its result", ProcessRequest, JobResult,
+          errors=(503,)),
+    Route("POST", "/jobs", submit_job, "Submit a job without waiting", ProcessRequest, SubmitResponse,
+          status=202, errors=(503,)),
     Route("GET", "/jobs/{job_id}", get_job, "State of a job, with its result once done", None,
           JobStatusResponse),
     Route("POST", "/cancel", cancel, "Cancel a job (idempotent)", CancelRequest, CancelResponse),
@@ -261,10 +271,11 @@ def openapi_schema(routes: Iterable[Route] = ROUTES) -> dict[str, Any]:
 
     paths: dict[str, Any] = {}
     for r in routes:
+        error = ({"description": "Error in the OpenAI format {error: {message, type, param, code}}"}
+                 if r.openai_errors else {"description": "Error", **ref(ErrorResponse)})
         op: dict[str, Any] = {"summary": r.summary, "responses": {
-            "200": {"description": "OK", **(ref(r.response) if r.response else {})},
-            "4XX": {"description": "Error in the OpenAI format {error: {message, type, param, code}}"}
-            if r.openai_errors else {"description": "Bad request", **ref(ErrorResponse)}}}
+            str(r.status): {"description": "OK", **(ref(r.response) if r.response else {})}, "4XX": error,
+            **{str(code): error for code in r.errors}}}
         if r.request is not None:
             op["requestBody"] = {"required": True, **ref(r.request)}
         params = re.findall(r"{(\w+)}", r.path)
@@ -369,13 +380,21 @@ async def _pipeline_ctx(app: web.Application):
     llm = LLMContext(app[POOL], tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
     pipeline = Pipeline(app[REGISTRY], app[POOL], app[METRICS], settings.workers(),
                         default_timeout_s=settings.default_timeout_s, backend_wait_s=settings.backend_wait_s,
-                        keep_finished=settings.keep_finished, sandbox_opener=opener, llm=llm,
+                        keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
+                        sandbox_opener=opener, llm=llm,
                         cpu_pool=app[CPU_POOL])
     app[PIPELINE] = pipeline
     pipeline.start_workers()
+    app.on_shutdown.append(_cancel_jobs_on_shutdown)
     yield
     await pipeline.shutdown()
     await llm.close()
+
+
+async def _cancel_jobs_on_shutdown(app: web.Application) -> None:
+    # on_shutdown runs before the runner waits for open requests: a blocking /process answers its client the
+    # cancelled result now instead of the server waiting (up to its shutdown timeout) for the job to end.
+    await app[PIPELINE].shutdown()
 
 
 async def _health_ctx(app: web.Application):

@@ -66,6 +66,8 @@ class Backend:
     registered: bool = True
     consecutive_failures: int = 0
     jobs: set[str] = field(default_factory=set)
+    #: why it last left the rotation or failed a request (e.g. ``ClientConnectorError(...)``), None if never
+    last_error: Optional[str] = None
 
     @property
     def in_rotation(self) -> bool:
@@ -257,11 +259,20 @@ class BackendPool:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or any(b.healthy for b in self._backends.values()):
                     raise  # healthy backends exist but are all excluded: waiting would not help
+                if self._backends:
+                    # Backends are registered and every one is down (a crashed vLLM): nothing will come back
+                    # by itself soon, so fail now with the reason rather than after wait_s. Only an empty
+                    # rotation (clear -> add around a weight swap) is worth waiting for.
+                    raise NoBackendError(self._down_reason()) from None
                 self._available.clear()
                 try:
                     await asyncio.wait_for(self._available.wait(), min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
+
+    def _down_reason(self) -> str:
+        down = "; ".join(f"{b.address} ({b.last_error or 'unhealthy'})" for b in self._backends.values())
+        return f"every registered LLM backend is down: {down}"
 
     def holder(self, job_id: str) -> Optional[Backend]:
         return self._by_job.get(job_id)
@@ -285,6 +296,7 @@ class BackendPool:
         if b is not None and b.healthy:
             log.warning("backend %s marked unhealthy: %s", address, reason)
             b.healthy = False
+            b.last_error = reason or b.last_error
             if self._on_change:
                 self._on_change(b)
 
@@ -295,6 +307,7 @@ class BackendPool:
         if b is None:
             return
         b.consecutive_failures += 1
+        b.last_error = reason or b.last_error
         if b.consecutive_failures >= threshold:
             self.mark_unhealthy(address, f"{b.consecutive_failures} failures in a row; last: {reason}")
 
@@ -320,18 +333,21 @@ class BackendPool:
         a row."""
 
         async def probe(b: Backend) -> None:
+            why = ""
             try:
                 async with session.get(f"{b.address}/health",
                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     ok = r.status < 500
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                ok = False
+                    why = f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                ok, why = False, repr(e)
             if ok:
                 self.mark_healthy(b.address)
             else:
                 b.consecutive_failures += 1
+                b.last_error = f"health probe failed: {why}"
                 if b.consecutive_failures >= failures_to_remove:
-                    self.mark_unhealthy(b.address, "health probe failed")
+                    self.mark_unhealthy(b.address, b.last_error)
 
         await asyncio.gather(*(probe(b) for b in list(self._backends.values())))
 

@@ -20,6 +20,9 @@ from prorl_server.config import ServerSettings, build_settings
 
 log = logging.getLogger("prorl_server")
 
+#: Seconds the server waits, after SIGTERM cancelled every job, for open HTTP requests to finish.
+SHUTDOWN_TIMEOUT_S = 3.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-server", description="ProRL rollout server (aiohttp).")
@@ -33,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="bearer token required by every endpoint but /health (or PRORL_TOKEN)")
     p.add_argument("--backend", action="append", dest="backends", metavar="URL",
                    help="LLM backend to register at start (repeatable)")
+    p.add_argument("--tokenizer", help="tokenizer directory or name (default: the backend's model path from "
+                   "GET /v1/models, loaded from local files only)")
     p.add_argument("--sandbox-runtime", choices=["bubblewrap", "bwrap", "singularity", "apptainer", "local"],
                    help="sandbox runtime for handlers that need one")
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
@@ -58,7 +63,9 @@ def settings_from_args(argv: Optional[Sequence[str]] = None) -> ServerSettings:
 async def serve(settings: ServerSettings, app: Optional[web.Application] = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down cleanly (jobs cancelled, sandboxes closed)."""
     app = app or create_app(settings)
-    runner = web.AppRunner(app, access_log=None)
+    # Jobs are cancelled in on_shutdown (create_app), so open /process requests answer at once; the timeout
+    # bounds how long any other open request (a gateway call) may delay the exit.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

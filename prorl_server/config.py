@@ -36,6 +36,8 @@ class ServerSettings(BaseModel):
     llm_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one generation request")
     health_interval_s: float = Field(default=10.0, gt=0, description="backend health probe period")
     keep_finished: int = Field(default=10000, ge=0, description="finished jobs kept for GET /jobs/{id}")
+    keep_finished_mb: float = Field(default=512.0, ge=0, description="MiB of finished results kept for "
+                                    "GET /jobs/{id} (estimated from token counts; oldest forgotten first)")
     max_body_mb: float = Field(default=64.0, gt=0)
     sandbox_runtime: Optional[str] = Field(default=None,
                                            description="bubblewrap | singularity | local | None (no sandboxes)")

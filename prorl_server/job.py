@@ -60,6 +60,14 @@ class PausableTimer:
 Closer = Callable[[], Awaitable[None]]
 
 
+class JobEndedError(RuntimeError):
+    """The job is ending (cancelled, timed out, or the server is stopping): it may take no new resource.
+
+    Raised by :meth:`Job.backend` and :meth:`Job.open_sandbox` once the pipeline has started ending the job, so
+    a stage that still runs at that point (a race with a cancel) cannot take a backend slot or a sandbox that
+    nobody would release."""
+
+
 class Job:
     """Runtime state of one job. Created by the pipeline; handlers get it in every callback."""
 
@@ -103,6 +111,7 @@ class Job:
         self.task: Optional[asyncio.Task] = None  # the stage task now running, if any
         self.cancel_requested = False
         self.finishing = False  # set once the pipeline starts ending the job
+        self.retained_bytes = 0  # estimated size of the result while the pipeline retains it (result_bytes)
 
         self._pool = pool
         self.llm = llm  # the server's shared LLM client + tokenizer (None on a server without one)
@@ -123,6 +132,17 @@ class Job:
     def finished(self) -> bool:
         return self.done.done()
 
+    @property
+    def ending(self) -> bool:
+        """True once a cancel was asked for or the pipeline started ending the job (it may be closing its
+        sandboxes): no stage may start for it and it may take no new resource."""
+        return self.cancel_requested or self.finishing or self.done.done()
+
+    def _refuse_if_ending(self, what: str) -> None:
+        if self.ending:
+            raise JobEndedError(f"job {self.job_id} is ending ({self.error or 'cancelled'}); it may not take "
+                                f"{what}")
+
     # ------------------------------------------------------------------ resources
     async def backend(self, exclude: frozenset[str] = frozenset()) -> "Backend":
         """The job's sticky LLM backend (assigned on first call: its group's backend when load allows, else
@@ -133,14 +153,22 @@ class Job:
         trainer re-registers the backend after a weight update).
 
         Raises:
-            prorl_server.balancer.NoBackendError: none registered within the server's backend wait.
+            prorl_server.balancer.NoBackendError: none registered within the server's backend wait, or every
+                registered backend is down (see :meth:`~prorl_server.balancer.BackendPool.acquire`).
+            JobEndedError: the job is being cancelled or is ending.
         """
         if self._pool is None:
             from prorl_server.balancer import NoBackendError
 
             raise NoBackendError("this server has no backend pool")
+        self._refuse_if_ending("an LLM backend")
         b = await self._pool.acquire(self.job_id, wait_s=self._backend_wait_s, exclude=exclude,
                                      group=self.group_id)
+        if self.ending:
+            # It ended while we waited for a backend: the pipeline's release may already have run, so give the
+            # slot back here or it would count against the backend forever.
+            self._pool.release(self.job_id)
+            self._refuse_if_ending("an LLM backend")
         self._backend_address = b.address
         self._weight_version = b.weight_version
         return b
@@ -183,10 +211,16 @@ class Job:
 
         Raises:
             RuntimeError: the server has no sandbox runtime configured.
+            JobEndedError: the job is being cancelled or is ending.
         """
         if self._sandbox_opener is None:
             raise RuntimeError("this server has no sandbox runtime configured")
+        self._refuse_if_ending("a sandbox")
         handle = await self._sandbox_opener(spec, **kwargs)
+        if self.ending:
+            # It ended while the sandbox started: the pipeline's close may already have run; close it here.
+            await handle.close()
+            self._refuse_if_ending("a sandbox")
         scope = "job" if self.status == JobState.eval else "run"
         self.add_closer(handle.close, scope)
         return handle
@@ -201,7 +235,9 @@ class Job:
         for _, closer in reversed(take):
             try:
                 await closer()
-            except Exception as e:  # a failing close must not stop the others
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # a failing close (even SystemExit) must not stop the others
                 errors.append(e)
         return errors
 

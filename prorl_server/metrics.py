@@ -60,6 +60,15 @@ class Metrics:
             self.stage_active[s].set(0)
 
     def backend_changed(self, backend) -> None:
+        if not backend.registered and backend.in_flight == 0:
+            # Cleared and no job holds it: drop its series, or every address ever registered (relays on fresh
+            # ports each weight update) stays in /metrics forever. A later add brings the series back.
+            for gauge in (self.backend_in_flight, self.backend_healthy):
+                try:
+                    gauge.remove(backend.address)
+                except KeyError:
+                    pass
+            return
         self.backend_in_flight.labels(backend.address).set(backend.in_flight)
         # "in rotation": a backend taken out by /clear_llm_server reads 0 until it is re-added
         self.backend_healthy.labels(backend.address).set(1 if backend.in_rotation else 0)

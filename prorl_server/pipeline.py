@@ -51,6 +51,8 @@ class Pipeline:
         default_timeout_s: counted-time limit for jobs that do not set ``timeout_s`` (None = no limit).
         backend_wait_s: how long a job waits for a backend to be registered before failing its stage.
         keep_finished: how many finished jobs stay queryable through ``GET /jobs/{id}``.
+        keep_finished_mb: MiB the retained finished results may take at most (estimated by
+            :func:`result_bytes`); the oldest are forgotten first, the newest one is always kept.
         sandbox_opener: ``async (spec, **kw) -> handle`` from the configured sandbox runtime, or None.
         llm: the server's :class:`~prorl_server.llm_context.LLMContext` handed to every job as ``job.llm``.
         cpu_pool: the server's :class:`~prorl_server.cpu_pool.CpuPool` (``job.run_cpu``), or None.
@@ -59,7 +61,7 @@ class Pipeline:
     def __init__(self, registry: HandlerRegistry, pool: BackendPool, metrics: Metrics,
                  workers: dict[str, int], default_timeout_s: Optional[float] = None,
                  backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None,
-                 llm=None, cpu_pool=None) -> None:
+                 llm=None, cpu_pool=None, keep_finished_mb: float = 512.0) -> None:
         self.registry = registry
         self.pool = pool
         self.metrics = metrics
@@ -67,6 +69,8 @@ class Pipeline:
         self.default_timeout_s = default_timeout_s
         self.backend_wait_s = backend_wait_s
         self.keep_finished = keep_finished
+        self.keep_finished_bytes = int(keep_finished_mb * 1024 * 1024)
+        self.retained_bytes = 0  # estimated size of the results of the jobs in self._finished
         self.sandbox_opener = sandbox_opener
         self.llm = llm
         self.cpu_pool = cpu_pool
@@ -153,12 +157,30 @@ class Pipeline:
         self.metrics.stage_queue_depth[stage].set(self.queues[stage].qsize())
 
     def _retain(self, job: Job) -> None:
-        """Keep the newest ``keep_finished`` finished jobs queryable; forget older ones (O(1) per job)."""
+        """Keep the newest finished jobs queryable: at most ``keep_finished`` of them and
+        ``keep_finished_mb`` of estimated result size; forget the oldest first (O(1) amortized per job)."""
+        job.retained_bytes = result_bytes(job.result)
+        self.retained_bytes += job.retained_bytes
         self._finished.append(job)
-        while len(self._finished) > self.keep_finished:
+        while len(self._finished) > self.keep_finished or (
+                self.retained_bytes > self.keep_finished_bytes and len(self._finished) > 1):
             old = self._finished.popleft()
+            self.retained_bytes -= old.retained_bytes
+            old.retained_bytes = 0
             if self.jobs.get(old.job_id) is old:  # not resubmitted under the same id since
                 del self.jobs[old.job_id]
+
+    def delivered(self, job: Job) -> None:
+        """The blocking ``POST /process`` call has sent ``job``'s result to its client: keep only a summary for
+        ``GET /jobs/{id}`` (state, reward, resolved, errors, failure_kind, timing, backend), not a second copy of
+        its token arrays, messages and extra (``extra`` then says ``{"delivered": "POST /process"}``)."""
+        if job.result is None or job.retained_bytes == 0:
+            return  # not retained (or already forgotten): nothing to shrink
+        job.result = job.result.model_copy(update={"trajectories": [], "messages": [],
+                                                   "extra": {"delivered": "POST /process"}})
+        size = result_bytes(job.result)
+        self.retained_bytes += size - job.retained_bytes
+        job.retained_bytes = size
 
     # ------------------------------------------------------------------ cancellation
     async def cancel(self, job_id: str, reason: str = "cancelled by request") -> tuple[bool, JobState]:
@@ -189,7 +211,9 @@ class Pipeline:
         while True:
             job = await queue.get()
             self.metrics.stage_queue_depth[stage].set(queue.qsize())
-            if job.finished:
+            if job.ending:
+                # Cancelled while queued (its _finish may still be closing its sandboxes): running the stage
+                # now would take a backend slot or a sandbox after the job released its resources.
                 continue
             job.timing.queue_s += time.monotonic() - job.enqueued_at
             self.active[stage] += 1
@@ -201,10 +225,14 @@ class Pipeline:
                 if not job.finished:
                     await asyncio.shield(self._finish(job, "cancelled", "server shutting down"))
                 raise
-            except Exception:  # never let one job kill a worker
+            except BaseException as e:  # never let one job kill a worker, or SystemExit in a hook the server
                 log.exception("internal error in %s worker for job %s", stage, job.job_id)
                 if not job.finished:
-                    await self._finish(job, stage, "internal error", traceback.format_exc(), "internal")
+                    msg, tb = f"internal error: {type(e).__name__}: {e}", traceback.format_exc()
+                    if job.finishing:  # _finish itself raised half-way: still answer the job's waiter
+                        self._complete_broken(job, stage, msg, tb)
+                    else:
+                        await self._finish(job, stage, msg, tb, "internal")
             finally:
                 self.active[stage] -= 1
                 self.metrics.stage_active[stage].set(self.active[stage])
@@ -234,6 +262,9 @@ class Pipeline:
             await self._finish(job, "cancelled", job.error or "cancelled")
             return
         exc = task.exception()
+        base_exc = exc.original if isinstance(exc, _HandlerBaseException) else None
+        if base_exc is not None:
+            exc = base_exc
         if exc is None and job.failure_kind is not None:  # the handler declared a failure and returned
             await self._finish(job, stage, job.error or f"{stage} failed: the handler reported failure_kind "
                                f"{job.failure_kind!r}")
@@ -254,11 +285,14 @@ class Pipeline:
         msg = f"{stage} failed: {type(exc).__name__}: {exc}"
         if isinstance(exc, NoBackendError):
             msg = f"{stage} failed: {exc}"
-        # what the handler set during the stage wins; its callback may still override the classification
-        job.failure_kind = job.failure_kind or classify(exc, stage)
+        # what the handler set during the stage wins; its callback may still override the classification.
+        # A SystemExit/KeyboardInterrupt out of a handler is the handler's bug, never a reason to stop serving.
+        job.failure_kind = job.failure_kind or ("handler" if base_exc is not None else classify(exc, stage))
         try:
             await getattr(handler, f"{stage}_exception")(job, exc)
-        except Exception as cb_exc:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as cb_exc:
             log.exception("%s_exception callback of handler %s raised", stage, job.handler_name)
             msg += f" (and {stage}_exception raised {type(cb_exc).__name__}: {cb_exc})"
         await self._finish(job, stage, msg, tb)
@@ -267,18 +301,25 @@ class Pipeline:
     async def _guarded(stage_fn, job: Job, remaining: Optional[float]) -> Any:
         # The handler's coroutine is created here, inside the task: a task cancelled before it first runs
         # then leaves no never-awaited coroutine behind.
-        if remaining is None:
-            return await stage_fn(job)
-        if remaining <= 0:
-            raise _JobTimeout()
         try:
-            async with asyncio.timeout(remaining) as deadline:
+            if remaining is None:
                 return await stage_fn(job)
-        except TimeoutError as e:
-            # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
-            if deadline.expired():
-                raise _JobTimeout() from e
+            if remaining <= 0:
+                raise _JobTimeout()
+            try:
+                async with asyncio.timeout(remaining) as deadline:
+                    return await stage_fn(job)
+            except TimeoutError as e:
+                # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
+                if deadline.expired():
+                    raise _JobTimeout() from e
+                raise
+        except (Exception, asyncio.CancelledError):
             raise
+        except BaseException as e:
+            # SystemExit, KeyboardInterrupt (or any other BaseException) raised by a handler: asyncio re-raises
+            # those out of the event loop and the whole server would exit. Carry it as an ordinary exception.
+            raise _HandlerBaseException(e) from e
 
     # ------------------------------------------------------------------ completion
     async def _finish(self, job: Job, critical_error: Optional[str], error: Optional[str] = None,
@@ -298,15 +339,20 @@ class Pipeline:
             job.traceback = tb
             job.reward = 0.0 if critical_error != "eval" else float(job.reward or 0.0)
             job.resolved = False
-        close_errors = await job.close_resources()
+        try:
+            close_errors = await job.close_resources()
+        finally:
+            # whatever closing did (even a shutdown cancelling it), the job's backend slot is given back
+            self.pool.release(job.job_id)
         for e in close_errors:
-            log.warning("closing a resource of job %s failed: %s", job.job_id, e)
-        self.pool.release(job.job_id)
+            log.warning("closing a resource of job %s failed: %r", job.job_id, e)
         try:
             result = await job.handler.final_result(job)
             if not isinstance(result, JobResult):
                 raise TypeError(f"final_result returned {type(result).__name__}, not JobResult")
-        except Exception as e:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # SystemExit from a handler's final_result must not stop the server
             log.exception("final_result of handler %s raised", job.handler_name)
             if job.error is None:
                 job.error = f"final_result failed: {type(e).__name__}: {e}"
@@ -329,11 +375,54 @@ class Pipeline:
         job.done.set_result(result)
         self._retain(job)
 
+    def _complete_broken(self, job: Job, stage: Stage, error: str, tb: str) -> None:
+        """Last resort when :meth:`_finish` itself failed: give the job a failed result so no waiter hangs."""
+        self.pool.release(job.job_id)
+        job.critical_error, job.error, job.traceback = stage, error, tb
+        job.failure_kind, job.reward, job.resolved = "internal", 0.0, False
+        if not job.done.done():
+            job.result = job.build_result()
+            job.status = JobState.done
+            self.in_flight -= 1
+            self.metrics.jobs_in_flight.set(self.in_flight)
+            job.done.set_result(job.result)
+            self._retain(job)
+
     # ------------------------------------------------------------------ status
     def stage_status(self) -> dict[str, StageStatus]:
         return {s: StageStatus(queued=self.queues[s].qsize(), active=self.active[s], workers=self.workers[s])
                 for s in STAGES}
 
 
+#: Estimated bytes a Python list holds per element: an 8-byte pointer plus the object it points to (a token id
+#: above 256 is its own 28-byte int, a logprob a 24-byte float; loss-mask 0/1 are shared small ints).
+_TOKEN_ID_BYTES, _LOGPROB_BYTES, _MASK_BYTES = 36, 32, 8
+
+
+def result_bytes(result: Optional[JobResult]) -> int:
+    """Cheap estimate of the memory a retained :class:`JobResult` holds, in bytes: token arrays by their
+    lengths (an 18k-token trajectory is ~1.4 MB), message contents by their string lengths, plus 2 KiB of
+    fixed overhead. O(number of trajectories + messages); never serializes the result."""
+    if result is None:
+        return 0
+    n = 2048
+    for t in result.trajectories:
+        n += (len(t.prompt_ids) + len(t.response_ids)) * _TOKEN_ID_BYTES
+        n += len(t.response_logprobs) * _LOGPROB_BYTES + len(t.loss_mask) * _MASK_BYTES
+    for m in result.messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        n += 200 + (len(content) if isinstance(content, str) else 0)
+    return n
+
+
 class _JobTimeout(Exception):
     """Internal: the job's counted-time budget ran out inside a stage."""
+
+
+class _HandlerBaseException(Exception):
+    """Internal: a stage raised a BaseException that is not cancellation (``SystemExit``,
+    ``KeyboardInterrupt``, ...); ``original`` is it. The job fails with ``failure_kind="handler"``."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
