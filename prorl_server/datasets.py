@@ -6,8 +6,10 @@ Named datasets come from loaders that live beside their handlers; :data:`LOADERS
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,3 +62,62 @@ def _load_jsonl(path: Path, limit: Optional[int]) -> list[dict[str, Any]]:
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+# ------------------------------------------------------------------------------ instances by id
+
+#: Shipped datasets whose problems a request may name by ``instance_id`` alone: data source (handler name or
+#: alias) -> (the content keys an inline instance carries, ``"module:function"`` that maps an id to the
+#: shipped instance or None).
+BY_ID: dict[str, tuple[tuple[str, ...], str]] = {
+    "code": (("prompt", "tests", "entry_point"), "prorl_server.datasets:_humaneval_by_id"),
+    "humaneval": (("prompt", "tests", "entry_point"), "prorl_server.datasets:_humaneval_by_id"),
+    "arithmetic": (("expression",), "prorl_server.datasets:_arithmetic_by_id"),
+}
+
+
+def resolve_instance(instance: dict[str, Any]) -> dict[str, Any]:
+    """``instance`` completed from its data source's shipped dataset when it names a problem only by id.
+
+    An instance of a :data:`BY_ID` data source that has an ``instance_id`` but none of the content keys gets
+    the shipped problem's fields; keys the request sets (``max_turns``, ...) win. Any other instance is
+    returned unchanged (inline problems are the handler's to check).
+
+    Raises:
+        ValueError: the id is not in the shipped dataset (the message names the id and the dataset).
+    """
+    entry = BY_ID.get(instance.get("data_source"))  # type: ignore[arg-type]
+    iid = instance.get("instance_id")
+    if entry is None or not isinstance(iid, str) or any(k in instance for k in entry[0]):
+        return instance
+    module, _, fn = entry[1].partition(":")
+    shipped = getattr(importlib.import_module(module), fn)(iid)
+    if shipped is None:
+        raise ValueError(f"instance_id {iid!r} is not a problem of the shipped {instance['data_source']!r} "
+                         f"dataset; give the problem inline ({', '.join(entry[0])})")
+    return {**shipped, **instance}
+
+
+def _humaneval_by_id(instance_id: str) -> Optional[dict[str, Any]]:
+    from handlers.code.data import to_instance
+
+    problem = _humaneval().get(instance_id)
+    return None if problem is None else to_instance(problem)
+
+
+@functools.lru_cache(maxsize=1)
+def _humaneval() -> dict[str, dict[str, Any]]:
+    from handlers.code.data import humaneval_problems
+
+    return humaneval_problems()
+
+
+def _arithmetic_by_id(instance_id: str) -> Optional[dict[str, Any]]:
+    """``arith-<seed>-<i>``: the i-th instance of ``load_dataset("arithmetic", seed=<seed>)``."""
+    m = re.fullmatch(r"arith-(\d{1,9})-(\d{1,4})", instance_id)
+    if m is None:
+        return None
+    from handlers.arithmetic import load_dataset as arithmetic
+
+    seed, i = int(m[1]), int(m[2])
+    return arithmetic(None, limit=i + 1, seed=seed)[i]

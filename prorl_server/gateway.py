@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.app import Route, add_routes
 from prorl_server.balancer import NoBackendError
@@ -786,6 +787,23 @@ async def complete(request: web.Request, gw: Gateway, s: Session) -> web.StreamR
     return web.json_response({"session_id": s.session_id, "state": s.state})
 
 
+class CreateSessionRequest(BaseModel):
+    """Body of ``POST /sessions`` (may be empty): ``metadata`` is kept with the session and returned by
+    finalize."""
+
+    model_config = ConfigDict(extra="allow")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionCreated(BaseModel):
+    """Answer of ``POST /sessions`` (201): ``base_url`` is the OpenAI base URL the agent is given, with the
+    capability in its path; ``api_key`` the key it sends."""
+
+    session_id: str
+    base_url: str
+    api_key: str
+
+
 @_management_route
 async def create_session(request: web.Request, gw: Gateway) -> web.StreamResponse:
     """``POST /sessions`` ``{metadata?}`` → ``201 {session_id, base_url, api_key}``."""
@@ -794,7 +812,8 @@ async def create_session(request: web.Request, gw: Gateway) -> web.StreamRespons
         raise GatewayError(400, "body must be {metadata?: object}", "invalid_parameter", "metadata")
     s = gw.create_session(metadata=body.get("metadata"))
     base = f"{request.url.origin()}/sessions/{s.ref}/v1"
-    return web.json_response({"session_id": s.session_id, "base_url": base, "api_key": s.key}, status=201)
+    return web.Response(body=SessionCreated(session_id=s.session_id, base_url=base, api_key=s.key)
+                        .model_dump_json(), status=201, content_type="application/json")
 
 
 @_management_route
@@ -820,16 +839,17 @@ async def abort(request: web.Request, gw: Gateway) -> web.StreamResponse:
 
 
 #: Agent routes: authorized by the session capability ``{ref}`` = ``{session_id}.{key}`` in the path.
-AGENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, auth="capability", openai_errors=True) for r in (
+AGENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, auth="capability", openai_errors=True, errors=(503,)) for r in (
     ("POST", "/sessions/{ref}/v1/chat/completions", chat_completions,
      "Chat Completions (OpenAI format) for the session's agent; exact tokens recorded"),
     ("GET", "/sessions/{ref}/v1/models", models, "The model the session's backend serves"),
     ("POST", "/sessions/{ref}/complete", complete, "The agent is done ({reward_info?})"),
 ))
 #: Management routes: the server's bearer token.
-MANAGEMENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, openai_errors=True) for r in (
-    ("POST", "/sessions", create_session, "Open a gateway session ({metadata?}) -> 201 {session_id, base_url, "
-     "api_key}"),
+MANAGEMENT_ROUTES: tuple[Route, ...] = (
+    Route("POST", "/sessions", create_session, "Open a gateway session", CreateSessionRequest, SessionCreated,
+          openai_errors=True, status=201, errors=(503,)),
+) + tuple(Route(*r, openai_errors=True) for r in (
     ("GET", "/sessions/{session_id}", session_status, "A session's state, split reasons and counters"),
     ("POST", "/sessions/{session_id}/finalize", finalize, "End a session and return its trajectories"),
     ("POST", "/sessions/{session_id}/abort", abort, "End a session and drop its tokens"),

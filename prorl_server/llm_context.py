@@ -1,19 +1,28 @@
 """What a server shares with every LLM-using handler: one token-in/token-out client (one HTTP session over the
 backend pool) and the served model's tokenizer, loaded once.
 
-The tokenizer is the model's own (transformers ``AutoTokenizer``): from the ``tokenizer`` setting if given,
-else from the model id the backend reports at ``GET /v1/models`` (for vLLM: the ``--model`` path or hub name;
-with ``HF_HUB_OFFLINE=1`` it must be a local directory or already cached).
+The tokenizer is the model's own (transformers ``AutoTokenizer``): from the ``tokenizer`` setting
+(``--tokenizer``) if given, else from the model the backend reports at ``GET /v1/models``: its ``root`` (for
+vLLM: the ``--model`` path or hub name, also when it serves under ``--served-model-name``), else its ``id``.
+A name taken from the backend is loaded from local files only (a directory, or the Hugging Face cache): a
+hub lookup on an offline node retries for about a minute per job, so a missing tokenizer fails at once with
+:class:`TokenizerUnavailableError` naming the fix. Only an explicit ``tokenizer`` setting may download.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any, Optional
 
-from prorl_server.llm_client import LLMClient
+import aiohttp
+
+from prorl_server.llm_client import LLMClient, LLMUnavailableError
 
 if TYPE_CHECKING:
     from prorl_server.balancer import Backend, BackendPool
+
+
+class TokenizerUnavailableError(OSError):
+    """The served model's tokenizer is neither a local directory nor in the Hugging Face cache."""
 
 
 class LLMContext:
@@ -31,21 +40,26 @@ class LLMContext:
         self.tokenizer_name = tokenizer
         self._tokenizers: dict[str, Any] = {}
         self._loading: dict[str, asyncio.Future] = {}
+        self._roots: dict[str, str] = {}
 
     async def tokenizer(self, backend: "Backend") -> Any:
         """The tokenizer of the model ``backend`` serves (loaded in a worker thread, once per name).
 
         Raises:
             prorl_server.llm_client.LLMUnavailableError: the backend does not answer ``/v1/models``.
-            OSError: the tokenizer cannot be loaded from that name.
+            TokenizerUnavailableError: a name from the backend is not loadable from local files.
+            OSError: the ``tokenizer`` setting cannot be loaded.
         """
-        name = self.tokenizer_name or (await self.client.model_info(backend.address)).id
+        name, local_only = self.tokenizer_name, False
+        if name is None:
+            name, local_only = await self._served_model_path(backend.address), True
         tok = self._tokenizers.get(name)
         if tok is not None:
             return tok
         fut = self._loading.get(name)
         if fut is None:  # importing transformers takes seconds: in the thread too, not on the event loop
-            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, name))
+            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, name,
+                                                                                 local_only))
         try:
             tok = await asyncio.shield(fut)
         except BaseException:
@@ -54,11 +68,39 @@ class LLMContext:
         self._tokenizers[name] = tok
         return tok
 
+    async def _served_model_path(self, address: str) -> str:
+        """The ``root`` of the first model at ``{address}/v1/models`` (vLLM: the ``--model`` path), else its
+        ``id``. Raises LLMUnavailableError when the backend does not answer."""
+        if address not in self._roots:
+            try:
+                async with self.client.session.get(f"{address}/v1/models",
+                                                   timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    r.raise_for_status()
+                    card = (await r.json())["data"][0]
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError,
+                    TypeError) as e:
+                raise LLMUnavailableError(f"{address}/v1/models: {e!r}") from e
+            self._roots[address] = str(card.get("root") or card["id"])
+        return self._roots[address]
+
     async def close(self) -> None:
         await self.client.close()
 
 
-def _load_tokenizer(name: str) -> Any:
+def _load_tokenizer(name: str, local_only: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained(name)``; ``local_only``: a directory or the HF cache, never the hub.
+
+    Raises:
+        TokenizerUnavailableError: ``local_only`` and ``name`` is not available locally.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    if not local_only:
+        return AutoTokenizer.from_pretrained(name)
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TokenizerUnavailableError(
+            f"the backend serves model {name!r}, which is neither a local directory nor in the Hugging Face "
+            f"cache; start the server with --tokenizer PATH (or the tokenizer setting) naming the model's "
+            f"directory ({type(e).__name__}: {e})") from None

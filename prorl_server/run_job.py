@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", "-n", type=int, default=1, help="samples per instance (a group), default 1")
     p.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once, default 8")
     p.add_argument("--server", help="URL of a running rollout server (default: start one in this process)")
-    p.add_argument("--token", help="bearer token of --server (or PRORL_TOKEN)")
+    p.add_argument("--token", default=os.environ.get("PRORL_TOKEN") or None,
+                   help="bearer token of --server (default: the PRORL_TOKEN environment variable)")
     p.add_argument("--backend", action="append", default=[], metavar="URL", help="LLM backend (repeatable)")
     p.add_argument("--sandbox-runtime", default=None,
                    help="runtime of the in-process server: bubblewrap (default where bwrap exists), local, singularity")

@@ -7,9 +7,10 @@ from them). The contract is compatible with ProRL Agent Server clients: ``POST /
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
+                      model_validator)
 
 CriticalError = Literal["init", "run", "eval", "timeout", "cancelled"]
 Stage = Literal["init", "run", "eval"]
@@ -31,22 +32,127 @@ class JobState(str, enum.Enum):
 # ---------------------------------------------------------------------------------------------- requests
 
 
+#: Largest ``timeout_s`` a request may set, in seconds (one day). The longest shipped rollouts (SWE) take
+#: minutes to an hour; a larger value is a client bug, and ``Infinity``/``1e308`` would overflow the
+#: pipeline's deadline arithmetic.
+MAX_TIMEOUT_S = 86400.0
+
+#: litellm/OpenAI-style sampling names and the vLLM name each one is sent as.
+SAMPLING_ALIASES: dict[str, str] = {
+    "max_output_tokens": "max_tokens",       # litellm responses API / Gemini
+    "max_completion_tokens": "max_tokens",   # OpenAI chat completions (o-series)
+    "max_new_tokens": "max_tokens",          # transformers / TGI
+    "stop_sequences": "stop",                # Anthropic / Gemini
+}
+#: Sampling names that are agent-loop limits, not vLLM parameters: copied into the instance under the name
+#: the handlers read, unless the instance sets it itself.
+AGENT_LIMIT_ALIASES: dict[str, str] = {"max_iterations": "max_turns", "max_turns": "max_turns"}
+
+
+class SamplingParams(BaseModel):
+    """The sampling parameters ``POST /process`` accepts: vLLM's completion ``SamplingParams`` fields (vLLM
+    0.31, ``vllm.SamplingParams``), the litellm-style aliases of :data:`SAMPLING_ALIASES` (mapped to their
+    vLLM names) and ``max_iterations``/``max_turns`` (the agent's turn limit, moved into the instance).
+    Any other name is refused (422 naming it) rather than silently dropped by vLLM.
+
+    ``logprobs``, ``n`` (only 1), ``stream``, ``echo``, ``return_tokens_as_token_ids``, ``return_token_ids``
+    and ``add_special_tokens`` are accepted and ignored: the server always sets them itself (token ids and
+    logprobs are always returned). ``max_tokens`` is the per-turn budget in tokens.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    temperature: Optional[float] = Field(default=None, ge=0)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    min_tokens: Optional[int] = Field(default=None, ge=0)
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = Field(default=None, gt=0)
+    length_penalty: Optional[float] = None
+    stop: Optional[str | list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
+    ignore_eos: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    thinking_token_budget: Optional[int] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    # litellm-style aliases (SAMPLING_ALIASES)
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_new_tokens: Optional[int] = Field(default=None, ge=1)
+    stop_sequences: Optional[str | list[str]] = None
+    # agent-loop limits (AGENT_LIMIT_ALIASES)
+    max_iterations: Optional[int] = Field(default=None, ge=1)
+    max_turns: Optional[int] = Field(default=None, ge=1)
+    # set by the server; accepted for clients that always send them, ignored
+    logprobs: Optional[int | bool] = None
+    n: Optional[Literal[1]] = None
+    stream: Optional[bool] = None
+    echo: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    return_token_ids: Optional[bool] = None
+    add_special_tokens: Optional[bool] = None
+
+
+def _sampling_to_vllm(v: Any) -> Any:
+    """Validate against :class:`SamplingParams` and rename aliases to vLLM's names.
+
+    Raises:
+        ValueError: an unknown name, a bad value, or an alias that disagrees with the name it maps to.
+    """
+    if not isinstance(v, dict):
+        return v  # the dict type check reports it
+    unknown = sorted(set(v) - set(SamplingParams.model_fields))
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s) {unknown}: accepted are vLLM's SamplingParams names "
+                         f"and the aliases {sorted(SAMPLING_ALIASES)} (see the README's sampling table)")
+    out = SamplingParams.model_validate(v).model_dump(exclude_unset=True)
+    for alias, name in SAMPLING_ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            if out.get(name, value) != value:
+                raise ValueError(f"sampling parameters {alias}={value!r} and {name}={out[name]!r} disagree")
+            out[name] = value
+    return out
+
+
+_INSTANCE_SCHEMA = {
+    "type": "object", "required": ["data_source"], "additionalProperties": True,
+    "properties": {"data_source": {"type": "string", "minLength": 1,
+                                   "description": "the handler name or an alias"},
+                   "instance_id": {"type": "string", "description": "with only data_source: a problem of "
+                                   "the data source's shipped dataset, by id (e.g. HumanEval/0)"}}}
+
+
 class ProcessRequest(BaseModel):
     """Body of ``POST /process`` and ``POST /jobs``.
 
-    ``instance`` must carry ``data_source`` (the handler name or an alias). ``sampling_params`` is passed
-    through to the LLM backend (vLLM completions parameters: temperature, top_p, max_tokens, ...).
-    ``timeout_s`` bounds the counted time (init + run + eval, queue waits excluded), in seconds.
+    ``instance`` must carry ``data_source`` (the handler name or an alias); one that names a shipped
+    dataset's problem only by ``instance_id`` (``{"data_source": "code", "instance_id": "HumanEval/0"}``) is
+    completed from that dataset (:func:`prorl_server.datasets.resolve_instance`). ``sampling_params``: see
+    :class:`SamplingParams` (unknown names are refused; aliases are renamed to vLLM's names).
+    ``timeout_s`` bounds the counted time (init + run + eval, queue waits excluded), in seconds: a finite
+    JSON number in (0, :data:`MAX_TIMEOUT_S`].
     ``group_id`` names the group (the n samples of one prompt): the server runs a group's jobs on one LLM
     backend when load allows, so the prompt's prefix cache is shared (see ``affinity_slack``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    instance: dict[str, Any]
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    instance: Annotated[dict[str, Any], WithJsonSchema(_INSTANCE_SCHEMA)]
+    sampling_params: Annotated[dict[str, Any], BeforeValidator(_sampling_to_vllm),
+                               WithJsonSchema(SamplingParams.model_json_schema())] = \
+        Field(default_factory=dict)
     job_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
-    timeout_s: Optional[float] = Field(default=None, gt=0)
+    timeout_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
     group_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
 
     @field_validator("instance")
@@ -55,7 +161,17 @@ class ProcessRequest(BaseModel):
         ds = v.get("data_source")
         if not isinstance(ds, str) or not ds:
             raise ValueError("instance.data_source must be a non-empty string naming a handler")
-        return v
+        from prorl_server.datasets import resolve_instance
+
+        return resolve_instance(v)
+
+    @model_validator(mode="after")
+    def _agent_limits_into_instance(self) -> "ProcessRequest":
+        for alias, name in AGENT_LIMIT_ALIASES.items():
+            if alias in self.sampling_params:
+                value = self.sampling_params.pop(alias)
+                self.instance.setdefault(name, value)
+        return self
 
 
 class CancelRequest(BaseModel):
@@ -78,7 +194,17 @@ class AddBackendRequest(BaseModel):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("address must be an http(s) URL such as http://127.0.0.1:8000")
-        return v.rstrip("/")
+        return normalise_backend_address(v)
+
+
+def normalise_backend_address(address: str) -> str:
+    """The server root of an OpenAI-compatible backend URL: trailing ``/`` and one trailing ``/v1`` removed
+    (``http://h:8000/v1/`` -> ``http://h:8000``), since the client appends ``/v1/...`` itself and clients
+    such as the reference ProRL trainer register the OpenAI base URL."""
+    v = address.rstrip("/")
+    if v.endswith("/v1"):
+        v = v[: -len("/v1")].rstrip("/")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------- results
