@@ -612,10 +612,12 @@ class Gateway:
         s.counters["prompt_tokens_added"] += s.conv.num_tokens
 
     # ------------------------------------------------------------------ per-session listener
-    async def serve_unix(self, session: Session, path: str) -> web.AppRunner:
-        """Serve ``session``'s agent routes (and nothing else) on a Unix socket at ``path`` (mode 0666, so a
-        sandbox user of another uid can connect; guard it with the directory's permissions and binds).
-        Returns the runner; ``await runner.cleanup()`` stops it."""
+    async def serve_unix(self, session: Session, path: str,
+                         owner: Optional[tuple[int, int]] = None) -> web.AppRunner:
+        """Serve ``session``'s agent routes (and nothing else) on a Unix socket at ``path``, mode 0700: only
+        its owner connects (the server's user, or ``owner`` = ``(uid, gid)``, the sandbox's user when a root
+        server runs its sandboxes as another uid; the socket is chowned to it). Put it in a 0700 directory of
+        that user too. Returns the runner; ``await runner.cleanup()`` stops it."""
         sub = web.Application()
         sub[GATEWAY] = self
         sub[ONLY_SESSION] = session.session_id
@@ -624,7 +626,9 @@ class Gateway:
         await runner.setup()
         site = web.UnixSite(runner, path)
         await site.start()
-        os.chmod(path, 0o666)
+        os.chmod(path, 0o700)
+        if owner is not None:
+            os.chown(path, *owner)
         return runner
 
 

@@ -49,6 +49,7 @@ from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceErro
 
 GATEWAY_DIR = "/run/prorl-gateway"
 SOCKET_NAME = "gateway.sock"
+SESSION_FILE = "session"  # the session's path, capability included (/sessions/<id>.<key>); mode 0600
 LAUNCHER_SOURCE = (Path(__file__).parent / "launcher.py").read_text()
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_COMPLETE_GRACE_S = 5.0
@@ -146,9 +147,9 @@ class CliAgentHandler(AgentHandler):
         timeouts = {"agent_timeout_s": _seconds(inst, "agent_timeout_s", DEFAULT_AGENT_TIMEOUT_S),
                     "complete_grace_s": _seconds(inst, "complete_grace_s", DEFAULT_COMPLETE_GRACE_S)}
 
+        # mkdtemp makes it 0700: no other local user can reach the socket or read the session file in it.
         gw_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="prorl-gw-")
         job.add_closer(lambda: asyncio.to_thread(shutil.rmtree, gw_dir, True), "run")
-        os.chmod(gw_dir, 0o755)  # a root server's sandbox runs as an unprivileged uid of its own
         Path(gw_dir, "launcher.py").write_text(LAUNCHER_SOURCE)
         spec = sandbox_spec()
         spec.binds = [*spec.binds, *_binds(gw_dir)]
@@ -156,6 +157,9 @@ class CliAgentHandler(AgentHandler):
         if self.sandbox_image:
             spec.image = self.sandbox_image
         handle = await job.open_sandbox(spec)
+        owner = _sandbox_user(handle)
+        if owner is not None:  # a root server's sandbox runs as an unprivileged uid of its own: it owns the dir
+            await asyncio.to_thread(_chown_tree, gw_dir, owner)
         from sandbox import ToolError
 
         for path, text in files.items():
@@ -165,7 +169,7 @@ class CliAgentHandler(AgentHandler):
                 raise InvalidInstanceError(f"cli_agent: files[{str(path)!r}] cannot be written: {e}") from None
         if mode == "code":
             await handle.upload(SOLUTION, inst["prompt"].encode())
-        job.state.update(sandbox=handle, gateway_dir=gw_dir, command=command, eval=mode, **timeouts)
+        job.state.update(sandbox=handle, gateway_dir=gw_dir, owner=owner, command=command, eval=mode, **timeouts)
 
     async def run(self, job) -> None:
         from prorl_server.gateway import gateway_for
@@ -174,10 +178,15 @@ class CliAgentHandler(AgentHandler):
         gw = gateway_for(job)
         session = gw.create_session(job=job, metadata={"job_id": job.job_id, "instance_id": job.instance_id})
         job.add_closer(_abort_if_open(gw, session), "run")
-        runner = await gw.serve_unix(session, os.path.join(job.state["gateway_dir"], SOCKET_NAME))
+        gw_dir, owner = job.state["gateway_dir"], job.state["owner"]
+        runner = await gw.serve_unix(session, os.path.join(gw_dir, SOCKET_NAME), owner=owner)
         job.add_closer(runner.cleanup, "run")
-        argv = ["python3", f"{GATEWAY_DIR}/launcher.py", f"{GATEWAY_DIR}/{SOCKET_NAME}", f"/sessions/{session.ref}",
-                "--", "bash", "-c", job.state["command"]]
+        # The capability travels in a file only the sandbox's user can read, never in a command line (every
+        # local user sees those through ps).
+        await asyncio.to_thread(_write_private, os.path.join(gw_dir, SESSION_FILE), f"/sessions/{session.ref}",
+                                owner)
+        argv = ["python3", f"{GATEWAY_DIR}/launcher.py", f"{GATEWAY_DIR}/{SOCKET_NAME}",
+                f"{GATEWAY_DIR}/{SESSION_FILE}", "--", "bash", "-c", job.state["command"]]
         timeout_s = job.state["agent_timeout_s"]
         agent = asyncio.ensure_future(handle.bash(" ".join(shlex.quote(a) for a in argv), timeout_s=timeout_s))
         completed = asyncio.ensure_future(session.completed.wait())
@@ -260,6 +269,30 @@ async def _raise_if_not_the_models(handle: Any, session: Any, end: str, info: di
         raise InfrastructureError("harness", f"cli_agent: the launcher failed (exit status {status}): {tail}")
     raise InfrastructureError("harness", f"cli_agent: the agent exited with status {status} before its first "
                               f"LLM request: {tail}")
+
+
+def _sandbox_user(handle: Any) -> Optional[tuple[int, int]]:
+    """(uid, gid) the sandbox's processes run as when it is not the server's user, else None."""
+    ctx = getattr(handle, "_ctx", None)  # sandbox.runtime.LaunchContext.run_as
+    run_as = getattr(ctx, "run_as", None)
+    return tuple(run_as) if run_as else None  # type: ignore[return-value]
+
+
+def _chown_tree(path: str, owner: tuple[int, int]) -> None:
+    os.chown(path, *owner)
+    for name in os.listdir(path):
+        os.chown(os.path.join(path, name), *owner)
+
+
+def _write_private(path: str, text: str, owner: Optional[tuple[int, int]]) -> None:
+    """Write ``text`` to a new file of mode 0600 (owned by ``owner`` if given)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _binds(gw_dir: str) -> list[Any]:

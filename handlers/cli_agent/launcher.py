@@ -1,6 +1,9 @@
 """Runs INSIDE the sandbox: relays a loopback TCP port to the gateway's Unix socket, then runs the agent.
 
-    python3 launcher.py GATEWAY_SOCKET SESSION_PATH -- COMMAND...
+    python3 launcher.py GATEWAY_SOCKET SESSION_FILE -- COMMAND...
+
+SESSION_FILE holds the session's path, ``/sessions/<id>.<key>``: the key is a capability, so it travels in a
+file only the sandbox's user can read, never on a command line (``ps`` shows those to every local user).
 
 The sandbox has no network way out (``network="none"``: a private namespace with only its own loopback), so
 the agent reaches its session through a Unix socket bound into the sandbox. Agents speak HTTP over TCP
@@ -70,10 +73,17 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        return _fail("usage: launcher.py GATEWAY_SOCKET SESSION_PATH -- COMMAND...")
-    path, session_path, command = argv[0], argv[1].rstrip("/"), argv[3:]
+        return _fail("usage: launcher.py GATEWAY_SOCKET SESSION_FILE -- COMMAND...")
+    path, session_file, command = argv[0], argv[1], argv[3:]
     if not os.path.exists(path):
         return _fail(f"no gateway socket at {path}")
+    try:
+        with open(session_file) as f:
+            session_path = f.read().strip().rstrip("/")
+    except OSError as e:
+        return _fail(f"cannot read the session file {session_file}: {e}")
+    if not session_path.startswith("/sessions/"):
+        return _fail(f"the session file {session_file} does not hold a /sessions/<id>.<key> path")
     try:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))

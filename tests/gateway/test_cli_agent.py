@@ -166,9 +166,11 @@ def test_launcher_exit_statuses_tell_its_own_failure_from_the_commands(tmp_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(tmp_path / "gw.sock"))
     (tmp_path / "not_executable").write_text("#!/bin/sh\n")
+    session_file = tmp_path / "session"
+    session_file.write_text("/sessions/s.k")
 
     def launch(socket_path, *command):
-        return subprocess.run([sys.executable, str(LAUNCHER), socket_path, "/sessions/s.k", "--", *command],
+        return subprocess.run([sys.executable, str(LAUNCHER), socket_path, str(session_file), "--", *command],
                               capture_output=True, text=True, timeout=60)
 
     missing_socket = launch(str(tmp_path / "none.sock"), "true")
@@ -177,6 +179,9 @@ def test_launcher_exit_statuses_tell_its_own_failure_from_the_commands(tmp_path)
     assert launch(str(tmp_path / "gw.sock"), str(tmp_path / "no_such_agent")).returncode == 127
     assert launch(str(tmp_path / "gw.sock"), str(tmp_path / "not_executable")).returncode == 126
     assert launch(str(tmp_path / "gw.sock"), "sh", "-c", "exit 3").returncode == 3
+    session_file.unlink()
+    unreadable = launch(str(tmp_path / "gw.sock"), "true")
+    assert unreadable.returncode == 125 and "cannot read the session file" in unreadable.stderr
     sock.close()
 
 
@@ -243,3 +248,57 @@ async def test_an_agent_whose_llm_requests_all_fail_is_filtered_as_llm_backend(
         assert "NO ANSWER" in res["extra"]["gateway"]["output_tail"]
     await bwrap_runtime.close_all()
     assert not sandbox_procs()
+
+
+# ------------------------------------------------------------------------------------------ capabilities
+
+
+def _all_cmdlines() -> dict[int, str]:
+    import os
+
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.real
+async def test_session_key_is_in_no_command_line_and_its_socket_is_private(gateway_server, registry,
+                                                                          bwrap_runtime, sandbox_procs):
+    """While an agent runs, its session key is in no process's command line (``ps`` shows those to every
+    local user), and the socket, its directory and the session file are the sandbox user's alone. The agent
+    never calls the model here, so the backend is an address nobody answers on."""
+    import asyncio
+    import os
+    import stat
+
+    from prorl_server.app import PIPELINE
+
+    client, app = await gateway_server(["http://127.0.0.1:9"], registry=registry, runtime=bwrap_runtime)
+    marker = "capability-test-agent"
+    inst = {"data_source": "cli_agent", "eval": "none", "agent_timeout_s": 300,
+            "command": f"test -n \"$OPENAI_API_KEY\" && exec -a {marker} sleep 300"}
+    r = await client.post("/jobs", json={"instance": inst, "job_id": "cap"}, headers=AUTH)
+    assert r.status == 202, await r.text()
+    gw = app[GATEWAY]
+    for _ in range(600):  # until the agent runs (the test's own bound: 60 s)
+        if gw.open and any(marker in c for c in _all_cmdlines().values()):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail(f"the agent never started: {await (await client.get('/jobs/cap', headers=AUTH)).text()}")
+    (session,) = gw.open.values()
+    leaks = {pid: c for pid, c in _all_cmdlines().items() if session.key in c}
+    assert not leaks, leaks
+    gw_dir = app[PIPELINE].get("cap").state["gateway_dir"]
+    for path, mode in [(gw_dir, 0o700), (os.path.join(gw_dir, "gateway.sock"), 0o700),
+                       (os.path.join(gw_dir, "session"), 0o600)]:
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == mode, (path, oct(st.st_mode))
+    assert stat.S_ISSOCK(os.stat(os.path.join(gw_dir, "gateway.sock")).st_mode)
+    r = await client.post("/cancel", json={"job_id": "cap"}, headers=AUTH)
+    assert (await r.json())["cancelled"] is True
