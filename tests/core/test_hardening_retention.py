@@ -1,0 +1,137 @@
+"""Bounded memory (issue #15): finished results are retained up to ``keep_finished_mb`` (estimated from token
+counts), results a ``/process`` call delivered keep only a summary, and /metrics forgets cleared backends."""
+from __future__ import annotations
+
+import asyncio
+import random
+import tracemalloc
+
+import pytest
+
+from handlers.base import AgentHandler
+from handlers.registry import HandlerRegistry
+from prorl_server.app import PIPELINE, create_app
+from prorl_server.balancer import BackendPool
+from prorl_server.config import ServerSettings
+from prorl_server.metrics import Metrics
+from prorl_server.pipeline import Pipeline, result_bytes
+from prorl_server.types import JobResult, ProcessRequest, Trajectory
+
+
+def trajectory(prompt: int, response: int, seed: int = 0) -> Trajectory:
+    """A rollout segment shaped like a real one: token ids from a 150k vocabulary, one float logprob per
+    response token, a 0/1 loss mask."""
+    rng = random.Random(seed)
+    return Trajectory(prompt_ids=[rng.randrange(1000, 150_000) for _ in range(prompt)],
+                      response_ids=[rng.randrange(1000, 150_000) for _ in range(response)],
+                      response_logprobs=[-rng.random() for _ in range(response)],
+                      loss_mask=[rng.randrange(2) for _ in range(response)])
+
+
+class TokensHandler(AgentHandler):
+    """Stands in for an LLM handler: eval writes a trajectory of ``instance["tokens"]`` response tokens (and
+    a message), as a multi-turn rollout would."""
+
+    name = "tokens"
+    needs_llm = False
+
+    async def eval(self, job):
+        job.trajectories = [trajectory(100, job.instance["tokens"])]
+        job.messages = [{"role": "assistant", "content": "x" * 100}]
+        job.extra["note"] = "kept"
+        job.reward = 1.0
+
+
+def test_result_size_estimate_matches_the_memory_an_18k_token_result_holds():
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = JobResult(job_id="j", trajectory_id="t", handler="h", trajectories=[trajectory(2000, 16_000, seed=1)])
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    estimate = result_bytes(result)
+    print(f"18k-token result: measured {measured / 1e6:.2f} MB, estimated {estimate / 1e6:.2f} MB")
+    assert 0.7 < estimate / measured < 1.4
+
+
+async def test_retention_is_bounded_in_bytes_oldest_forgotten_first():
+    registry = HandlerRegistry()
+    registry.register(TokensHandler)
+    per_job = result_bytes(JobResult(job_id="j", trajectory_id="t", handler="h", trajectories=[trajectory(100, 5000)],
+                                     messages=[{"role": "assistant", "content": "x" * 100}]))
+    pipeline = Pipeline(registry, BackendPool(), Metrics(), {"init": 2, "run": 2, "eval": 2},
+                        keep_finished=10_000, keep_finished_mb=3.5 * per_job / 2**20)
+    pipeline.start_workers()
+    try:
+        for i in range(10):
+            job = pipeline.submit(ProcessRequest(job_id=f"b{i}", instance={"data_source": "tokens", "tokens": 5000}))
+            await asyncio.wait_for(asyncio.shield(job.done), 30)
+        kept = [i for i in range(10) if pipeline.get(f"b{i}") is not None]
+        assert kept == [7, 8, 9]  # the newest that fit in 3.5 results' worth
+        assert pipeline.retained_bytes == 3 * per_job <= pipeline.keep_finished_bytes
+        assert len(pipeline.get("b9").result.trajectories[0].response_ids) == 5000
+
+        # one result larger than the whole budget: still queryable (the newest is always kept), alone
+        job = pipeline.submit(ProcessRequest(job_id="huge", instance={"data_source": "tokens", "tokens": 30_000}))
+        await asyncio.wait_for(asyncio.shield(job.done), 30)
+        assert [j.job_id for j in pipeline._finished] == ["huge"]
+        assert pipeline.get("b9") is None and pipeline.get("huge").result.reward == 1.0
+    finally:
+        await pipeline.shutdown()
+
+
+@pytest.fixture
+def tokens_client(aiohttp_client):
+    async def make(**settings):
+        registry = HandlerRegistry()
+        registry.register(TokensHandler)
+        app = create_app(ServerSettings(health_interval_s=3600, **settings), registry=registry)
+        return await aiohttp_client(app)
+    return make
+
+
+async def test_results_delivered_by_process_are_not_retained_twice(tokens_client):
+    client = await tokens_client(keep_finished_mb=64)
+    pipeline = client.app[PIPELINE]
+    assert pipeline.keep_finished_bytes == 64 * 2**20  # the setting reaches the pipeline
+    r = await client.post("/process", json={"job_id": "p", "instance": {"data_source": "tokens", "tokens": 3000}})
+    full = await r.json()
+    assert len(full["trajectories"][0]["response_ids"]) == 3000 and full["extra"] == {"note": "kept"}
+    s = await (await client.get("/jobs/p")).json()
+    summary = s["result"]
+    assert s["state"] == "done" and summary["reward"] == 1.0 and summary["critical_error"] is None
+    assert summary["trajectories"] == [] and summary["messages"] == []
+    assert summary["extra"] == {"delivered": "POST /process"}
+    assert pipeline.retained_bytes == result_bytes(pipeline.get("p").result) < 4096
+
+    # a job submitted with POST /jobs is fetched with GET /jobs/{id}: its result stays whole
+    r = await client.post("/jobs", json={"job_id": "q", "instance": {"data_source": "tokens", "tokens": 3000}})
+    for _ in range(3000):  # hang guard
+        s = await (await client.get("/jobs/q")).json()
+        if s["state"] == "done":
+            break
+        await asyncio.sleep(0.01)
+    assert len(s["result"]["trajectories"][0]["response_ids"]) == 3000
+
+
+def test_metrics_series_of_a_cleared_backend_go_when_no_job_holds_it_and_come_back_with_it():
+    m = Metrics()
+    pool = BackendPool(on_change=m.backend_changed)
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    pool.add(a)
+    pool.add(b)
+    pool.assign("job", exclude=frozenset({b}))  # holds a
+    pool.clear()
+
+    def series() -> set[str]:
+        text = m.render().decode()
+        return {addr for addr in (a, b) if f'prorl_backend_in_flight{{backend="{addr}"}}' in text
+                or f'prorl_backend_healthy{{backend="{addr}"}}' in text}
+
+    assert series() == {a}  # b: cleared and unheld -> gone; a: still held by a job
+    pool.release("job")
+    assert series() == set()
+    pool.add(b, weight_version=2)  # the swap brings it back
+    assert series() == {b}
+    assert f'prorl_backend_healthy{{backend="{b}"}} 1.0' in m.render().decode()
