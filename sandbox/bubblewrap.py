@@ -1,10 +1,13 @@
 """Bubblewrap runtime: ``bwrap --unshare-all --die-with-parent`` sandboxes (measured here: ~10 ms to start).
 
-File system: a tmpfs root into which every top-level entry of the image (a rootfs directory, or the host root
-when ``spec.image`` is None) is bound read-only (symlinks recreated), then ``/proc``, a minimal ``/dev``, a
-fresh ``/tmp`` and ``/run``, the project and its interpreter read-only (so the execution server can run), the
-spec's binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable
-host paths. With ``writable_tmpfs`` every top-level directory is an overlay whose changes stay in memory
+File system: a tmpfs root into which every top-level entry of the image (a rootfs directory) is bound read-only
+(symlinks recreated); without an image, only the host's system directories (:data:`HOST_SYSTEM_DIRS`: /usr,
+/bin, /sbin, /lib*, /etc with :data:`ETC_SECRETS` masked) — no home directories, /root, /opt, /var, /srv or
+project tree. Then ``/proc``, a minimal ``/dev``, a fresh ``/tmp`` and ``/run``, the interpreter (prefixes,
+site-packages) and the project's ``sandbox`` package read-only (so the execution server can run), the spec's
+binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable host
+paths. Host-side state (ownership records, other sandboxes' run directories) is never under a writable mount
+(see :meth:`sandbox.runtime.SandboxRuntime.start`). With ``writable_tmpfs`` every top-level directory is an overlay whose changes stay in memory
 (needs bubblewrap >= 0.9; Debian 12 ships 0.8, where it is refused with a clear error).
 
 Processes: bwrap leads its own session and process group; ``--die-with-parent`` kills the sandbox if the server
@@ -35,6 +38,17 @@ log = logging.getLogger(__name__)
 
 # Top-level entries never taken from the image: the sandbox gets its own.
 _SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
+#: Without an image, the only top-level host entries a sandbox sees (read-only; symlinks recreated): the system.
+#: No home directories, no /root, /opt, /srv, /var, /mnt or project tree; the interpreter, its site-packages and
+#: the project's ``sandbox`` package are added one by one (:func:`_needed_paths`), spec binds on top.
+HOST_SYSTEM_DIRS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "usr")
+#: Paths under the host's /etc masked in a sandbox without an image (an empty file or directory over each that
+#: exists): password hashes, host keys, cluster and service credentials, package-index tokens.
+ETC_SECRETS = ("shadow", "shadow-", "gshadow", "gshadow-", "ssh", "ssl/private", "sudoers", "sudoers.d",
+               "security/opasswd", "munge", "krb5.keytab", "pip.conf", "npmrc", "netrc", "docker",
+               "containers/auth.json", "ceph", "slurm/slurmdbd.conf", "mysql/debian.cnf", "ipsec.secrets",
+               "ppp/chap-secrets", "ppp/pap-secrets", "NetworkManager/system-connections", "wpa_supplicant",
+               "letsencrypt", "pki/private", "libvirt", "cups/ssl")
 # Sandbox users of a root server: high uids that belong to nobody on the node, one per sandbox.
 DEFAULT_UID_RANGE = (1_900_000_000, 1_000_000)
 DEFAULT_UID_LEASE_DIR = "/dev/shm/prorl-uids"
@@ -46,12 +60,14 @@ class BubblewrapRuntime(SandboxRuntime):
     node-wide from ``uid_range`` (``(first, count)``) in ``uid_lease_dir``, so that ``max_processes`` counts
     each sandbox alone and sandboxes cannot touch each other's files; ``(uid, gid)`` = that user for every
     sandbox (their process counts add up); ``False`` = stay root (no process limit). A given
-    ``spec.workspace`` is chowned to the sandbox user."""
+    ``spec.workspace`` is chowned to the sandbox user. ``host_dirs``: top-level host directories bound
+    read-only in addition to :data:`HOST_SYSTEM_DIRS` when a spec has no image (e.g. ``("opt",)``); raises
+    ``ValueError`` for a path that is not a top-level name."""
 
     kind = "bubblewrap"
 
     def __init__(self, *, bwrap: Optional[str] = None, run_as=None, uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
-                 uid_lease_dir: str = DEFAULT_UID_LEASE_DIR, **options) -> None:
+                 uid_lease_dir: str = DEFAULT_UID_LEASE_DIR, host_dirs: tuple[str, ...] = (), **options) -> None:
         self.bwrap = bwrap or shutil.which("bwrap")
         if not self.bwrap:
             raise SandboxError("bubblewrap runtime: no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
@@ -62,6 +78,9 @@ class BubblewrapRuntime(SandboxRuntime):
         self._run_as = run_as
         self._uid_range = uid_range
         self._uid_lease_dir = uid_lease_dir
+        self._host_dirs = tuple(dict.fromkeys((*HOST_SYSTEM_DIRS, *(d.strip("/") for d in host_dirs))))
+        if any(not d or "/" in d or d in _SKIP for d in self._host_dirs):
+            raise ValueError(f"host_dirs must be top-level directory names, got {host_dirs!r}")
 
     def sandbox_user(self, spec: SandboxSpec, sandbox_id: str) -> tuple[Optional[tuple[int, int]], Optional[Lease]]:
         if not self._root or spec.fakeroot or self._run_as is False:
@@ -79,28 +98,35 @@ class BubblewrapRuntime(SandboxRuntime):
         raise SandboxError(f"no free sandbox uid in [{first}, {first + count}) (lease dir {self._uid_lease_dir})")
 
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
-        return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay)
+        return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay,
+                                   host_dirs=self._host_dirs)
 
 
 def _needed_paths(ctx: LaunchContext) -> list[str]:
-    """Host paths the execution server needs: the project, the interpreter's prefixes, and the real location
-    of the interpreter binary (a venv's python is a symlink)."""
-    paths = [project_root(), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
-    paths += ctx.pythonpath
+    """Host paths the execution server needs: the project's ``sandbox`` package (not the rest of the project:
+    it may hold configuration, tokens, datasets), the interpreter's prefixes, the real location of the
+    interpreter binary (a venv's python is a symlink) and its site-packages."""
+    root = os.path.realpath(project_root())
+    paths = [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
+    paths += [p for p in ctx.pythonpath if os.path.realpath(p) != root]
     out: list[str] = []
     for p in paths:
         p = os.path.realpath(p)
+        if p == root:
+            continue  # e.g. a venv's prefix being the project itself: never the whole project
         if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
             out = [q for q in out if not q.startswith(p + os.sep)] + [p]
     return out
 
 
 def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False,
-                        overlay: bool = False) -> list[str]:
+                        overlay: bool = False, host_dirs: tuple[str, ...] = HOST_SYSTEM_DIRS) -> list[str]:
     """The complete bwrap argv for ``spec``. ``privileged``: the caller is root (no user namespace when the
     server drops to ``ctx.run_as``). ``overlay``: this bwrap has ``--overlay-src`` (>= 0.9), needed for
-    ``writable_tmpfs`` (each top-level directory becomes an in-memory overlay). Raises :class:`SandboxError`
-    for an image that is not a directory or ``writable_tmpfs`` without overlay support."""
+    ``writable_tmpfs`` (each top-level directory becomes an in-memory overlay). ``host_dirs``: without an
+    image, the top-level host entries bound read-only (default :data:`HOST_SYSTEM_DIRS`; /etc minus
+    :data:`ETC_SECRETS`). Raises :class:`SandboxError` for an image that is not a directory or
+    ``writable_tmpfs`` without overlay support."""
     args = [bwrap]
     if privileged and ctx.run_as:
         args += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
@@ -121,7 +147,8 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
         raise SandboxError("writable_tmpfs needs bubblewrap >= 0.9 (--overlay-src/--tmp-overlay); this bwrap lacks it")
     args += ["--tmpfs", "/"]
     provided: set[str] = set()  # top-level entries that come from the image
-    for name in sorted(os.listdir(root)):
+    names = sorted(os.listdir(root)) if spec.image else [n for n in host_dirs if os.path.lexists("/" + n)]
+    for name in names:
         src = os.path.join(root, name)
         if name in _SKIP or (name == "root" and ctx.run_as):
             continue
@@ -132,6 +159,12 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
             args += ["--overlay-src", src, "--tmp-overlay", "/" + name]
         elif os.path.isdir(src) or os.path.isfile(src):
             args += ["--ro-bind", src, "/" + name]
+    if spec.image is None and "etc" in provided and not os.path.islink("/etc"):
+        for rel in ETC_SECRETS:
+            path = os.path.join("/etc", rel)
+            if os.path.islink(path) or not os.path.lexists(path):
+                continue  # a link leads into what is bound or masked anyway
+            args += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     if spec.image is None:
         args += ["--ro-bind-try", "/sys", "/sys"]

@@ -1,6 +1,7 @@
 """Host-side async client of one sandbox's execution server.
 
-One action at a time per sandbox (an ``asyncio.Lock``); a dropped connection is re-opened and the running
+One action at a time per sandbox (an ``asyncio.Lock``); a call that ends in any exception (a cancellation
+included) drops its connection, so the next call reconnects; a dropped connection is re-opened and the running
 request re-attached by id (the server keeps recent results), so a network hiccup does not lose or repeat a
 command; a sandbox whose process is gone is reported as :class:`SandboxDeadError` at once, never waited on.
 """
@@ -82,43 +83,54 @@ class ExecClient:
         :class:`SandboxDeadError` if the sandbox dies meanwhile, :class:`ToolTimeout` if no answer comes within
         ``timeout_s`` (callers add the tool's own timeout and :data:`SERVER_GRACE_S`)."""
         async with self._lock:
-            rid = next(self._ids)
-            deadline = time.monotonic() + timeout_s
-            request = protocol.encode({"id": rid, "op": op, "args": args})
-            expect = {rid}
-            for attempt in range(RECONNECT_ATTEMPTS + 1):
-                try:
-                    if self._writer is None:
-                        await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
-                    self._writer.write(request)
+            try:
+                return await self._call_locked(op, args, timeout_s)
+            except BaseException:
+                # Any exception (cancellation included) may leave this stream mid-request: a read still pending
+                # on it, or the late answer of the abandoned request arriving first. Drop it so that the next
+                # call reconnects from a clean state (a reconnect costs well under a millisecond); the server
+                # keeps running the abandoned request, independently of any connection.
+                self._drop_connection()
+                raise
+
+    async def _call_locked(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        rid = next(self._ids)
+        deadline = time.monotonic() + timeout_s
+        request = protocol.encode({"id": rid, "op": op, "args": args})
+        expect = {rid}
+        for attempt in range(RECONNECT_ATTEMPTS + 1):
+            try:
+                if self._writer is None:
+                    await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
+                self._writer.write(request)
+                msg = await self._read_response(expect, deadline, op)
+                if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
+                    # The server never got the request before the connection broke: send it again.
+                    expect = {rid}
+                    self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
                     msg = await self._read_response(expect, deadline, op)
-                    if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
-                        # The server never got the request before the connection broke: send it again.
-                        expect = {rid}
-                        self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
-                        msg = await self._read_response(expect, deadline, op)
-                    break
-                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
-                    self._drop_connection()
-                    if self._died_future().done():
-                        raise self._dead_error(f"while running {op}") from None
-                    # Give the process a moment to finish dying before deciding it was only the connection.
-                    try:
-                        await asyncio.wait_for(asyncio.shield(self._died_future()), 0.05)
-                        raise self._dead_error(f"while running {op}") from None
-                    except asyncio.TimeoutError:
-                        pass
-                    if attempt == RECONNECT_ATTEMPTS:
-                        raise SandboxDeadError(f"sandbox {self._describe}: connection lost {attempt + 1} times "
-                                               f"during {op}: {e}") from None
-                    reattach_id = next(self._ids)
-                    expect.add(reattach_id)
-                    request = protocol.encode({"id": reattach_id, "op": "result", "args": {"id": rid}})
-            if msg.get("ok"):
-                return msg.get("result") or {}
-            err = msg.get("error") or {}
-            cls = ERRORS_BY_NAME.get(err.get("type"), SandboxError)
-            raise cls(err.get("message") or "the execution server reported an error without a message")
+                break
+            except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
+                self._drop_connection()
+                if self._died_future().done():
+                    raise self._dead_error(f"while running {op}") from None
+                # Give the process a moment to finish dying before deciding it was only the connection.
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._died_future()), 0.05)
+                    raise self._dead_error(f"while running {op}") from None
+                except asyncio.TimeoutError:
+                    pass
+                if attempt == RECONNECT_ATTEMPTS:
+                    raise SandboxDeadError(f"sandbox {self._describe}: connection lost {attempt + 1} times "
+                                           f"during {op}: {e}") from None
+                reattach_id = next(self._ids)
+                expect.add(reattach_id)
+                request = protocol.encode({"id": reattach_id, "op": "result", "args": {"id": rid}})
+        if msg.get("ok"):
+            return msg.get("result") or {}
+        err = msg.get("error") or {}
+        cls = ERRORS_BY_NAME.get(err.get("type"), SandboxError)
+        raise cls(err.get("message") or "the execution server reported an error without a message")
 
     def _drop_connection(self) -> None:
         if self._writer is not None:
@@ -130,8 +142,14 @@ class ExecClient:
         while True:
             read = asyncio.ensure_future(self._reader.readline())
             timeout = deadline - time.monotonic()
-            done, _ = await asyncio.wait({read, died}, timeout=max(0.0, timeout),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({read, died}, timeout=max(0.0, timeout),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                # Cancelled while waiting: a readline left pending would make the next call's read on this
+                # stream fail ("readuntil() called while another coroutine is already waiting").
+                read.cancel()
+                raise
             if read not in done:
                 read.cancel()
                 self._drop_connection()

@@ -31,7 +31,7 @@ from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .ownership import (OwnershipStore, default_state_dir, kill_sandbox, pid_namespace, process_identity,
                         same_process)
 from .protocol import MAX_TRANSFER_BYTES
-from .sessions import live_session_ids
+from .sessions import MARKER_VAR, live_session_ids
 from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,17 @@ def _cache_sandbox_bytecode() -> None:
             compileall.compile_file(os.path.join(here, name + ".py"), quiet=2)
         except OSError:
             pass
+
+
+def _trusted_sessions(runtime_kind: Optional[str], run_dir: str, sandbox_id: str) -> set[int]:
+    """Session ids of a sandbox's tool processes that the host may kill, from its sessions file. Only the
+    ``local`` runtime (no pid namespace, no isolation) keeps such a file; for every isolated runtime the file
+    would sit in the sandbox-writable run directory and is never read (the pid namespace and the launcher's
+    process group, recorded by the host, find those sandboxes' processes). Even for ``local`` every entry is
+    verified (:func:`sandbox.sessions.live_session_ids`)."""
+    if runtime_kind != "local" or not run_dir:
+        return set()
+    return live_session_ids(os.path.join(run_dir, SESSIONS_NAME), sandbox_id)
 
 
 def project_root() -> str:
@@ -212,7 +223,8 @@ class SandboxHandle:
     async def _close(self) -> None:
         await self._client.close()
         survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
-                                       sessions=live_session_ids(os.path.join(self._ctx.run_dir, SESSIONS_NAME)),
+                                       sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir,
+                                                                  self.sandbox_id),
                                        pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
         for lease in self._leases:
             lease.release()
@@ -284,6 +296,7 @@ class SandboxRuntime(abc.ABC):
         if ctx.address:
             env["PRORL_SANDBOX_ADDRESS"] = ctx.address
         env.update(spec.env)
+        env[MARKER_VAR] = ctx.sandbox_id  # after the spec's: see sandbox.sessions.carries_marker
         return env
 
     def launcher_env(self, ctx: LaunchContext) -> dict[str, str]:
@@ -291,7 +304,13 @@ class SandboxRuntime(abc.ABC):
                 "PYTHONPATH": ":".join(ctx.pythonpath)}
 
     def sessions_file(self, ctx: LaunchContext) -> Optional[str]:
+        """Where the execution server records its tool sessions (host path), or ``None``. Only a runtime
+        without a pid namespace (``local``) may have one: see :func:`_trusted_sessions`."""
         return None
+
+    async def prepare_launch(self, spec: SandboxSpec) -> None:
+        """Called at the start of every :meth:`start`, before anything is created: checks that may take time
+        (Singularity's isolation probe). Raises :class:`SandboxStartError` if ``spec`` cannot run here."""
 
     # ---------------------------------------------------------------------------------------- interface
     async def start(self, spec: SandboxSpec | dict[str, Any] | None = None, **fields: Any) -> SandboxHandle:
@@ -323,6 +342,7 @@ class SandboxRuntime(abc.ABC):
             raise
 
     async def _start(self, spec: SandboxSpec) -> SandboxHandle:
+        await self.prepare_launch(spec)
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
         ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
@@ -376,7 +396,8 @@ class SandboxRuntime(abc.ABC):
             if same_process(rec.get("owner_pid"), rec.get("owner_create_time")):
                 continue  # its server is alive (this one or another): not an orphan
             run_dir = rec.get("run_dir") or ""
-            sessions = live_session_ids(os.path.join(run_dir, SESSIONS_NAME)) if run_dir else set()
+            sessions = (_trusted_sessions(rec.get("runtime"), run_dir, rec["sandbox_id"]) if self._owns(run_dir)
+                        else set())
             survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
                                            sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
             if survivors:
@@ -411,6 +432,18 @@ class SandboxRuntime(abc.ABC):
     def id_prefix(self) -> str:
         return "sb"
 
+    def _check_writable_paths(self, workspace: str, spec: SandboxSpec) -> None:
+        """Refuse a sandbox whose writable host paths (workspace, ``rw`` binds) overlap the state directory:
+        the ownership records and every other sandbox's run directory are host-side state that the host reads
+        to decide what to kill and trust, so no sandbox may write them. Raises ``ValueError``."""
+        state = os.path.realpath(self.state_dir)
+        for name, path in [("workspace", workspace)] + [(f"bind {b.container}", b.host) for b in spec.binds
+                                                           if not b.ro]:
+            real = os.path.realpath(path)
+            if real == state or real.startswith(state + os.sep) or state.startswith(real + os.sep):
+                raise ValueError(f"sandbox {name} {path!r} overlaps the host state directory {self.state_dir} "
+                                 "(ownership records, run directories): refused, a sandbox must not write it")
+
     def _owns(self, path: Optional[str]) -> bool:
         return bool(path) and os.path.abspath(path).startswith(os.path.join(self.state_dir, "run") + os.sep)
 
@@ -419,6 +452,8 @@ class SandboxRuntime(abc.ABC):
         run_dir, workspace, created = self._make_dirs(sandbox_id, spec)
         leases: list[Lease] = []
         try:
+            if self.isolated:
+                self._check_writable_paths(workspace, spec)
             address = None
             if spec.network == "loopback":
                 if self._loopback is None:

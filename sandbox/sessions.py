@@ -1,10 +1,12 @@
-"""Session records of the tool processes, for runtimes without a pid namespace (local).
+"""Session records of the tool processes, for the runtime without a pid namespace (local) only.
 
 The shell and the kernel each lead their own session (``setsid``); their descendants keep that session id
 unless they call ``setsid`` themselves. The execution server writes ``{name: {pid, start_ticks}}`` to a JSON
 file in the run directory; after a server crash the host kills exactly the processes of those sessions, having
 checked each leader's start time (``/proc/PID/stat`` field 22, clock ticks since boot) so that a reused pid is
-never touched.
+never touched, and its environment marker (:func:`carries_marker`) so that a forged entry naming an unrelated
+process is never trusted. Isolated runtimes never read this file: their sandboxes are found through the pid
+namespace and the process group the host recorded itself.
 """
 from __future__ import annotations
 
@@ -38,16 +40,40 @@ def record_session(path: str, name: str, pid: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def live_session_ids(path: str) -> set[int]:
-    """Session ids recorded in ``path`` whose leader is still the same process (pid and start time)."""
+#: Environment variable that marks every tool process of a sandbox with the sandbox's id (set by the host in
+#: the tool environment, after the spec's own variables).
+MARKER_VAR = "PRORL_SANDBOX_ID"
+
+
+def carries_marker(pid: int, sandbox_id: str) -> bool:
+    """True if ``pid``'s initial environment (``/proc/PID/environ``, as of its last exec) holds
+    ``PRORL_SANDBOX_ID=<sandbox_id>``. A process that is not a descendant of the sandbox's tools never does
+    (no process can set another's environment), nor does one this user cannot read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return (MARKER_VAR + "=" + sandbox_id).encode() in env.split(b"\0")
+
+
+def live_session_ids(path: str, sandbox_id: str) -> set[int]:
+    """Session ids recorded in ``path`` whose leader is still the same process (pid and start time) and carries
+    the marker of ``sandbox_id`` (:func:`carries_marker`). The file is written by the sandbox's own execution
+    server, so code in the sandbox can forge it: an entry naming any other process is ignored."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return set()
+    if not isinstance(data, dict):
+        return set()
     sids = set()
     for entry in data.values():
+        if not isinstance(entry, dict):
+            continue
         pid = entry.get("pid")
-        if isinstance(pid, int) and entry.get("start_ticks") is not None and start_ticks(pid) == entry["start_ticks"]:
+        if (isinstance(pid, int) and pid > 1 and entry.get("start_ticks") is not None
+                and start_ticks(pid) == entry["start_ticks"] and carries_marker(pid, sandbox_id)):
             sids.add(pid)
     return sids
