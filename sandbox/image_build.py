@@ -1,8 +1,10 @@
 """``prorl-build-image``: Singularity/Apptainer images (``.sif``) for the sandboxes, with a content-hash cache.
 
-A definition file comes from a Jinja2 template in ``singularity/templates/`` (rendered with StrictUndefined:
-a missing variable is an error naming it, never an empty string) or from a user's Dockerfile, converted by
-spython's recipe parser and writer (no Singularity binary needed), with the execution-server layer added.
+A definition file comes from a Jinja2 template in ``singularity/templates/`` of a checkout, or
+``<prefix>/share/prorl/singularity/templates`` when installed (:func:`find_templates_dir`), rendered with
+StrictUndefined (a missing variable is an error naming it, never an empty string), or from a user's
+Dockerfile, converted by spython's recipe parser and writer (no Singularity binary needed), with the
+execution-server layer added.
 It is built with ``apptainer build`` or ``singularity build`` (whichever is on PATH), ``--fakeroot`` on request.
 
 Cache modes, after ProRL Agent / OpenHands' runtime builder; the key of each is a sha256 written next to the
@@ -48,7 +50,28 @@ import jinja2
 import jinja2.meta
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TEMPLATES_DIR = REPO_ROOT / "singularity" / "templates"
+#: Where an installed (non-checkout) project keeps the templates: setup.cfg's ``data_files`` puts
+#: ``singularity/templates/*`` under ``<prefix>/share/prorl/singularity/templates``.
+INSTALLED_TEMPLATES_SUBDIR = Path("share") / "prorl" / "singularity" / "templates"
+
+
+def find_templates_dir(repo_root: Path = REPO_ROOT, prefixes: Sequence[str] = ()) -> Path:
+    """The templates directory: ``<repo_root>/singularity/templates`` in a checkout, else the first of
+    ``<prefix>/share/prorl/singularity/templates`` that exists for ``prefixes`` (default: ``sys.prefix``,
+    ``sys.base_prefix``, the user base). Returns the checkout path when none exists (so that errors name it)."""
+    checkout = Path(repo_root) / "singularity" / "templates"
+    if checkout.is_dir():
+        return checkout
+    import site
+
+    for prefix in prefixes or (sys.prefix, sys.base_prefix, site.getuserbase()):
+        candidate = Path(prefix) / INSTALLED_TEMPLATES_SUBDIR
+        if candidate.is_dir():
+            return candidate
+    return checkout
+
+
+DEFAULT_TEMPLATES_DIR = find_templates_dir()
 DEFAULT_TEMPLATE = "execution_server"
 DEFAULT_BASE = "docker://python:3.11-slim"
 CACHE_MODES = ("scratch", "versioned", "lock")

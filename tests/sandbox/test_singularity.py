@@ -2,15 +2,19 @@
 plus an integration test that runs only where apptainer or singularity is installed."""
 from __future__ import annotations
 
+import json
 import os
 import stat
+import sys
 
 import pytest
 
 from sandbox import SandboxSpec
-from sandbox.errors import SandboxError
+from sandbox.errors import SandboxError, SandboxStartError
 from sandbox.runtime import LaunchContext
 from sandbox.singularity import build_singularity_command, find_singularity
+
+FAKE_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_apptainer_exec.py")
 
 CTX = LaunchContext(sandbox_id="sb-1", run_dir="/state/run/sb-1", workspace="/scratch/ws1",
                     sandbox_run_dir="/run/prorl", sandbox_workspace="/workspace", python="/venv/bin/python",
@@ -23,7 +27,8 @@ def test_default_command_line_is_exact():
     argv = build_singularity_command("/usr/bin/apptainer", SandboxSpec(image="/img/task.sif"), CTX,
                                      ro_paths=["/proj", "/venv"])
     assert argv == [
-        "/usr/bin/apptainer", "exec", "--containall", "--no-home", "--cleanenv", "--pwd", "/workspace",
+        "/usr/bin/apptainer", "exec", "--containall", "--no-home", "--no-mount", "hostfs,bind-paths,cwd",
+        "--cleanenv", "--pwd", "/workspace",
         "--net", "--network", "none",
         "--bind", "/proj:/proj:ro", "--bind", "/venv:/venv:ro",
         "--bind", "/state/run/sb-1:/run/prorl:rw", "--bind", "/scratch/ws1:/workspace:rw",
@@ -36,12 +41,24 @@ def test_all_options_command_line_is_exact():
                        workdir="/testbed", binds=[("/data", "/data", True), ("/out", "/mnt/out", False)])
     argv = build_singularity_command("singularity", spec, CTX, ro_paths=[])
     assert argv == [
-        "singularity", "exec", "--containall", "--no-home", "--cleanenv", "--pwd", "/testbed",
+        "singularity", "exec", "--containall", "--no-home", "--no-mount", "hostfs,bind-paths,cwd",
+        "--cleanenv", "--pwd", "/testbed",
         "--fakeroot", "--writable-tmpfs",
         "--bind", "/data:/data:ro", "--bind", "/out:/mnt/out:rw",
         "--bind", "/state/run/sb-1:/run/prorl:rw", "--bind", "/scratch/ws1:/workspace:rw",
         "--env", "PYTHONPATH=/proj:/venv/lib/python3.11/site-packages",
         "/img/task.sif", *SERVER]
+
+
+def test_image_with_its_own_venv_runs_the_server_with_it_and_binds_nothing_of_the_host_interpreter():
+    argv = build_singularity_command("apptainer", SandboxSpec(image="/img/task.sif"), CTX, ro_paths=["/proj"],
+                                     exec_python="/opt/prorl/venv/bin/python")
+    assert argv == [
+        "apptainer", "exec", "--containall", "--no-home", "--no-mount", "hostfs,bind-paths,cwd",
+        "--cleanenv", "--pwd", "/workspace", "--net", "--network", "none",
+        "--bind", "/state/run/sb-1:/run/prorl:rw", "--bind", "/scratch/ws1:/workspace:rw",
+        "/img/task.sif", "/opt/prorl/venv/bin/python", "-m", "sandbox.exec_server",
+        "--socket", "/run/prorl/exec.sock", "--config", "/run/prorl/config.json"]
 
 
 def test_missing_image_is_refused():
@@ -91,3 +108,78 @@ async def test_singularity_sandbox_runs_bash(runtime_options):
         assert (await h.bash("echo hi; pwd")).output == "hi\n/workspace\n"
     finally:
         await h.close()
+
+
+@pytest.fixture
+def fake_apptainer(tmp_path, monkeypatch):
+    """``apptainer`` on PATH = tests/sandbox/fake_apptainer_exec.py (see its docstring); returns the log path."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    path = bindir / "apptainer"
+    path.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_EXEC} \"$@\"\n")
+    path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    log = tmp_path / "apptainer.log"
+    monkeypatch.setenv("FAKE_APPTAINER_LOG", str(log))
+    monkeypatch.delenv("FAKE_APPTAINER_REFUSE", raising=False)
+    monkeypatch.delenv("FAKE_IMAGE_EXEC_PYTHON", raising=False)
+    return log
+
+
+def _calls(log) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+async def test_site_without_network_namespaces_fails_at_start_naming_the_flag(fake_apptainer, runtime_options,
+                                                                             monkeypatch):
+    from sandbox import make_runtime
+
+    monkeypatch.setenv("FAKE_APPTAINER_REFUSE", "--net")
+    rt = make_runtime("apptainer", **runtime_options)
+    with pytest.raises(SandboxStartError, match=r"(?s)refuses the isolation flag `--net --network none`.*network "
+                                                r"namespaces are disabled"):
+        await rt.start(SandboxSpec(image="/img/task.sif"))
+    probe = _calls(fake_apptainer)[0]
+    # The probe carries exactly the isolation flags of the real launch.
+    assert probe[:11] == ["exec", "--containall", "--no-home", "--no-mount", "hostfs,bind-paths,cwd",
+                          "--cleanenv", "--net", "--network", "none", "/img/task.sif", "/bin/sh"]
+    assert not any(c[0] == "exec" and "sandbox.exec_server" in c for c in _calls(fake_apptainer))
+    run = os.path.join(runtime_options["state_dir"], "run")
+    assert rt.handles == [] and (not os.path.exists(run) or os.listdir(run) == [])
+    # network="host" needs no network namespace: that spec passes the probe.
+    assert await rt.probe(SandboxSpec(image="/img/task.sif", network="host")) == ""
+
+
+async def test_refused_fakeroot_is_named_and_unexplained_failures_show_the_output(fake_apptainer, runtime_options,
+                                                                                 monkeypatch):
+    from sandbox import make_runtime
+
+    monkeypatch.setenv("FAKE_APPTAINER_REFUSE", "--fakeroot")
+    rt = make_runtime("apptainer", **runtime_options)
+    with pytest.raises(SandboxStartError, match="(?s)`--fakeroot`.*fakeroot=False"):
+        await rt.probe(SandboxSpec(image="/img/task.sif", fakeroot=True))
+    monkeypatch.setenv("FAKE_APPTAINER_REFUSE", "--containall")
+    with pytest.raises(SandboxStartError, match="(?s)cannot run image /img/task.sif.*feature disabled"):
+        await rt.probe(SandboxSpec(image="/img/task.sif"))
+
+
+async def test_probe_runs_once_per_image_and_finds_the_image_venv(fake_apptainer, runtime_options, monkeypatch):
+    from sandbox import make_runtime
+
+    monkeypatch.setenv("FAKE_IMAGE_EXEC_PYTHON", sys.executable)  # stands for /opt/prorl/venv/bin/python
+    rt = make_runtime("apptainer", **runtime_options)
+    spec = SandboxSpec(image="/img/built.sif")
+    assert await rt.probe(spec) == sys.executable
+    await rt.prepare_launch(spec)
+    await rt.prepare_launch(spec)
+    assert len(_calls(fake_apptainer)) == 1
+    ctx = LaunchContext(sandbox_id="sb-2", run_dir="/s/run/sb-2", workspace="/w", sandbox_run_dir="/run/prorl",
+                        sandbox_workspace="/workspace", python="/host/python", pythonpath=["/proj"], address=None)
+    argv = rt.build_command(spec, ctx)
+    assert argv[argv.index("/img/built.sif") + 1:][:3] == [sys.executable, "-m", "sandbox.exec_server"]
+    assert "--env" not in argv and not any(a.startswith("/proj") for a in argv)
+    monkeypatch.setenv("FAKE_IMAGE_EXEC_PYTHON", "/no/such/python")  # a venv that is not there: host python
+    other = SandboxSpec(image="/img/plain.sif")
+    await rt.prepare_launch(other)
+    argv = rt.build_command(other, ctx)
+    assert argv[-8:-6] == ["/host/python", "-S"] and "PYTHONPATH=/proj" in argv
