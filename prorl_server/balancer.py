@@ -13,7 +13,8 @@ known by its address for the pool's whole life: :meth:`BackendPool.clear` takes 
 revives that same object with the new version. So a job holding it sees the new version on its next turn,
 its in-flight count survives the swap (a release after the swap decrements the count the job incremented),
 and a job holding a backend that is cleared and never re-added keeps using it until it ends. A job that needs
-a backend while the rotation is empty waits (``acquire(wait_s=...)``) for the re-registration.
+a backend while the rotation is empty waits (``acquire(wait_s=...)``) for the re-registration; one that
+finds backends registered but all unhealthy (a crashed server) fails at once with their last errors.
 
 **Group affinity**: the n samples of one prompt (a *group*, ``group_id``) share their prompt's prefix, so
 the pool sends them to one backend when load allows (its prefix cache then holds the prompt once): a job of a
@@ -244,11 +245,13 @@ class BackendPool:
 
     async def acquire(self, job_id: str, wait_s: float = 0.0, exclude: frozenset[str] = frozenset(),
                       group: Optional[str] = None) -> Backend:
-        """Like :meth:`assign`, but waits up to ``wait_s`` seconds while no backend is in rotation (the
-        trainer clears and re-adds backends around every weight update).
+        """Like :meth:`assign`, but waits up to ``wait_s`` seconds while the rotation is empty (the trainer
+        clears and re-adds backends around every weight update).
 
         Raises:
-            NoBackendError: none in rotation within ``wait_s``, or every one in rotation is in ``exclude``.
+            NoBackendError: none in rotation within ``wait_s``; every one in rotation is in ``exclude``; or
+                backends are registered and every one is unhealthy (a dead server: raised at once, the message
+                names each backend and its ``last_error``).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s

@@ -1,7 +1,8 @@
 """``prorl-server`` / ``python -m prorl_server``: run the rollout server.
 
 Settings come from defaults, then ``--config FILE`` (YAML or TOML), then ``PRORL_TOKEN``, then flags.
-SIGTERM and SIGINT stop it cleanly: in-flight jobs are cancelled, every sandbox it started is closed.
+SIGTERM and SIGINT stop it cleanly: in-flight jobs are cancelled at once (a blocking ``/process`` answers its
+client the cancelled result), every sandbox it started is closed, then the process exits.
 """
 from __future__ import annotations
 
