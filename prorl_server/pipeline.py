@@ -88,10 +88,18 @@ class Pipeline:
             for i in range(self.workers[stage]):
                 self._worker_tasks.append(asyncio.create_task(self._worker(stage), name=f"{stage}-worker-{i}"))
 
-    async def shutdown(self) -> None:
-        """Refuse new jobs, cancel every live job (closing its sandboxes), then stop the workers."""
+    async def shutdown(self, grace_s: float = 3.0) -> None:
+        """Refuse new jobs, cancel every live job (closing its sandboxes), then stop the workers.
+
+        Args:
+            grace_s: how long the cancelled jobs get to end (seconds); a stage that swallows its cancellation
+                is then ended by cancelling its worker, which still finishes the job as ``cancelled``.
+        """
         self.accepting = False
-        await self.cancel_all("server shutting down")
+        try:
+            await asyncio.wait_for(self.cancel_all("server shutting down"), grace_s)
+        except TimeoutError:
+            log.warning("jobs still running %g s after they were cancelled; stopping their workers", grace_s)
         for t in self._worker_tasks:
             t.cancel()
         await asyncio.gather(*self._worker_tasks, return_exceptions=True)

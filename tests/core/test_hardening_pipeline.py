@@ -230,3 +230,34 @@ async def test_base_exception_in_final_result_or_exception_callback_fails_the_jo
     assert "run_exception raised SystemExit" in res["error"]
     r = await client.post("/process", json={"instance": {"data_source": "base_raiser"}})
     assert (await r.json())["reward"] == 1.0
+
+
+class StubbornHandler(AgentHandler):
+    """Stands in for a handler (or a library it awaits) that swallows its first cancellation and goes on
+    waiting, e.g. a retry loop catching every exception around a long call."""
+
+    name = "stubborn"
+    needs_llm = False
+
+    def __init__(self) -> None:
+        self.running = asyncio.Event()
+
+    async def run(self, job):
+        self.running.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(3600)
+
+
+async def test_shutdown_ends_a_job_whose_stage_swallows_its_cancellation():
+    handler = StubbornHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    pipeline = Pipeline(registry, BackendPool(), Metrics(), {"init": 1, "run": 1, "eval": 1})
+    pipeline.start_workers()
+    job = pipeline.submit(ProcessRequest(job_id="s", instance={"data_source": "stubborn"}))
+    await asyncio.wait_for(handler.running.wait(), 30)
+    await asyncio.wait_for(pipeline.shutdown(grace_s=0.2), 30)  # hang guard
+    assert job.finished and job.result.critical_error == "cancelled"
+    assert job.result.failure_kind == "cancelled" and pipeline.in_flight == 0
