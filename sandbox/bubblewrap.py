@@ -107,13 +107,15 @@ def _needed_paths(ctx: LaunchContext) -> list[str]:
     it may hold configuration, tokens, datasets), the interpreter's prefixes, the real location of the
     interpreter binary (a venv's python is a symlink) and its site-packages."""
     root = os.path.realpath(project_root())
+    # An installed project's root is a site-packages directory, needed whole (the dependencies live there).
+    checkout = not root.endswith(("site-packages", "dist-packages"))
     paths = [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
-    paths += [p for p in ctx.pythonpath if os.path.realpath(p) != root]
+    paths += ctx.pythonpath
     out: list[str] = []
     for p in paths:
         p = os.path.realpath(p)
-        if p == root:
-            continue  # e.g. a venv's prefix being the project itself: never the whole project
+        if checkout and p == root:
+            continue  # e.g. a venv's prefix being the project itself: never the whole checkout
         if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
             out = [q for q in out if not q.startswith(p + os.sep)] + [p]
     return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
+import struct
 import time
 from typing import Any, Awaitable, Callable, Optional
 
@@ -23,10 +25,17 @@ SERVER_GRACE_S = 10.0
 
 class ExecClient:
     """Talks to ``socket_path``. ``died`` is an awaitable that completes when the sandbox's process exits
-    (its result, e.g. the exit code, goes into the error message); ``describe`` names the sandbox in errors."""
+    (its result, e.g. the exit code, goes into the error message); ``describe`` names the sandbox in errors.
+    ``peer_ok(pid) -> bool``: whether the process at the other end of a new connection (host pid, from
+    ``SO_PEERCRED``) belongs to the sandbox. The socket's path is in the sandbox-writable run directory, so code
+    in the sandbox can replace it with a link to another socket of the host: a connection whose peer fails the
+    check is closed and refused (:class:`ProtocolError`). ``peer_pid``: the peer of the current connection."""
 
-    def __init__(self, socket_path: str, died: Callable[[], Awaitable[Any]], describe: str) -> None:
+    def __init__(self, socket_path: str, died: Callable[[], Awaitable[Any]], describe: str,
+                 peer_ok: Optional[Callable[[int], bool]] = None) -> None:
         self._path = socket_path
+        self._peer_ok = peer_ok
+        self.peer_pid: Optional[int] = None
         self._died_factory = died
         self._died: Optional[asyncio.Future] = None
         self._describe = describe
@@ -57,8 +66,15 @@ class ExecClient:
             if died.done():
                 raise self._dead_error("before its execution server accepted a connection")
             try:
-                self._reader, self._writer = await asyncio.open_unix_connection(
-                    self._path, limit=protocol.MAX_LINE_BYTES)
+                reader, writer = await asyncio.open_unix_connection(self._path, limit=protocol.MAX_LINE_BYTES)
+                sock = writer.get_extra_info("socket")
+                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))[0]
+                if self._peer_ok is not None and not self._peer_ok(pid):
+                    writer.close()
+                    raise ProtocolError(f"sandbox {self._describe}: {self._path} is answered by host process "
+                                        f"{pid}, which is not part of the sandbox: refused")
+                self._reader, self._writer, self.peer_pid = reader, writer, pid
                 return
             except (FileNotFoundError, ConnectionRefusedError):
                 pass

@@ -13,16 +13,20 @@ import asyncio
 import base64
 import compileall
 import dataclasses
+import functools
 import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import psutil
 
 from .client import SERVER_GRACE_S, ExecClient
 from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
@@ -71,6 +75,18 @@ def _trusted_sessions(runtime_kind: Optional[str], run_dir: str, sandbox_id: str
     if runtime_kind != "local" or not run_dir:
         return set()
     return live_session_ids(os.path.join(run_dir, SESSIONS_NAME), sandbox_id)
+
+
+def _descends_from(launcher_pid: int, launcher_create_time: Optional[float], pid: int) -> bool:
+    """Whether ``pid`` is the sandbox's launcher (same create time) or one of its descendants."""
+    if not same_process(launcher_pid, launcher_create_time):
+        return False
+    if pid == launcher_pid:
+        return True
+    try:
+        return any(p.pid == launcher_pid for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
 
 
 def project_root() -> str:
@@ -360,7 +376,8 @@ class SandboxRuntime(abc.ABC):
                       "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
                       "address": ctx.address, "started_at": started_at, **self._owner}
             record["create_time"] = await asyncio.to_thread(self._record_start, record)
-            client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id)
+            client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id,
+                                peer_ok=functools.partial(_descends_from, proc.pid, record["create_time"]))
             handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc,
                                    create_time=record["create_time"], client=client, ctx=ctx, leases=leases,
                                    workspace_created=created, started_at=started_at)
@@ -375,8 +392,11 @@ class SandboxRuntime(abc.ABC):
                 await asyncio.to_thread(self._cleanup_dirs, ctx.run_dir, ctx.workspace if created else None)
             raise
         try:
-            pong = await client.call("ping", {}, self.start_timeout_s)
-            handle.pidns = pong.get("pidns") if pong.get("pidns") != self._own_pidns else None
+            await client.call("ping", {}, self.start_timeout_s)
+            # The sandbox's pid namespace as the host sees it at the verified peer (not as the sandbox reports
+            # it: with an image, the image's own loader and libraries run the execution server).
+            pidns = await asyncio.to_thread(pid_namespace, client.peer_pid) if client.peer_pid else None
+            handle.pidns = pidns if pidns != self._own_pidns else None
             if handle.pidns is not None:
                 await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
         except BaseException as e:
@@ -511,12 +531,22 @@ class SandboxRuntime(abc.ABC):
 
     @staticmethod
     def _log_tail(run_dir: str, n: int = 4000) -> str:
+        # The run directory is sandbox-writable: never follow a link planted there (it could name a host
+        # secret that would then travel in the start error), and read only the last ``n`` bytes.
         try:
-            with open(os.path.join(run_dir, LOG_NAME), "rb") as f:
-                data = f.read()
-            return data[-n:].decode("utf-8", errors="replace")
+            fd = os.open(os.path.join(run_dir, LOG_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return "(no log)"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "(no log)"
+            os.lseek(fd, max(0, st.st_size - n), os.SEEK_SET)
+            return os.read(fd, n).decode("utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        finally:
+            os.close(fd)
 
 
 def make_runtime(kind: str, **options: Any) -> SandboxRuntime:

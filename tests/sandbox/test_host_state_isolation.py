@@ -85,9 +85,10 @@ async def test_forged_sessions_file_of_local_runtime_kills_only_its_own_sessions
     rt = make_runtime("local", **runtime_options)
     h = await rt.start()
     try:
-        await h.bash("sleep 1000 &", timeout_s=20)  # a real tool process of the sandbox: must die on close
-        own = {p.pid for p in procs.of(h)}
-        assert any(psutil.Process(p).name() == "sleep" for p in own)
+        # A real tool process of the sandbox (in the shell's session): must die on close.
+        r = await h.bash("sleep 1000 & echo $!", timeout_s=20)
+        tool = int(r.output.split()[-1])
+        own = {p.pid for p in procs.of(h)} | {tool}
         # Keep the real entry (bash) and add the victim under another name, as code in a local sandbox can.
         path = os.path.join(h._ctx.run_dir, SESSIONS_NAME)
         forge = (f"import json; d = json.load(open({path!r})); "
@@ -162,3 +163,51 @@ async def test_default_view_hides_home_project_and_etc_secrets(sandbox, host_sec
     r = await sandbox.bash(f"{sys.executable} -c 'import ptyprocess, sandbox; print(42)'; ls /usr/bin/env",
                            timeout_s=30)
     assert r.output.split() == ["42", "/usr/bin/env"], r.output
+
+
+async def test_socket_replaced_by_link_to_a_host_socket_is_refused(sandbox, short_tmp, procs):
+    """The execution server's socket lies in the sandbox-writable run directory: code in the sandbox can
+    swap it for a link to another host socket (here one that answers every request with a forged success)."""
+    import asyncio
+    import base64
+
+    received = []
+
+    async def forger(reader, writer):
+        while line := await reader.readline():
+            received.append(line)
+            rid = json.loads(line)["id"]
+            writer.write(json.dumps({"id": rid, "ok": True, "result": {
+                "data_b64": base64.b64encode(b"FORGED").decode(), "path": "/x"}}).encode() + b"\n")
+            await writer.drain()
+
+    decoy = os.path.join(short_tmp, "decoy.sock")
+    server = await asyncio.start_unix_server(forger, decoy)
+    try:
+        await sandbox.upload("answer.txt", b"real")
+        r = await sandbox.bash(f"cd /run/prorl && ln -sf {decoy} exec.sock.new && mv -f exec.sock.new exec.sock "
+                               "&& echo swapped", timeout_s=20)
+        assert r.output.strip() == "swapped"
+        sandbox._client._drop_connection()  # a dropped connection: the next call connects by path again
+        from sandbox.errors import ProtocolError
+
+        with pytest.raises(ProtocolError, match="not part of the sandbox"):
+            await sandbox.download("answer.txt")
+        assert received == []
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_launcher_log_link_planted_in_run_dir_is_not_followed(tmp_path):
+    from sandbox.runtime import LOG_NAME, SandboxRuntime
+
+    secret = tmp_path / "servers.json"
+    secret.write_text('{"token": "SECRET"}')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOG_NAME).symlink_to(secret)
+    assert "SECRET" not in SandboxRuntime._log_tail(str(run_dir))
+    (run_dir / LOG_NAME).unlink()
+    (run_dir / LOG_NAME).write_bytes(b"x" * 5000 + b"the end")
+    assert SandboxRuntime._log_tail(str(run_dir), 7) == "the end"
