@@ -186,6 +186,8 @@ class Pipeline:
             return  # not retained (or already forgotten): nothing to shrink
         job.result = job.result.model_copy(update={"trajectories": [], "messages": [],
                                                    "extra": {"delivered": "POST /process"}})
+        # the job's own fields point at the same token lists: drop them too, or nothing is freed
+        job.trajectories, job.messages, job.extra = [], [], {}
         size = result_bytes(job.result)
         self.retained_bytes += size - job.retained_bytes
         job.retained_bytes = size

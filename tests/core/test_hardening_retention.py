@@ -135,3 +135,13 @@ def test_metrics_series_of_a_cleared_backend_go_when_no_job_holds_it_and_come_ba
     pool.add(b, weight_version=2)  # the swap brings it back
     assert series() == {b}
     assert f'prorl_backend_healthy{{backend="{b}"}} 1.0' in m.render().decode()
+
+
+async def test_a_delivered_result_frees_its_token_arrays(tokens_client):
+    """The summary is not only what GET answers: the retained job no longer references the token lists."""
+    client = await tokens_client()
+    r = await client.post("/process", json={"job_id": "w", "instance": {"data_source": "tokens", "tokens": 100}})
+    assert r.status == 200 and len((await r.json())["trajectories"]) == 1
+    job = client.app[PIPELINE].get("w")
+    assert job.trajectories == [] and job.messages == [] and job.extra == {}
+    assert job.result.trajectories == [] and job.result.reward == 1.0
