@@ -104,3 +104,29 @@ def test_bwrap_writable_tmpfs_uses_overlays_or_is_refused_clearly():
         build_bwrap_command("bwrap", spec, CTX, overlay=False)
     argv = build_bwrap_command("bwrap", spec, CTX, overlay=True)
     assert ["--overlay-src", "/usr", "--tmp-overlay", "/usr"] == argv[argv.index("/usr") - 1:][:4]
+
+
+def test_bwrap_without_image_binds_only_system_dirs_and_masks_etc_secrets(tmp_path):
+    from sandbox.bubblewrap import ETC_SECRETS, HOST_SYSTEM_DIRS
+    from sandbox.runtime import project_root
+
+    argv = build_bwrap_command("bwrap", SandboxSpec(), CTX)
+    top = {argv[k + 2] for k, a in enumerate(argv) if a in ("--ro-bind", "--symlink") and argv[k + 2].count("/") == 1}
+    assert top <= {"/" + d for d in HOST_SYSTEM_DIRS} and "/usr" in top and "/etc" in top
+    for home in ("/home", "/root", "/opt", "/var", "/srv", "/mnt"):
+        assert not any(argv[k + 2] == home for k, a in enumerate(argv) if a in ("--ro-bind", "--bind")), home
+    # The project: only its sandbox package, never the checkout (configs, tokens, datasets).
+    sources = [argv[k + 1] for k, a in enumerate(argv) if a in ("--ro-bind", "--bind")]
+    assert os.path.join(os.path.realpath(project_root()), "sandbox") in sources
+    assert os.path.realpath(project_root()) not in sources
+    for rel in ETC_SECRETS:
+        path = os.path.join("/etc", rel)
+        if os.path.lexists(path) and not os.path.islink(path):
+            i = max(k for k, a in enumerate(argv) if a == path)
+            assert argv[i - 1] == "--tmpfs" or argv[i - 2:i] == ["--ro-bind", "/dev/null"], path
+    # A spec's image replaces the host view entirely; host_dirs adds to the allow-list.
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "home").mkdir(parents=True)
+    assert "/home" in build_bwrap_command("bwrap", SandboxSpec(image=str(rootfs)), CTX)
+    argv = build_bwrap_command("bwrap", SandboxSpec(), CTX, host_dirs=HOST_SYSTEM_DIRS + ("opt",))
+    assert ("/opt" in argv) == os.path.isdir("/opt")
