@@ -171,6 +171,9 @@ class BaseRaisingHandler(AgentHandler):
                    "GeneratorExit": GeneratorExit()}[job.instance["raise"]]
 
     async def init(self, job):
+        async def close():
+            await self._maybe(job, "close")
+        job.add_closer(close, "run")
         await self._maybe(job, "init")
 
     async def run(self, job):
@@ -230,6 +233,15 @@ async def test_base_exception_in_final_result_or_exception_callback_fails_the_jo
     assert "run_exception raised SystemExit" in res["error"]
     r = await client.post("/process", json={"instance": {"data_source": "base_raiser"}})
     assert (await r.json())["reward"] == 1.0
+
+
+async def test_base_exception_closing_a_sandbox_does_not_stop_the_job_or_server(base_client):
+    client = await base_client()
+    r = await client.post("/process", json={"instance": {"data_source": "base_raiser", "stage": "close",
+                                                          "raise": "SystemExit"}})
+    res = await r.json()
+    assert res["critical_error"] is None and res["reward"] == 1.0
+    assert (await (await client.get("/health")).json()) == {"status": "ok"}
 
 
 class StubbornHandler(AgentHandler):
