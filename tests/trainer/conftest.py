@@ -59,16 +59,57 @@ def varied():
 
 
 @pytest.fixture
-def start_server(aiohttp_server, varied):
+def serve_handlers(aiohttp_server):
+    """``await serve_handlers(*handlers, backends=(), sandbox_runtime=None, middlewares=(), **settings)`` ->
+    base URL of a real rollout server (the project's app on a loopback port) serving exactly ``handlers``
+    (classes or instances) with the LLM ``backends`` registered (weight version 0). ``middlewares``: aiohttp
+    middlewares added to the app (to observe requests), ``settings``: more :class:`ServerSettings` fields
+    (``health_interval_s`` defaults to 3600: no health probe during a test)."""
+
+    async def start(*handlers, backends=(), sandbox_runtime=None, middlewares=(), **settings):
+        registry = HandlerRegistry()
+        for handler in handlers:
+            registry.register(handler)
+        settings.setdefault("health_interval_s", 3600)
+        app = create_app(ServerSettings(backends=list(backends), **settings), registry=registry,
+                         sandbox_runtime=sandbox_runtime)
+        app.middlewares[:0] = middlewares  # outermost: they see the answers as clients get them
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/")
+
+    return start
+
+
+@pytest.fixture
+def compose_verl(tiny_model_dir):
+    """``compose_verl(name="prorl_dapo", *overrides, prompt_length=64, response_length=16)`` -> a shipped
+    verl config (``trainer_plugins/verl/config/{name}.yaml``) composed by Hydra as ``verl.trainer.main_ppo``
+    composes it, with the tiny model, the given prompt/response lengths (tokens), our agent loop YAML and
+    ``overrides`` (Hydra override strings)."""
+
+    def compose_(name: str = "prorl_dapo", *overrides: str, prompt_length: int = 64, response_length: int = 16):
+        from hydra import compose, initialize_config_dir
+
+        from trainer_plugins.verl import CONFIG_DIR
+
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return compose(config_name=name, overrides=[
+                f"actor_rollout_ref.model.path={tiny_model_dir}",
+                f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
+                f"actor_rollout_ref.rollout.response_length={response_length}",
+                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loop.yaml'}",
+                *overrides,
+            ])
+
+    return compose_
+
+
+@pytest.fixture
+def start_server(serve_handlers, varied):
     """``await start_server(**settings)`` -> base URL of a real rollout server on loopback."""
 
     async def start(**settings):
-        registry = HandlerRegistry()
-        registry.register(ArithmeticHandler)
-        registry.register(varied)
-        settings.setdefault("health_interval_s", 3600)
-        server = await aiohttp_server(create_app(ServerSettings(**settings), registry=registry))
-        return str(server.make_url("")).rstrip("/")
+        return await serve_handlers(ArithmeticHandler, varied, **settings)
 
     return start
 
@@ -156,17 +197,11 @@ def fixed():
 
 
 @pytest.fixture
-def start_llm_server(aiohttp_server, fixed):
+def start_llm_server(serve_handlers, fixed):
     """``await start_llm_server(backends)`` -> base URL of a real rollout server serving ``fixed`` and
     ``chat`` with the given LLM backends registered (weight version 0)."""
 
     async def start(backends=(), **settings):
-        registry = HandlerRegistry()
-        registry.register(fixed)
-        registry.register(ChatHandler)
-        settings.setdefault("health_interval_s", 3600)
-        server = await aiohttp_server(create_app(ServerSettings(backends=list(backends), **settings),
-                                                 registry=registry))
-        return str(server.make_url("")).rstrip("/")
+        return await serve_handlers(fixed, ChatHandler, backends=backends, **settings)
 
     return start

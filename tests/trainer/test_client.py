@@ -293,16 +293,9 @@ def dying():
 
 
 @pytest.fixture
-def start_dying_server(aiohttp_server, dying):
-    from handlers.registry import HandlerRegistry
-    from prorl_server.app import create_app
-    from prorl_server.config import ServerSettings
-
+def start_dying_server(serve_handlers, dying):
     async def start():
-        registry = HandlerRegistry()
-        registry.register(dying)
-        server = await aiohttp_server(create_app(ServerSettings(health_interval_s=3600), registry=registry))
-        return str(server.make_url("")).rstrip("/")
+        return await serve_handlers(dying)
 
     return start
 

@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("verl")
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
@@ -22,25 +21,14 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 from verl.utils.import_utils import resolve_config_path  # noqa: E402
 
-from trainer_plugins.verl import CONFIG_DIR  # noqa: E402
 from trainer_plugins.verl.agent_loop import ProRLAgentLoop  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN = 64, 16
 
 
-def compose_config(name: str, model_dir, prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name=name, overrides=[
-            f"actor_rollout_ref.model.path={model_dir}",
-            f"actor_rollout_ref.rollout.prompt_length={prompt_len}",
-            f"actor_rollout_ref.rollout.response_length={response_len}",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loop.yaml'}",
-        ])
-
-
 @pytest.fixture
-def cfg(tiny_model_dir):
-    return compose_config("prorl_dapo", tiny_model_dir)
+def cfg(compose_verl):
+    return compose_verl("prorl_dapo", prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN)
 
 
 @pytest.fixture
@@ -73,6 +61,20 @@ def make_loop(cfg, tokenizer, **settings):
                        data_config=DictConfigWrap(cfg.data), tools=ToolListWrap([]), **settings)
 
 
+def spy_on_submissions(monkeypatch, record):
+    """Calls ``record(server, body)`` for every job the shared client (``trainer_plugins.jobs.JobSubmitter``)
+    submits, before it is submitted."""
+    from trainer_plugins.jobs import JobSubmitter
+
+    real = JobSubmitter.submit
+
+    async def submit(self, server, body, **kw):
+        record(server, body)
+        return await real(self, server, body, **kw)
+
+    monkeypatch.setattr(JobSubmitter, "submit", submit)
+
+
 def fixed_row(prompt_ids, response_ids, reward=1.0, versions=(3, 4), sleep=0, mask=None):
     traj = {"prompt_ids": prompt_ids, "response_ids": response_ids,
             "response_logprobs": [-0.5 - 0.01 * i for i in range(len(response_ids))],
@@ -95,8 +97,8 @@ def test_yaml_entry_instantiates_through_hydra(cfg, worker, tokenizer, monkeypat
 
 
 @pytest.mark.parametrize("name, loss_mode", [("prorl_dapo", "vanilla"), ("prorl_cispo", "cispo")])
-def test_shipped_configs_compose_into_verl_dataclasses(tiny_model_dir, name, loss_mode):
-    c = compose_config(name, tiny_model_dir)
+def test_shipped_configs_compose_into_verl_dataclasses(compose_verl, name, loss_mode):
+    c = compose_verl(name, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN)
     actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
     assert actor.policy_loss.loss_mode == loss_mode and actor.loss_agg_mode == "token-mean"
     if name == "prorl_dapo":
@@ -157,12 +159,7 @@ async def test_cancelling_the_loop_cancels_the_job_on_the_server(cfg, worker, to
     monkeypatch.setenv("PRORL_SERVERS", url)
     loop = make_loop(cfg, tokenizer)
     seen = []
-
-    async def process(u, headers, body, row, _real=loop._process):
-        seen.append(body["job_id"])
-        return await _real(u, headers, body, row)
-
-    loop._process = process
+    spy_on_submissions(monkeypatch, lambda server, body: seen.append(body["job_id"]))
     task = asyncio.create_task(loop.run({}, **fixed_row([1, 2], [3], sleep=30)))
     for _ in range(200):
         if seen and (await job_state(url, seen[0])).get("state") == "run":
@@ -239,20 +236,87 @@ async def test_an_unreachable_rollout_server_is_retried_on_another(cfg, worker, 
     assert out.response_ids == [3, 4] and out.extra_fields["prorl"]["filter"] is False
 
 
+async def test_a_server_with_no_backend_yet_gets_the_row_again_when_one_is_registered(
+        cfg, worker, tokenizer, start_llm_server, scripted_policy, monkeypatch):
+    # a 503 (no LLM backend registered yet: the trainer is still starting its replicas) is offered again on
+    # the same server, as the TRL plugin and RolloutClient do, not spent as a filtered attempt
+    import aiohttp
+    from aiohttp import web
+
+    answered: list[tuple[str, int]] = []
+
+    @web.middleware
+    async def record(request, handler):
+        try:
+            resp = await handler(request)
+        except web.HTTPException as e:
+            answered.append((request.path, e.status))
+            raise
+        answered.append((request.path, resp.status))
+        return resp
+
+    url = await start_llm_server(middlewares=[record])  # no backend
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = make_loop(cfg, tokenizer, max_sample_retries=0)  # a filtered attempt would end the row filtered
+    row = {"raw_prompt": [{"role": "user", "content": "Compute 2+3."}], "data_source": "chat",
+           "reward_model": {"ground_truth": "5"}, "extra_info": {"index": 1}}
+    task = asyncio.ensure_future(loop.run({}, **row))
+    for _ in range(1500):
+        if ("/process", 503) in answered or task.done():
+            break
+        await asyncio.sleep(0.02)
+    assert ("/process", 503) in answered and not task.done()
+    llm = await scripted_policy(lambda prompt, turn: "\\boxed{5}")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/add_llm_server", json={"address": llm}) as r:
+            assert r.status == 200
+    out = await asyncio.wait_for(task, 60)
+    assert out.extra_fields["prorl"]["filter"] is False and out.extra_fields["prorl"]["attempts"] == []
+    assert out.reward_score == 1.0 and sum(out.response_mask) > 0
+
+
+async def test_a_refused_token_is_a_rollout_auth_error(cfg, worker, tokenizer, start_llm_server, monkeypatch):
+    from trainer_plugins.jobs import RolloutAuthError
+
+    url = await start_llm_server(token="s3cret")
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    with pytest.raises(RolloutAuthError, match=r"401.*PRORL_TOKEN"):
+        await make_loop(cfg, tokenizer, token="wrong").run({}, **fixed_row([1, 2], [3]))
+    with pytest.raises(RuntimeError):  # what callers of the old verl loop caught still catches it
+        await make_loop(cfg, tokenizer).run({}, **fixed_row([1, 2], [3]))
+    out = await make_loop(cfg, tokenizer, token="s3cret").run({}, **fixed_row([1, 2], [3]))
+    assert out.response_ids == [3] and out.extra_fields["prorl"]["filter"] is False
+
+
+async def test_the_loops_of_a_worker_share_one_client_and_session(cfg, worker, tokenizer, start_llm_server,
+                                                                   monkeypatch):
+    url = await start_llm_server()
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    a, b = make_loop(cfg, tokenizer), make_loop(cfg, tokenizer)
+    await asyncio.gather(a.run({}, **fixed_row([1], [2])), b.run({}, **fixed_row([1], [2])))
+    urls, headers = await a._servers()
+    assert a._jobs(headers) is b._jobs(headers)  # one aiohttp session per event loop, not one per request
+    assert make_loop(cfg, tokenizer, request_timeout_s=5)._jobs(headers) is not a._jobs(headers)
+    await a._jobs(headers).close()
+
+
 async def test_the_samples_of_a_group_go_to_one_server_with_the_group_id(cfg, worker, tokenizer, start_llm_server,
                                                                         monkeypatch):
     urls = [await start_llm_server(), await start_llm_server()]
     monkeypatch.setenv("PRORL_SERVERS", ",".join(urls))
     loop = make_loop(cfg, tokenizer)
     sent = []
-
-    async def process(u, headers, body, row, _real=loop._process):
-        sent.append((row["uid"], u, body.get("group_id")))
-        return await _real(u, headers, body, row)
-
-    loop._process = process
+    spy_on_submissions(monkeypatch, lambda server, body: sent.append((body["instance"]["row"], server,
+                                                                      body.get("group_id"))))
     uids = [f"prompt-{k}" for k in range(8)]
-    await asyncio.gather(*(loop.run({}, **fixed_row([1, 2], [3]), uid=u) for u in uids for _ in range(4)))
+    rows = []
+    for u in uids:
+        for _ in range(4):
+            row = fixed_row([1, 2], [3])
+            row["extra_info"]["instance"]["row"] = u  # which row a submission came from, seen by the spy
+            rows.append((u, row))
+    await asyncio.gather(*(loop.run({}, **row, uid=u) for u, row in rows))
+    assert len(sent) == len(rows)
     by_uid = {u: {(url, gid) for uid, url, gid in sent if uid == u} for u in uids}
     assert all(len(v) == 1 for v in by_uid.values())  # all 4 samples of a prompt: one server, one group_id
     assert {gid for v in by_uid.values() for _, gid in v} == {f"verl-{u}" for u in uids}
@@ -322,21 +386,14 @@ class UnstartableRuntime:
 
 
 async def test_default_row_mapping_is_accepted_by_the_real_math_and_code_handlers(
-        cfg, worker, tokenizer, aiohttp_server, scripted_policy, monkeypatch):
+        cfg, worker, tokenizer, serve_handlers, scripted_policy, monkeypatch):
     from handlers.code import CodeHandler
     from handlers.math import MathHandler
-    from handlers.registry import HandlerRegistry
-    from prorl_server.app import create_app
-    from prorl_server.config import ServerSettings
     from trainer_plugins.verl.agent_loop import InvalidRowError
 
-    registry = HandlerRegistry()
-    registry.register(MathHandler)
-    registry.register(CodeHandler)
     llm = await scripted_policy(lambda prompt, turn: "unused")
-    server = await aiohttp_server(create_app(ServerSettings(backends=[llm], health_interval_s=3600),
-                                             registry=registry, sandbox_runtime=UnstartableRuntime()))
-    monkeypatch.setenv("PRORL_SERVERS", str(server.make_url("")).rstrip("/"))
+    url = await serve_handlers(MathHandler, CodeHandler, backends=[llm], sandbox_runtime=UnstartableRuntime())
+    monkeypatch.setenv("PRORL_SERVERS", url)
     loop = make_loop(cfg, tokenizer, max_sample_retries=0)
     for name, row in verl_rows().items():
         out = await loop.run({}, **row)
@@ -354,15 +411,12 @@ async def test_default_row_mapping_is_accepted_by_the_real_math_and_code_handler
 
 @pytest.mark.real
 async def test_verl_rows_solve_real_math_and_code_jobs_through_the_default_mapping(
-        cfg, worker, tokenizer, aiohttp_server, scripted_policy, bwrap_runtime, sandbox_procs, monkeypatch):
+        cfg, worker, tokenizer, serve_handlers, scripted_policy, bwrap_runtime, sandbox_procs, monkeypatch):
     # verl-shaped rows (gsm8k, MATH, HumanEval) -> the default mapping -> real math and code handlers in
     # bubblewrap sandboxes, answered by the scripted policy (a test double standing for a capable model)
     from handlers.code import CodeHandler
     from handlers.code.data import humaneval_problems
     from handlers.math import MathHandler
-    from handlers.registry import HandlerRegistry
-    from prorl_server.app import create_app
-    from prorl_server.config import ServerSettings
 
     he = humaneval_problems()["HumanEval/2"]
 
@@ -376,13 +430,9 @@ async def test_verl_rows_solve_real_math_and_code_jobs_through_the_default_mappi
             call = {"name": "finish", "arguments": {"answer": "\\boxed{72}" if "6 * 12" in prompt else "\\boxed{5}"}}
         return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 
-    registry = HandlerRegistry()
-    registry.register(MathHandler)
-    registry.register(CodeHandler)
     llm = await scripted_policy(script)
-    server = await aiohttp_server(create_app(ServerSettings(backends=[llm], health_interval_s=3600),
-                                             registry=registry, sandbox_runtime=bwrap_runtime))
-    monkeypatch.setenv("PRORL_SERVERS", str(server.make_url("")).rstrip("/"))
+    url = await serve_handlers(MathHandler, CodeHandler, backends=[llm], sandbox_runtime=bwrap_runtime)
+    monkeypatch.setenv("PRORL_SERVERS", url)
     loop = make_loop(cfg, tokenizer, max_tokens=1024)
     outs = {name: await loop.run({}, **row) for name, row in verl_rows().items()}
     for name, out in outs.items():
@@ -419,11 +469,11 @@ def hf_model(tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", ["prorl_dapo", "prorl_cispo"])
-async def test_verl_losses_run_on_a_batch_from_our_trajectories(name, tiny_model_dir, tokenizer, worker,
+async def test_verl_losses_run_on_a_batch_from_our_trajectories(name, compose_verl, tokenizer, worker,
                                                                start_llm_server, monkeypatch, hf_model):
     url = await start_llm_server()
     monkeypatch.setenv("PRORL_SERVERS", url)
-    c = compose_config(name, tiny_model_dir)
+    c = compose_verl(name, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN)
     worker.config = c
     rows = [fixed_row(list(range(20, 40)), list(range(100 + k, 110 + k)), mask=[1] * 8 + [0, 1])
             for k in range(4)]

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("verl")
-from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
@@ -31,9 +30,6 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 from verl.workers.rollout.router import GlobalRequestLoadBalancer  # noqa: E402
 
 from handlers.base import AgentHandler  # noqa: E402
-from handlers.registry import HandlerRegistry  # noqa: E402
-from prorl_server.app import create_app  # noqa: E402
-from prorl_server.config import ServerSettings  # noqa: E402
 from prorl_server.types import Trajectory  # noqa: E402
 from trainer_plugins.client import BackendUnreachableError, register_backends  # noqa: E402
 from trainer_plugins.verl import CONFIG_DIR  # noqa: E402
@@ -195,14 +191,8 @@ class TurnsHandler(AgentHandler):
 
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture
-def cfg(tiny_model_dir):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name="prorl_dapo", overrides=[
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
-            f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loop.yaml'}",
-        ])
+def cfg(compose_verl):
+    return compose_verl(prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN)
 
 
 @pytest.fixture
@@ -211,16 +201,11 @@ def turns():
 
 
 @pytest.fixture
-async def rollout_server(aiohttp_server, turns):
+async def rollout_server(serve_handlers, turns):
     """``await rollout_server(backends=(), **settings)`` -> base URL of a real rollout server (``turns``)."""
 
     async def start(backends=(), **settings):
-        registry = HandlerRegistry()
-        registry.register(turns)
-        settings.setdefault("health_interval_s", 3600)
-        server = await aiohttp_server(create_app(ServerSettings(backends=list(backends), **settings),
-                                                 registry=registry))
-        return str(server.make_url("")).rstrip("/")
+        return await serve_handlers(turns, backends=backends, **settings)
 
     yield start
     await close_relays()

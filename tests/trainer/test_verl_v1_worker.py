@@ -19,7 +19,6 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("transfer_queue")
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
@@ -31,21 +30,15 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 from verl.utils.import_utils import resolve_config_path  # noqa: E402
 
-from trainer_plugins.verl import CONFIG_DIR  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN, N = 64, 16, 2
 TQWorker = agent_loop_tq.AgentLoopWorkerTQ.__ray_actor_class__  # the class under verl's @ray.remote
 
 
-def v1_config(model_dir):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name="prorl_dapo", overrides=[
-            f"actor_rollout_ref.model.path={model_dir}",
-            f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
-            f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
-            f"actor_rollout_ref.rollout.n={N}",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loop.yaml'}",
-        ])
+@pytest.fixture
+def v1_cfg(compose_verl):
+    return compose_verl("prorl_dapo", f"actor_rollout_ref.rollout.n={N}", prompt_length=PROMPT_LEN,
+                        response_length=RESPONSE_LEN)
 
 
 def traj(prompt, response, versions=(3,), mask=None):
@@ -113,10 +106,10 @@ class KVStore:
 
 
 @pytest.fixture
-def tq_worker(tiny_model_dir, tokenizer, monkeypatch):
+def tq_worker(v1_cfg, tokenizer, monkeypatch):
     """verl's ``AgentLoopWorkerTQ`` without Ray (``object.__new__``, as verl's own CPU tests build workers),
     its agent loop registry read from our YAML, TransferQueue's KV calls answered by a :class:`KVStore`."""
-    cfg = v1_config(tiny_model_dir)
+    cfg = v1_cfg
     w = object.__new__(TQWorker)
     w.config = cfg
     w.llm_client = w.teacher_client = w.reward_loop_worker_handles = None
@@ -233,13 +226,13 @@ def transfer_queue():
 
 @pytest.mark.real
 async def test_v1_trainer_path_with_ray_transfer_queue_and_the_plugins_replay_buffer(
-        transfer_queue, tiny_model_dir, start_llm_server, fixed):
+        transfer_queue, v1_cfg, start_llm_server, fixed):
     from trainer_plugins.verl.replay_buffer import FILTERED_METRIC
     from verl.utils.import_utils import load_extern_type
 
     tq = transfer_queue
     url = await start_llm_server()
-    cfg = v1_config(tiny_model_dir)
+    cfg = v1_cfg
     # the worker as verl's AgentLoopManagerTQ starts it: a Ray actor of AgentLoopWorkerTQ
     worker = agent_loop_tq.AgentLoopWorkerTQ.options(
         runtime_env={"env_vars": {"PRORL_SERVERS": url, "HF_HUB_OFFLINE": "1"}}).remote(cfg, None)

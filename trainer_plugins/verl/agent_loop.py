@@ -21,6 +21,12 @@ Per row, :meth:`ProRLAgentLoop.run`:
    infrastructure faults: dead sandbox, unreachable backend, harness fault, job timeout, cancel), a request
    past ``request_timeout_s``, or a rollout server that is unreachable or answers 5xx (the next attempt goes
    to another server). At most ``max_sample_retries`` times; then the row is a *filtered row* (below);
+   a 503 (no LLM backend registered yet, a swap) is first offered again on the same server for 120 s.
+
+Steps 2-4 are :meth:`trainer_plugins.jobs.JobSubmitter.run`, the submit/cancel/retry client the TRL plugin
+and ``RolloutClient`` use too (one behaviour for every trainer; its module docstring has the full table). A
+401/403 is a :class:`trainer_plugins.jobs.RolloutAuthError`; a 4xx or ``failure_kind="invalid_instance"`` an
+:class:`InvalidRowError`.
 5. returns every segment of the job's trajectory (a rollout split by a template or context rewrite has
    several), each an ``AgentLoopOutput``: the server's tokens (``prompt_ids``, ``response_ids``,
    ``response_mask`` = our ``loss_mask``, per-token ``response_logprobs``), ``reward_score`` = the job's
@@ -58,14 +64,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import uuid
+import weakref
 from typing import Any, Optional, Sequence, Union
 
-import aiohttp
 import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from trainer_plugins.client import resolve_servers
+from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError
 from trainer_plugins.servers import server_for_group
 from trainer_plugins.verl.relay import relay_for_loop
 
@@ -81,7 +87,7 @@ VERL_MATH_SOURCES = ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH
 EXTRA_INFO_META = ("instance", "index", "split", "tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
 
 
-class InvalidRowError(ValueError):
+class InvalidRowError(InvalidInstanceError):
     """A dataset row maps to no instance the rollout server accepts (no handler name, the server answered 4xx,
     or the job failed with ``failure_kind="invalid_instance"``). The message names the row (``data_source``,
     ``extra_info.index``, ``uid``) and the server's reason. Retrying cannot help: it is the dataset's or the
@@ -141,6 +147,9 @@ class ProRLAgentLoop(AgentLoopBase):
 
     _rr = itertools.count()  # round-robin over the servers, shared by every loop of this process
     _resolved: dict[str, tuple[list[str], dict[str, str]]] = {}  # servers setting -> (urls, headers)
+    # event loop -> (servers, token, request_timeout_s) -> the submitter (one HTTP session) its loops share
+    _submitters: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, JobSubmitter]]" = \
+        weakref.WeakKeyDictionary()
 
     def __init__(self, *args: Any, servers: Servers = None, token: Optional[str] = None,
                  handler: Optional[str] = None, job_timeout_s: Optional[float] = None,
@@ -180,6 +189,16 @@ class ProRLAgentLoop(AgentLoopBase):
         if self.token:
             headers = {**headers, "Authorization": f"Bearer {self.token}"}
         return urls, headers
+
+    def _jobs(self, headers: dict[str, str]) -> JobSubmitter:
+        """The :class:`trainer_plugins.jobs.JobSubmitter` of this process's event loop for these servers,
+        token and ``request_timeout_s``: every row of a worker shares its HTTP session (an aiohttp session is
+        bound to the loop it was opened on, hence one per loop)."""
+        per_loop = self._submitters.setdefault(asyncio.get_running_loop(), {})
+        key = (self.servers, self.token, self.request_timeout_s)
+        if key not in per_loop:
+            per_loop[key] = JobSubmitter(headers, request_timeout_s=self.request_timeout_s)
+        return per_loop[key]
 
     # ------------------------------------------------------------------ row -> instance
     def build_instance(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +279,8 @@ class ProRLAgentLoop(AgentLoopBase):
             asyncio.CancelledError: the loop was cancelled (the job is cancelled on the server first).
             InvalidRowError: the row maps to no valid instance (the server answered 4xx, or the job failed
                 with ``failure_kind="invalid_instance"``).
-            RuntimeError: a rollout server refused our bearer token (401/403).
+            trainer_plugins.jobs.RolloutAuthError: a rollout server refused our bearer token (401/403; a
+                RuntimeError).
         """
         urls, headers = await self._servers()
         if self.managed:  # registers the trainer's replicas (through the relay) before the first job
@@ -272,21 +292,21 @@ class ProRLAgentLoop(AgentLoopBase):
             body["group_id"] = group_id
         if self.job_timeout_s is not None:
             body["timeout_s"] = float(self.job_timeout_s)
-        attempts: list[dict[str, Any]] = []
-        unreachable: set[str] = set()
-        for _ in range(self.max_sample_retries + 1):
-            url = self.pick_server(urls, group_id, unreachable)
-            result = await self._attempt(url, headers, body, kwargs)
-            if not result.get("filter"):
-                break
-            attempts.append({"job_id": result.get("job_id"), "server": url,
+        try:
+            outcome = await self._jobs(headers).run(
+                urls, body, max_sample_retries=self.max_sample_retries, what="the row", job_prefix="verl",
+                pick=lambda u, unreachable: self.pick_server(u, group_id, unreachable))
+        except InvalidInstanceError as e:
+            raise InvalidRowError(f"row ({row_name(kwargs)}): {e}") from e
+        except RolloutAuthError as e:
+            raise RolloutAuthError(f"{e}; set `token` (PRORL_TOKEN) or use the servers.json that carries it") from e
+        result = outcome.result
+        attempts = [vars(a) for a in outcome.attempts]  # job_id, server, failure_kind, error
+        if outcome.filtered:  # the last attempt is listed too: every job the row cost, for the metadata
+            attempts.append({"job_id": result.get("job_id"), "server": outcome.server,
                              "failure_kind": result.get("failure_kind"), "error": result.get("error")})
-            if result.get("failure_kind") == "rollout_server":
-                unreachable.add(url)
-            log.warning("job %s (row %s) on %s must not be trained on (failure_kind=%s: %s); %s",
-                        result.get("job_id"), row_name(kwargs), url, result.get("failure_kind"),
-                        result.get("error"), "re-submitting" if len(attempts) <= self.max_sample_retries
-                        else f"giving up after {len(attempts)} attempts: a filtered row")
+            log.warning("row (%s): giving up after %d attempts: a filtered row", row_name(kwargs),
+                        len(attempts) + 1)
         outputs = await self.to_outputs(result, kwargs, attempts)
         if "session_id" in kwargs:  # verl's V1 worker (AgentLoopWorkerTQ) stores every output
             return outputs
@@ -306,60 +326,6 @@ class ProRLAgentLoop(AgentLoopBase):
         if group_id is None:
             return candidates[next(self._rr) % len(candidates)]
         return server_for_group(candidates, group_id)
-
-    async def _attempt(self, url: str, headers: dict[str, str], body: dict[str, Any],
-                       row: dict[str, Any]) -> dict[str, Any]:
-        """One submission of the row under a fresh job id -> the job result; a request past
-        ``request_timeout_s`` or a server that cannot answer becomes a filtered result
-        (``failure_kind`` ``timeout`` or ``rollout_server``)."""
-        job_id = f"verl-{uuid.uuid4().hex}"
-        body = {**body, "job_id": job_id}
-        try:
-            return await asyncio.wait_for(self._process(url, headers, body, row), self.request_timeout_s)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._cancel(url, headers, job_id))
-            raise
-        except TimeoutError:
-            await asyncio.shield(self._cancel(url, headers, job_id))
-            return {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": "timeout",
-                    "failure_kind": "timeout", "filter": True, "trajectories": [],
-                    "error": f"no result within request_timeout_s={self.request_timeout_s} s; cancelled"}
-        except (aiohttp.ClientError, OSError) as e:  # refused, reset, or the server died mid-request
-            return {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": "run",
-                    "failure_kind": "rollout_server", "filter": True, "trajectories": [],
-                    "error": f"rollout server {url} unreachable: {e!r}"}
-
-    async def _process(self, url: str, headers: dict[str, str], body: dict[str, Any],
-                       row: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as s:
-            async with s.post(f"{url}/process", json=body) as r:
-                data = await r.json(content_type=None)
-        if r.status in (401, 403):
-            raise RuntimeError(f"rollout server {url} refused our bearer token (HTTP {r.status}): set `token` "
-                               "(PRORL_TOKEN) or use the servers.json that carries it")
-        if 400 <= r.status < 500 and r.status not in (408, 429):
-            raise InvalidRowError(f"rollout server {url} refused the instance of row ({row_name(row)}): "
-                                  f"HTTP {r.status} {data}")
-        if r.status != 200:  # 503 (no backend yet, stopping), 5xx, 408/429: another attempt, elsewhere
-            return {"job_id": body["job_id"], "reward": 0.0, "resolved": False, "critical_error": "run",
-                    "failure_kind": "rollout_server", "filter": True, "trajectories": [],
-                    "error": f"rollout server {url} answered HTTP {r.status}: {data}"}
-        if data.get("failure_kind") == "invalid_instance":
-            raise InvalidRowError(f"row ({row_name(row)}) is not a valid {body['instance'].get('data_source')!r} "
-                                  f"instance (instance fields: {sorted(body['instance'])}): {data.get('error')}")
-        return data
-
-    async def _cancel(self, url: str, headers: dict[str, str], job_id: str) -> None:
-        # /process may not have registered the job yet (404): retry briefly.
-        try:
-            async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as s:
-                for _ in range(20):
-                    async with s.post(f"{url}/cancel", json={"job_id": job_id}) as r:
-                        if r.status != 404:
-                            return
-                    await asyncio.sleep(0.05)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("could not cancel job %s on %s: %s", job_id, url, e)
 
     # ------------------------------------------------------------------ result -> AgentLoopOutput
     async def to_outputs(self, result: dict[str, Any], row: dict[str, Any],
