@@ -203,7 +203,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_schema(request.app[APP_ROUTES].values()))
+    return web.json_response(openapi_schema(request.app[APP_ROUTES].values(),
+                                            data_sources=request.app[REGISTRY].names()))
 
 
 @dataclass(frozen=True)
@@ -259,8 +260,9 @@ def add_routes(app: web.Application, routes: Iterable[Route]) -> None:
         app[APP_ROUTES][r.handler] = r
 
 
-def openapi_schema(routes: Iterable[Route] = ROUTES) -> dict[str, Any]:
-    """OpenAPI 3.1 document generated from ``routes`` and their pydantic models."""
+def openapi_schema(routes: Iterable[Route] = ROUTES, data_sources: Optional[list[str]] = None) -> dict[str, Any]:
+    """OpenAPI 3.1 document generated from ``routes`` and their pydantic models; ``data_sources``: the
+    handler names and aliases this server serves (``instance.data_source`` is one of them)."""
     routes = list(routes)
     models = {m for r in routes for m in (r.request, r.response) if m is not None} | {ErrorResponse}
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
@@ -284,6 +286,9 @@ def openapi_schema(routes: Iterable[Route] = ROUTES) -> dict[str, Any]:
                                 for n in params]
         op["security"] = [{"bearer": []}] if r.auth == "bearer" else []
         paths.setdefault(r.path, {})[r.method.lower()] = op
+    instance = defs.get("$defs", {}).get("ProcessRequest", {}).get("properties", {}).get("instance")
+    if instance is not None and data_sources is not None:
+        instance["properties"]["data_source"]["enum"] = sorted(data_sources)
     return {"openapi": "3.1.0", "info": {"title": "ProRL rollout server", "version": "0.1.0"},
             "paths": paths, "components": {"schemas": defs.get("$defs", {}),
                                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -81,10 +81,9 @@ def resolve_instance(instance: dict[str, Any]) -> dict[str, Any]:
 
     An instance of a :data:`BY_ID` data source that has an ``instance_id`` but none of the content keys gets
     the shipped problem's fields; keys the request sets (``max_turns``, ...) win. Any other instance is
-    returned unchanged (inline problems are the handler's to check).
-
-    Raises:
-        ValueError: the id is not in the shipped dataset (the message names the id and the dataset).
+    returned unchanged (inline problems are the handler's to check), and so is one whose id is not in the
+    shipped dataset: its handler refuses it as an invalid instance (``failure_kind="invalid_instance"`` in a
+    200 result, like any other malformed problem), since the request itself fits the schema.
     """
     entry = BY_ID.get(instance.get("data_source"))  # type: ignore[arg-type]
     iid = instance.get("instance_id")
@@ -92,10 +91,7 @@ def resolve_instance(instance: dict[str, Any]) -> dict[str, Any]:
         return instance
     module, _, fn = entry[1].partition(":")
     shipped = getattr(importlib.import_module(module), fn)(iid)
-    if shipped is None:
-        raise ValueError(f"instance_id {iid!r} is not a problem of the shipped {instance['data_source']!r} "
-                         f"dataset; give the problem inline ({', '.join(entry[0])})")
-    return {**shipped, **instance}
+    return instance if shipped is None else {**shipped, **instance}
 
 
 def _humaneval_by_id(instance_id: str) -> Optional[dict[str, Any]]:

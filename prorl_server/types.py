@@ -49,18 +49,27 @@ SAMPLING_ALIASES: dict[str, str] = {
 AGENT_LIMIT_ALIASES: dict[str, str] = {"max_iterations": "max_turns", "max_turns": "max_turns"}
 
 
+#: Names that mean the same thing: a request may give at most one of each group (present at all, even null).
+_SYNONYMS: list[list[str]] = [[name, *sorted(a for a, n in SAMPLING_ALIASES.items() if n == name)]
+                              for name in sorted(set(SAMPLING_ALIASES.values()))] + [sorted(AGENT_LIMIT_ALIASES)]
+_SYNONYM_PAIRS = [(a, b) for group in _SYNONYMS for i, a in enumerate(group) for b in group[i + 1:]]
+
+
 class SamplingParams(BaseModel):
     """The sampling parameters ``POST /process`` accepts: vLLM's completion ``SamplingParams`` fields (vLLM
     0.31, ``vllm.SamplingParams``), the litellm-style aliases of :data:`SAMPLING_ALIASES` (mapped to their
     vLLM names) and ``max_iterations``/``max_turns`` (the agent's turn limit, moved into the instance).
-    Any other name is refused (422 naming it) rather than silently dropped by vLLM.
+    Any other name is refused (422 naming it) rather than silently dropped by vLLM, and so are two names of
+    one meaning (``max_tokens`` with ``max_output_tokens``, ``max_iterations`` with ``max_turns``). A null
+    value means the parameter is not set.
 
     ``logprobs``, ``n`` (only 1), ``stream``, ``echo``, ``return_tokens_as_token_ids``, ``return_token_ids``
     and ``add_special_tokens`` are accepted and ignored: the server always sets them itself (token ids and
     logprobs are always returned). ``max_tokens`` is the per-turn budget in tokens.
     """
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=lambda s: s.update(
+        allOf=[{"not": {"required": list(pair)}} for pair in _SYNONYM_PAIRS]))
 
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
@@ -106,7 +115,7 @@ def _sampling_to_vllm(v: Any) -> Any:
     """Validate against :class:`SamplingParams` and rename aliases to vLLM's names.
 
     Raises:
-        ValueError: an unknown name, a bad value, or an alias that disagrees with the name it maps to.
+        ValueError: an unknown name, a bad value, or two names of one meaning.
     """
     if not isinstance(v, dict):
         return v  # the dict type check reports it
@@ -114,13 +123,15 @@ def _sampling_to_vllm(v: Any) -> Any:
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}: accepted are vLLM's SamplingParams names "
                          f"and the aliases {sorted(SAMPLING_ALIASES)} (see the README's sampling table)")
-    out = SamplingParams.model_validate(v).model_dump(exclude_unset=True)
+    for group in _SYNONYMS:
+        given = [k for k in group if k in v]
+        if len(given) > 1:
+            raise ValueError(f"sampling parameters {given} mean the same thing: give one of them")
+    out = {k: x for k, x in SamplingParams.model_validate(v).model_dump(exclude_unset=True).items()
+           if x is not None}
     for alias, name in SAMPLING_ALIASES.items():
         if alias in out:
-            value = out.pop(alias)
-            if out.get(name, value) != value:
-                raise ValueError(f"sampling parameters {alias}={value!r} and {name}={out[name]!r} disagree")
-            out[name] = value
+            out[name] = out.pop(alias)
     return out
 
 
@@ -179,11 +190,16 @@ class CancelRequest(BaseModel):
     job_id: str = Field(min_length=1)
 
 
+#: What ``/add_llm_server`` accepts as an address (in the schema and in validation alike).
+ADDRESS_PATTERN = r"^https?://[A-Za-z0-9._~-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
+
+
 class AddBackendRequest(BaseModel):
     """Body of ``POST /add_llm_server``: an OpenAI-compatible server's base URL (http or https)."""
 
     model_config = ConfigDict(extra="forbid")
-    address: str = Field(min_length=1)
+    address: str = Field(pattern=ADDRESS_PATTERN, description="http(s)://host[:port][/path]; a trailing /v1 "
+                         "(the OpenAI base URL) is removed")
     weight_version: Optional[int] = None
 
     @field_validator("address")
