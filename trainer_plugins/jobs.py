@@ -1,7 +1,8 @@
 """Submit, cancel and retry jobs on rollout servers: the one behaviour every trainer plugin shares.
 
-:class:`JobSubmitter` is used by :class:`trainer_plugins.client.RolloutClient`, by the TRL plugin
-(:mod:`trainer_plugins.trl`) and is meant for the verl plugin's agent loop too. What it does with each answer:
+:class:`JobSubmitter` is the one implementation of submit, cancel and retry:
+:class:`trainer_plugins.client.RolloutClient`, the TRL plugin (:mod:`trainer_plugins.trl`) and the verl
+plugin's agent loop (:mod:`trainer_plugins.verl.agent_loop`) all go through it. What it does with each answer:
 
 ======================================  ==================================================================
 the rollout server answers              outcome
