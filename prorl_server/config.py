@@ -31,8 +31,9 @@ class ServerSettings(BaseModel):
     affinity_slack: int = Field(default=8, ge=0, description="in-flight jobs a group's backend may have above "
                                 "the least-loaded backend and still get the group's next job (prefix-cache "
                                 "reuse); 0: only when tied")
-    tokenizer: Optional[str] = Field(default=None, description="tokenizer path/name; default: the model "
-                                     "the backend serves (GET /v1/models)")
+    tokenizer: Optional[str] = Field(default=None, description="tokenizer path/name (a hub name may "
+                                     "download); default: the model path the backend serves (root in GET "
+                                     "/v1/models), from local files only, failing at once if not local")
     llm_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one generation request")
     health_interval_s: float = Field(default=10.0, gt=0, description="backend health probe period")
     keep_finished: int = Field(default=10000, ge=0, description="finished jobs kept for GET /jobs/{id}")
