@@ -105,3 +105,23 @@ def make_client(aiohttp_client, registry):
 @pytest.fixture
 def scripted(registry):
     return registry.resolve("scripted")[1]
+
+
+async def _wait_done(client, job_id: str, patience_s: float = 120.0) -> dict:
+    """Poll ``GET /jobs/{id}`` until done; returns the result (a guard against a hang, not a timing
+    assertion). Raises AssertionError after ``patience_s`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    s: dict = {}
+    while loop.time() < deadline:
+        s = await (await client.get(f"/jobs/{job_id}")).json()
+        if s["state"] == "done":
+            return s["result"]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"job {job_id} did not end within {patience_s} s: {s}")
+
+
+@pytest.fixture
+def wait_done():
+    """``await wait_done(client, job_id, patience_s=120)`` -> the job's result once it is done."""
+    return _wait_done

@@ -80,20 +80,9 @@ class GenerateHandler(AgentHandler):
         job.reward = 1.0 if job.state.get("tokens") == [5, 6] else 0.0
 
 
-async def wait_done(client, job_id: str, patience_s: float = 120.0) -> dict:
-    """Poll ``GET /jobs/{id}`` until done (a guard against a hang, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    while loop.time() < deadline:
-        s = await (await client.get(f"/jobs/{job_id}")).json()
-        if s["state"] == "done":
-            return s["result"]
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"job {job_id} not done after {patience_s} s: {s}")
-
 
 async def test_sigkilled_backend_fails_its_jobs_fast_with_the_reason_and_a_swap_still_waits(
-        aiohttp_client, tmp_path):
+        aiohttp_client, tmp_path, wait_done):
     registry = HandlerRegistry()
     registry.register(GenerateHandler)
     fake, url = await start_fake_vllm(tmp_path, "hang")

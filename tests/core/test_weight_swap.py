@@ -95,17 +95,6 @@ def turn_ids(tokenizer):
     return tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-async def wait_done(client, job_id: str, patience_s: float = 120.0) -> dict:
-    """Poll ``GET /jobs/{id}`` until done (a guard against a hang, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    while loop.time() < deadline:
-        s = await (await client.get(f"/jobs/{job_id}")).json()
-        if s["state"] == "done":
-            return s["result"]
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"job {job_id} did not end within {patience_s} s")
-
 
 async def backends(client) -> list[dict]:
     return (await (await client.get("/status")).json())["backends"]
@@ -153,7 +142,7 @@ async def test_a_job_holding_a_cleared_backend_keeps_it_and_is_counted_once():
 # ---------------------------------------------------------------------------------------------- submission
 
 
-async def test_job_submitted_between_clear_and_add_waits_and_runs_with_the_new_version(make_client):
+async def test_job_submitted_between_clear_and_add_waits_and_runs_with_the_new_version(make_client, wait_done):
     client = await make_client(backend_wait_s=30)
     await client.post("/add_llm_server", json={"address": "http://127.0.0.1:9", "weight_version": 1})
     await client.post("/clear_llm_server")
@@ -189,7 +178,7 @@ async def test_a_server_that_never_had_a_backend_refuses_llm_jobs_at_submit(make
     assert r.status == 200 and (await r.json())["reward"] == 1.0
 
 
-async def test_in_flight_count_of_a_held_backend_survives_clear_and_add(make_client):
+async def test_in_flight_count_of_a_held_backend_survives_clear_and_add(make_client, wait_done):
     client = await make_client()
     await client.post("/add_llm_server", json={"address": "http://127.0.0.1:9", "weight_version": 1})
     job = (await (await client.post("/jobs", json={"instance": {"data_source": "llm_holder",
@@ -214,7 +203,7 @@ async def test_in_flight_count_of_a_held_backend_survives_clear_and_add(make_cli
 
 
 async def test_swap_between_turns_the_next_turn_reports_the_new_version(aiohttp_server, make_client, registry,
-                                                                         tiny_model_dir, turn_ids):
+                                                                         tiny_model_dir, turn_ids, wait_done):
     handler = SwapAgentHandler()
     registry.register(handler)
     app, seen = fake_vllm(str(tiny_model_dir), turn_ids)
@@ -304,7 +293,7 @@ async def test_the_turns_version_is_the_one_registered_when_its_request_was_sent
 
 @pytest.mark.real
 async def test_real_vllm_multi_turn_job_across_a_weight_swap_records_both_versions(make_client, registry,
-                                                                                   vllm_server):
+                                                                                   vllm_server, wait_done):
     handler = SwapAgentHandler()
     registry.register(handler)
     client = await make_client()

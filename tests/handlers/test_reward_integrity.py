@@ -5,6 +5,10 @@ Each adversary is written to win against a grader that shares a process, a strea
 solution (the ``code`` handler before issue #14: one process ran the solution, then the tests, and printed
 its verdict on the stdout the solution shared). Which of them did win there is noted on each entry
 (``old=1.0``); the others are robustness cases (``old=0.0``).
+
+The suite has one file per handler, all in this folder: this one (``code``, and ``cli_agent`` with
+``eval="code"``), ``test_reward_integrity_swe.py`` (patches that rewrite the test harness) and
+``test_reward_integrity_math.py`` (answers that game the scorer or stall it).
 """
 from __future__ import annotations
 
