@@ -259,7 +259,7 @@ class SandboxRuntime(abc.ABC):
     - ``state_dir``: per-user directory for ownership records and run directories (default
       :func:`sandbox.ownership.default_state_dir`).
     - ``workspace_root``: where fresh workspaces are created (default: the system temp dir; each one a private
-      ``mkdtemp`` directory).
+      0700 directory, named in the ownership record before it is created).
     - ``python``: interpreter that runs the execution server (default: this one, ``sys.executable``).
     - ``start_timeout_s``: how long to wait for the execution server (seconds).
     - ``close_grace_s``: SIGTERM → SIGKILL grace on close (seconds).
@@ -383,13 +383,14 @@ class SandboxRuntime(abc.ABC):
                                    workspace_created=created, started_at=started_at)
             self._handles[sandbox_id] = handle
         except BaseException:
-            if proc is not None and sandbox_id not in self._handles:
-                await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
-                await asyncio.to_thread(self.store.remove, sandbox_id)
             if sandbox_id not in self._handles:
+                if proc is not None:
+                    await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
                 for lease in leases:
                     lease.release()
                 await asyncio.to_thread(self._cleanup_dirs, ctx.run_dir, ctx.workspace if created else None)
+                # last: until the directories are gone the (provisional) record is how a later server finds them
+                await asyncio.to_thread(self.store.remove, sandbox_id)
             raise
         try:
             await client.call("ping", {}, self.start_timeout_s)
@@ -500,6 +501,7 @@ class SandboxRuntime(abc.ABC):
             for lease in leases:
                 lease.release()
             self._cleanup_dirs(run_dir, workspace if created else None)
+            self.store.remove(sandbox_id)  # after the directories: the record is how they are found
             raise
         return ctx, leases, created
 
@@ -510,18 +512,37 @@ class SandboxRuntime(abc.ABC):
         return record["create_time"]
 
     def _make_dirs(self, sandbox_id: str, spec: SandboxSpec) -> tuple[str, str, bool]:
+        """Create the run directory and the workspace (a fresh private one unless the spec names one), after
+        writing a provisional ownership record (no launcher pid yet) that names both: a server killed at any
+        point from here on leaves nothing that the next server's :meth:`reap_orphans` does not find."""
         run_dir = os.path.join(self.state_dir, "run", sandbox_id)
         if len(os.path.join(run_dir, SOCKET_NAME)) > _MAX_SOCKET_PATH:
             raise SandboxStartError(f"state_dir {self.state_dir} is too long for a Unix socket path; "
                                     "configure a shorter one")
-        os.makedirs(run_dir, mode=0o700)
-        if spec.workspace:
+        created = not spec.workspace
+        if created:
+            # The name is chosen (unguessably) before the directory exists so that the record can name it;
+            # os.mkdir refuses an existing path, as mkdtemp does.
+            root = self.workspace_root or tempfile.gettempdir()
+            workspace = os.path.join(root, f"prorl-{sandbox_id}-{secrets.token_hex(4)}")
+        else:
             workspace = os.path.abspath(spec.workspace)
-            os.makedirs(workspace, exist_ok=True)
-            return run_dir, workspace, False
-        if self.workspace_root:
-            os.makedirs(self.workspace_root, mode=0o700, exist_ok=True)
-        return run_dir, tempfile.mkdtemp(prefix=f"prorl-{sandbox_id}-", dir=self.workspace_root), True
+        self.store.write({"sandbox_id": sandbox_id, "runtime": self.kind, "pid": None, "create_time": None,
+                          "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
+                          "started_at": time.time(), **self._owner})
+        try:
+            os.makedirs(run_dir, mode=0o700)
+            if not created:
+                os.makedirs(workspace, exist_ok=True)
+            else:
+                if self.workspace_root:
+                    os.makedirs(self.workspace_root, mode=0o700, exist_ok=True)
+                os.mkdir(workspace, mode=0o700)
+        except BaseException:
+            self._cleanup_dirs(run_dir, None)  # never a workspace this call did not create
+            self.store.remove(sandbox_id)
+            raise
+        return run_dir, workspace, created
 
     @staticmethod
     def _cleanup_dirs(run_dir: Optional[str], workspace: Optional[str]) -> None:
