@@ -54,6 +54,31 @@ def same_process(pid: Optional[int], create_time: Optional[float]) -> bool:
         return False
 
 
+#: Environment variable the host sets on every sandbox launcher: ``<sandbox_id>``. It finds a launcher whose pid
+#: its server never recorded (killed between the launch and the record). Only the process that execs a
+#: program sets its environment, so code in a sandbox can mark only its own processes, never a host process.
+LAUNCHER_MARKER_VAR = "PRORL_LAUNCHER_ID"
+
+
+def marked_launchers(sandbox_id: str, not_before: Optional[float]) -> list[tuple[int, float]]:
+    """``(pid, create time)`` of the live processes whose initial environment (``/proc/PID/environ``) holds
+    ``PRORL_LAUNCHER_ID=<sandbox_id>`` and that were created at or after ``not_before`` (epoch seconds, less
+    1 s of clock slack; guards against an unrelated process that happens to carry an old id)."""
+    marker = f"{LAUNCHER_MARKER_VAR}={sandbox_id}".encode()
+    out = []
+    for p in psutil.process_iter():
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            ct = p.create_time()
+            if (not_before is None or ct >= not_before - 1.0) and _alive(p):
+                out.append((p.pid, ct))
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
 class OwnershipStore:
     """The records of one state directory. File operations are small and local; the async methods of the
     runtimes call these through ``asyncio.to_thread``."""

@@ -32,8 +32,8 @@ from .client import SERVER_GRACE_S, ExecClient
 from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
-from .ownership import (OwnershipStore, default_state_dir, kill_sandbox, pid_namespace, process_identity,
-                        same_process)
+from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, marked_launchers,
+                        pid_namespace, process_identity, same_process)
 from .protocol import MAX_TRANSFER_BYTES
 from .sessions import MARKER_VAR, live_session_ids
 from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
@@ -369,7 +369,8 @@ class SandboxRuntime(abc.ABC):
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                    env=self.launcher_env(ctx), pass_fds=tuple(lease.fd for lease in leases))
+                    env={**self.launcher_env(ctx), LAUNCHER_MARKER_VAR: sandbox_id},
+                    pass_fds=tuple(lease.fd for lease in leases))
             finally:
                 logf.close()
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
@@ -421,6 +422,13 @@ class SandboxRuntime(abc.ABC):
                         else set())
             survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
                                            sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
+            if not rec.get("pid"):
+                # A provisional record: its server died before recording the launcher's pid, perhaps after
+                # launching it (a launcher's own die-with-parent races its parent's death). Found by the marker
+                # the host put in the launcher's environment.
+                for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
+                    survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s,
+                                                    not_before=rec.get("started_at"))
             if survivors:
                 log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
                           [p.pid for p in survivors])

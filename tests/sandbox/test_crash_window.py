@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 
+import psutil
 import pytest
 
 from sandbox import make_runtime
@@ -23,12 +25,18 @@ DYING_SERVER = r"""
 import asyncio, json, os, signal, sys
 from sandbox import make_runtime
 
-rt = make_runtime("bubblewrap", **json.loads(sys.argv[1]))
+rt = make_runtime(sys.argv[3], **json.loads(sys.argv[1]))
 
 def die(*args, **kwargs):
+    if args and isinstance(args[0], dict) and args[0].get("pid"):  # _record_start(record): the launcher's pid
+        print(args[0]["pid"], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 setattr(rt, sys.argv[2], die)
+if sys.argv[4:] == ["survivor"]:
+    # Stands in for a bwrap launcher that lost its die-with-parent race (its parent died before bwrap set
+    # PR_SET_PDEATHSIG): a launcher that outlives its server. The race itself cannot be provoked on demand.
+    rt.build_command = lambda spec, ctx: ["sleep", "1000"]
 asyncio.run(rt.start())
 """
 
@@ -42,7 +50,7 @@ asyncio.run(rt.start())
 async def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_after_the_next_reap(runtime_options, point):
     os.makedirs(runtime_options["workspace_root"])
     server = await asyncio.create_subprocess_exec(sys.executable, "-c", DYING_SERVER, json.dumps(runtime_options),
-                                                  point, cwd=REPO)
+                                                  point, "bubblewrap", cwd=REPO)
     assert await asyncio.wait_for(server.wait(), 120) == -9  # hang guard
     run_root = os.path.join(runtime_options["state_dir"], "run")
     # the crash left the sandbox's directories (otherwise this test proves nothing)
@@ -71,3 +79,38 @@ async def test_a_failed_start_leaves_no_record_and_no_directories(runtime_option
     assert os.listdir(os.path.join(runtime_options["state_dir"], "run")) == []
     assert os.listdir(runtime_options["workspace_root"]) == []
     assert rt.store.records() == []
+
+
+async def test_a_launcher_whose_pid_was_never_recorded_is_found_and_killed(runtime_options):
+    """The server dies after launching, before recording the launcher's pid, and the launcher outlives it
+    (bubblewrap's die-with-parent races its parent's death: the fault benchmark found such a sandbox alive after
+    its server's SIGKILL). The next reap must find it (by the marker the host put in its environment) and kill
+    it, with its directories, and nothing else."""
+    if BWRAP_UNAVAILABLE:
+        pytest.skip(BWRAP_UNAVAILABLE)
+    os.makedirs(runtime_options["workspace_root"])
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", DYING_SERVER, json.dumps(runtime_options),
+                                                  "_record_start", "bubblewrap", "survivor", cwd=REPO,
+                                                  stdout=subprocess.PIPE)
+    launcher = int(await asyncio.wait_for(server.stdout.readline(), 120))
+    assert await asyncio.wait_for(server.wait(), 120) == -9
+    assert psutil.pid_exists(launcher)  # otherwise this test proves nothing
+    decoy = subprocess.Popen(["sleep", "1000"])  # not the sandbox's: must be spared
+    try:
+        await asyncio.sleep(0.5)
+        assert psutil.Process(launcher).status() != psutil.STATUS_ZOMBIE  # still alive without its server
+        rt = make_runtime("bubblewrap", **runtime_options)
+        assert await rt.reap_orphans() == 1
+        for _ in range(500):  # hang guard; the launcher was our grandchild: init reaps it
+            if not psutil.pid_exists(launcher) or psutil.Process(launcher).status() == psutil.STATUS_ZOMBIE:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"launcher {launcher} survived the reap")
+        assert decoy.poll() is None
+        assert os.listdir(os.path.join(runtime_options["state_dir"], "run")) == []
+        assert os.listdir(runtime_options["workspace_root"]) == []
+        assert rt.store.records() == []
+    finally:
+        decoy.kill()
+        decoy.wait()
