@@ -422,13 +422,12 @@ class SandboxRuntime(abc.ABC):
                         else set())
             survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
                                            sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
-            if not rec.get("pid"):
-                # A provisional record: its server died before recording the launcher's pid, perhaps after
-                # launching it (a launcher's own die-with-parent races its parent's death). Found by the marker
-                # the host put in the launcher's environment.
-                for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
-                    survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s,
-                                                    not_before=rec.get("started_at"))
+            # What the record cannot name: a launcher its server died before recording (a provisional record),
+            # or a launcher's forked children (bwrap's namespace init) that outlived it before the sandbox's
+            # pid namespace was recorded (die-with-parent races a parent's death). They carry the marker the
+            # host put in the launcher's environment.
+            for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
+                survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s, not_before=rec.get("started_at"))
             if survivors:
                 log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
                           [p.pid for p in survivors])

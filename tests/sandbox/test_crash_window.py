@@ -32,7 +32,18 @@ def die(*args, **kwargs):
         print(args[0]["pid"], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-setattr(rt, sys.argv[2], die)
+if sys.argv[2].startswith("after:"):  # the step runs, then the crash
+    step = getattr(rt, sys.argv[2][len("after:"):])
+    def step_then_die(*args, **kwargs):
+        step(*args, **kwargs)
+        die()
+    setattr(rt, sys.argv[2][len("after:"):], step_then_die)
+else:
+    setattr(rt, sys.argv[2], die)
+if sys.argv[4:] == ["orphaned_child"]:
+    # Stands in for a bwrap launcher that died with its server while its forked child (the namespace's init,
+    # with the execution server under it) lost the die-with-parent race: the launcher exits, its child lives on.
+    rt.build_command = lambda spec, ctx: ["sh", "-c", "sleep 1000 & exit 0"]
 if sys.argv[4:] == ["survivor"]:
     # Stands in for a bwrap launcher that lost its die-with-parent race (its parent died before bwrap set
     # PR_SET_PDEATHSIG): a launcher that outlives its server. The race itself cannot be provoked on demand.
@@ -114,3 +125,38 @@ async def test_a_launcher_whose_pid_was_never_recorded_is_found_and_killed(runti
     finally:
         decoy.kill()
         decoy.wait()
+
+
+async def test_a_recorded_launchers_child_that_outlived_it_is_found_and_killed(runtime_options):
+    """The server recorded the launcher's pid and died before it learnt the sandbox's pid namespace; the
+    launcher is gone but its child lives on (seen in the fault benchmark: bwrap's namespace init and the
+    execution server under it, re-parented, after a server SIGKILL). The next reap kills the child."""
+    if BWRAP_UNAVAILABLE:
+        pytest.skip(BWRAP_UNAVAILABLE)
+    os.makedirs(runtime_options["workspace_root"])
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", DYING_SERVER, json.dumps(runtime_options),
+                                                  "after:_record_start", "bubblewrap", "orphaned_child", cwd=REPO)
+    assert await asyncio.wait_for(server.wait(), 120) == -9
+    rt = make_runtime("bubblewrap", **runtime_options)
+    [rec] = rt.store.records()
+    assert rec["pid"]  # recorded
+    child = None
+    for _ in range(500):  # hang guard: the launcher's shell forks the child, then exits
+        kids = [p for p in psutil.process_iter(["ppid", "environ"]) if p.info["environ"] and
+                p.info["environ"].get("PRORL_LAUNCHER_ID") == rec["sandbox_id"]]
+        if kids and not psutil.pid_exists(rec["pid"]) or (kids and psutil.Process(rec["pid"]).status() ==
+                                                          psutil.STATUS_ZOMBIE):
+            child = kids[0]
+            break
+        await asyncio.sleep(0.01)
+    assert child is not None and child.is_running()  # otherwise this test proves nothing
+    assert await rt.reap_orphans() == 1
+    for _ in range(500):
+        if not child.is_running() or child.status() == psutil.STATUS_ZOMBIE:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        child.kill()
+        raise AssertionError(f"the launcher's child {child.pid} survived the reap")
+    assert os.listdir(os.path.join(runtime_options["state_dir"], "run")) == []
+    assert rt.store.records() == []
