@@ -253,6 +253,20 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
     return root, s_dir, g_dir, empty_dir, empty_file
 
 
+async def _prepared_dirs(solution: str) -> tuple[str, str, str, str, str]:
+    """:func:`_prepare_dirs` in a thread. Cancelled while the thread runs (a job cancelled, a server shutting
+    down), the thread still creates the directories: they are removed when it is done, not left behind."""
+    prep = asyncio.ensure_future(asyncio.to_thread(_prepare_dirs, solution))
+    try:
+        return await asyncio.shield(prep)
+    except asyncio.CancelledError:
+        def remove(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                shutil.rmtree(f.result()[0], True)
+        prep.add_done_callback(remove)
+        raise
+
+
 async def _open_both(open_sandbox: Callable[[Any], Awaitable[Any]], s_spec: Any, g_spec: Any) -> tuple[Any, Any]:
     results = await asyncio.gather(open_sandbox(s_spec), open_sandbox(g_spec), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -292,7 +306,7 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         sandbox.SandboxError: a sandbox failed to start.
     """
     loop = asyncio.get_running_loop()
-    root, s_dir, g_dir, empty_dir, empty_file = await asyncio.to_thread(_prepare_dirs, solution)
+    root, s_dir, g_dir, empty_dir, empty_file = await _prepared_dirs(solution)
     s_listener = _Listener(os.path.join(s_dir, SOCKET_NAME))
     g_listener = _Listener(os.path.join(g_dir, SOCKET_NAME))
     handles: list[Any] = []
@@ -350,8 +364,10 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
             t.cancel()
         s_listener.close()
         g_listener.close()
-        await _close_all(handles)
-        await asyncio.to_thread(shutil.rmtree, root, True)
+        try:
+            await _close_all(handles)
+        finally:  # a second cancellation (a shutdown) must not skip it: the thread starts at once and runs on
+            await asyncio.to_thread(shutil.rmtree, root, True)
 
 
 async def _to_grader(grader: _Peer, message: dict) -> None:
