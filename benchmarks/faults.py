@@ -10,8 +10,8 @@ for each scenario ``--code-jobs`` (64) ``code`` jobs (HumanEval) at ``--code-con
 injected once a quarter of them have ended:
 
 - ``backend_kill``: the vLLM server's process group is SIGKILLed and started again on the same port;
-- ``sandbox_kill``: the process tree of a sandbox running a command (4 levels: launcher, the namespace's pid 1,
-  the execution server, the command) is SIGKILLed, ``--sandbox-kills`` times, spaced out;
+- ``sandbox_kill``: the process tree of a sandbox running a command (5 levels: launcher, the namespace's pid 1,
+  the execution server, its shell, the command) is SIGKILLed, ``--sandbox-kills`` times, spaced out;
 - ``server_sigterm``: the server gets SIGTERM; a new one is started on the same state directory;
 - ``server_sigkill``: the server gets SIGKILL; a new one is started on the same state directory.
 
@@ -82,8 +82,9 @@ def well_formed(res: Any, job_id: str) -> bool:
 class Server:
     """``python -m prorl_server`` as a subprocess of this one, found through its ready file."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], name: str) -> None:
+    def __init__(self, workdir: Path, config: dict[str, Any], name: str, tmpdir: Optional[Path] = None) -> None:
         self.workdir, self.config, self.name = workdir, config, name
+        self.env = dict(os.environ, **({"TMPDIR": str(tmpdir)} if tmpdir else {}))
         self.proc: Optional[subprocess.Popen] = None
         self.url: Optional[str] = None
         self.gen = 0
@@ -95,7 +96,7 @@ class Server:
         cfg.write_text(json.dumps({**self.config, "port": 0, "ready_file": str(ready)}))  # JSON is YAML
         log = open(self.workdir / f"{self.name}-{self.gen}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--config", str(cfg)], cwd=str(ROOT),
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
         log.close()
         deadline = time.monotonic() + 300
         while not ready.exists():
@@ -185,6 +186,14 @@ def sandbox_trees(server_pid: int) -> list[list[psutil.Process]]:
     except psutil.NoSuchProcess:
         pass
     return out
+
+
+def depth_of(p: psutil.Process, root: int) -> int:
+    """Levels from ``root`` down to ``p`` (1: ``p`` is the root)."""
+    d = 1
+    while p is not None and p.pid != root:
+        p, d = p.parent(), d + 1
+    return d if p is not None else 0
 
 
 def depth(tree: list[psutil.Process]) -> int:
@@ -360,14 +369,15 @@ class Backend:
 async def code_scenario(name: str, args, work: Path, backend: Backend, own: set[int]) -> dict[str, Any]:
     from handlers.code.data import load_dataset
 
-    state_dir, ws_root = work / f"state-{name}", work / f"ws-{name}"
+    state_dir, ws_root, tmp = work / f"state-{name}", work / f"ws-{name}", work / f"tmp-{name}"
     ws_root.mkdir()
+    tmp.mkdir()  # the servers' TMPDIR: host-side files of the handlers (grading directories) land here
     c = args.code_concurrency
     server = Server(work, {"log_level": "WARNING", "backends": [backend.server.address],
                            "sandbox_runtime": "bubblewrap",
                            "sandbox_options": {"state_dir": str(state_dir), "workspace_root": str(ws_root)},
                            "init_workers": c, "run_workers": c, "eval_workers": c, "health_interval_s": 2.0,
-                           "backend_wait_s": 30.0}, f"code-{name}")
+                           "backend_wait_s": 30.0}, f"code-{name}", tmpdir=tmp)
     server.start()
     own.add(server.proc.pid)
     problems = load_dataset(limit=args.code_problems)
@@ -399,19 +409,23 @@ async def code_scenario(name: str, args, work: Path, backend: Backend, own: set[
             kills, tries = [], 0
             while len(kills) < args.sandbox_kills and done < args.code_jobs and tries < 20000:
                 tries += 1
-                # launcher bwrap > bwrap (the namespace's pid 1) > execution server > a command (the tool's
-                # shell or the graded program): 4 levels means one is running
-                trees = [t for t in sandbox_trees(server.pid) if depth(t) >= 4] if server.pid else []
+                # launcher bwrap > bwrap (the namespace's pid 1) > execution server > the tool's shell > a
+                # command (a tool call, the grader, the graded program): 5 levels means one is running
+                trees = [t for t in sandbox_trees(server.pid) if depth(t) >= 5] if server.pid else []
                 if not trees:
                     await asyncio.sleep(0.05)
                     continue
                 tree = trees[0]
+                try:  # for the report only (which tool or grading process was cut), never to choose
+                    what = " ".join(max(tree, key=lambda q: depth_of(q, tree[0].pid)).cmdline())[-120:]
+                except psutil.NoSuchProcess:
+                    what = "?"
                 for p in tree:
                     try:
                         p.send_signal(signal.SIGKILL)
                     except psutil.NoSuchProcess:
                         pass
-                kills.append({"processes": len(tree), "at_done": done})
+                kills.append({"processes": len(tree), "at_done": done, "deepest": what})
                 await asyncio.sleep(2.0)  # let the pipeline take the fault before the next one
             info["sandbox_trees_killed"] = kills
         else:
@@ -438,6 +452,11 @@ async def code_scenario(name: str, args, work: Path, backend: Backend, own: set[
     await fault
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out.update(info)
+    if name == "backend_kill":  # the restarted backend serves again (jobs that ran while it was down failed fast)
+        after = await run_jobs(server, [{**b, "job_id": f"{b['job_id']}-after"} for b in bodies[:c]], c)
+        out["after_restart"] = {k: after[k] for k in ("jobs", "well_formed", "lost", "hung", "failure_kinds")}
+        for k in ("lost", "hung"):
+            out[k] += after[k]
     await asyncio.sleep(ORPHAN_WAIT_S)
     left = orphans(server, backend.pgids, own)
     out["orphans"] = len(left)
@@ -449,6 +468,12 @@ async def code_scenario(name: str, args, work: Path, backend: Backend, own: set[
         out["leftover_list"] = dirs[:10]
     out["server_exit_s_after_sigterm_end"] = server.signal_and_wait(signal.SIGTERM)
     own.discard(server.proc.pid)
+    # what every server of the scenario left in its TMPDIR once the last one has exited
+    # torch's compile cache (torchinductor_<user>) is a cache the imports create, not a leftover
+    left_tmp = [p for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    out["leftover_tmp"] = len(left_tmp)
+    if left_tmp:  # kinds, for the report: the name up to its random suffix
+        out["leftover_tmp_kinds"] = dict(collections.Counter(p.name.rsplit("-", 1)[0] + "-*" for p in left_tmp))
     print(f"{name}: {json.dumps(out)}", flush=True)
     return out
 
@@ -501,7 +526,7 @@ async def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     rows = ([summary["arith"]] if summary["arith"] else []) + list(summary["code"].values())
     summary["targets_met"] = all(r["lost"] == 0 and r["hung"] == 0 and r["orphans"] == 0
-                                 and r.get("leftover_dirs", 0) == 0 for r in rows)
+                                 and r.get("leftover_dirs", 0) == 0 and r.get("leftover_tmp", 0) == 0 for r in rows)
     for r in rows:
         r.pop("orphan_list", None)
         r.pop("leftover_list", None)
