@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
 import secrets
 import shlex
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -233,7 +235,8 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
     """``(root, s_dir, g_dir, empty_dir, empty_file)``: a private host directory per grading. ``s_dir`` holds
     what S gets (solution, candidate server, codec), ``g_dir`` what G gets (grader, codec); each will hold its
     socket. The empty directory and file are what masks a host path."""
-    root = tempfile.mkdtemp(prefix="prorl-code-")
+    _remove_dead_owners_dirs()
+    root = tempfile.mkdtemp(prefix=_owner_prefix())
     dirs = [os.path.join(root, name) for name in ("s", "g", "empty")]
     for d in dirs:
         os.mkdir(d)
@@ -251,6 +254,52 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
             f.write(data)
         os.chmod(path, 0o644)
     return root, s_dir, g_dir, empty_dir, empty_file
+
+
+def _owner_prefix(pid: Optional[int] = None) -> str:
+    """``prorl-code-<pid>-<start time>-``: the grading directories of one server process. The start time
+    (psutil, in centiseconds) tells a live owner from a reused pid."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return f"prorl-code-{proc.pid}-{int(proc.create_time() * 100)}-"
+
+
+@functools.cache
+def _remove_dead_owners_dirs() -> int:
+    """Once per process, before its first grading: remove the grading directories that a server killed with
+    SIGKILL left in the temporary directory (no ``finally`` ran). Only directories of this user whose owner
+    process is gone are removed, never a live server's; nothing is followed through a link. Returns how many
+    were removed. The sandboxes never see the host's temporary directory, so they cannot plant names here."""
+    import psutil
+
+    tmp = tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 5 or parts[:2] != ["prorl", "code"] or not (parts[2].isdigit() and parts[3].isdigit()):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        try:
+            alive = _owner_prefix(int(parts[2])) == f"prorl-code-{parts[2]}-{parts[3]}-"
+        except (psutil.Error, ValueError):
+            alive = False
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    if removed:
+        log.info("removed %d grading directories of servers that are gone", removed)
+    return removed
 
 
 async def _prepared_dirs(solution: str) -> tuple[str, str, str, str, str]:

@@ -1,9 +1,12 @@
 """The code handler's host-side grading directories never outlive a cancelled grading (found by the fault
 benchmark, benchmarks/faults.py: a server's SIGTERM, which cancels every job, left a ``prorl-code-*``
-directory behind)."""
+directory behind), nor a server killed with SIGKILL (the next server removes them: owner-checked)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -43,3 +46,31 @@ async def test_a_grading_cancelled_while_its_directories_are_made_leaves_none(tm
             break
         await asyncio.sleep(0.01)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_directories_of_a_server_that_is_gone_are_removed_and_a_live_ones_are_kept(tmp_path, monkeypatch):
+    """A server SIGKILLed mid-grading leaves its directories (no ``finally`` runs); the next server process
+    removes them before its first grading. A live server's directories (this process's) stay, and so do a
+    look-alike that is a link and names that are not grading directories."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        gone_prefix = grading._owner_prefix(gone.pid)
+    finally:
+        gone.kill()
+        gone.wait()
+    dead = tmp_path / f"{gone_prefix}abc123"
+    (dead / "s").mkdir(parents=True)
+    (dead / "s" / "solution.py").write_text("x = 1\n")
+    live = tmp_path / f"{grading._owner_prefix()}def456"
+    live.mkdir()
+    other = tmp_path / "prorl-code-notmine"
+    other.mkdir()
+    target = tmp_path / "kept-target"
+    target.mkdir()
+    link = tmp_path / f"{gone_prefix}link99"
+    os.symlink(target, link)
+
+    assert grading._remove_dead_owners_dirs.__wrapped__() == 1
+    assert not dead.exists()
+    assert live.exists() and other.exists() and target.exists() and link.is_symlink()
