@@ -26,6 +26,11 @@ INSTALL_SH = REPO / ".ci" / "install-slurm.sh"
 SLURM_COMMANDS = ("sbatch", "srun", "scancel", "squeue", "sinfo", "scontrol", "slurmctld", "slurmd", "munged")
 
 
+# Slurm's final job states (squeue(1), "JOB STATE CODES"); every other state is on the way to one of them.
+FINAL_JOB_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                              "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"})
+
+
 @dataclass(frozen=True)
 class SlurmCluster:
     """A running single-node cluster. ``env`` is ``os.environ`` plus ``SLURM_CONF`` for client commands."""
@@ -49,11 +54,13 @@ class SlurmCluster:
         return ""
 
     def wait_job_done(self, job_id: str, timeout: float) -> str:
-        """Wait until the job left the RUNNING/PENDING/COMPLETING states; return its final state."""
+        """Wait until the job reached a final state (or the controller forgot it: ``""``); return it.
+        Transient states (RUNNING, COMPLETING, SIGNALING while a --signal is delivered, STAGE_OUT, ...) are
+        waited through: only Slurm's final states end the wait."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = self.job_state(job_id)
-            if state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
+            if state in FINAL_JOB_STATES or state == "":
                 return state
             time.sleep(0.3)
         raise AssertionError(f"job {job_id} still {self.job_state(job_id)} after {timeout:g} s")
