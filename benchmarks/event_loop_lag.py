@@ -37,7 +37,7 @@ from aiohttp import web  # noqa: E402
 from benchmarks._common import pct  # noqa: E402
 from handlers.math.handler import MathHandler  # noqa: E402
 from handlers.math.scoring import score  # noqa: E402
-from handlers.registry import HandlerRegistry  # noqa: E402
+from prorl_server.plugin.registry import HandlerRegistry  # noqa: E402
 from prorl_server.app import CPU_POOL, LOOP_MONITOR, create_app  # noqa: E402
 from prorl_server.config import ServerSettings  # noqa: E402
 

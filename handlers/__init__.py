@@ -1,5 +1,5 @@
-"""Task handlers: everything task-specific (sandbox setup, agent loop, reward) lives in an AgentHandler."""
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry, UnknownHandlerError, register_handler
+"""Task handlers shipped with the server (math, code, swe, cli_agent, shout, arithmetic).
 
-__all__ = ["AgentHandler", "HandlerRegistry", "UnknownHandlerError", "register_handler"]
+Each one is a plugin like any user's: it imports the plugin API from :mod:`prorl_server.plugin` and is found
+through the ``prorl_server.handlers`` entry points in ``setup.cfg``; the server never imports this package.
+"""

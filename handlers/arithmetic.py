@@ -14,7 +14,7 @@ import ast
 import math
 import operator
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

@@ -6,20 +6,15 @@ The route table ``ROUTES`` is the one list of endpoints: it registers the handle
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
-import re
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Optional, Type
+from typing import Any, Optional
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
-from pydantic.json_schema import models_json_schema
 
-from handlers.registry import HandlerRegistry, UnknownHandlerError, default_registry
+from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
@@ -27,7 +22,9 @@ from prorl_server.llm_context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import Metrics
 from prorl_server.pipeline import DuplicateJobError, Pipeline, ServerStoppedError
-from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse, ErrorDetail, ErrorResponse,
+from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
+                                 json_response, openapi_schema, parse_body)
+from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse,
                                 JobResult, JobStatusResponse, OkResponse, ProcessRequest, StatusResponse,
                                 SubmitResponse)
 
@@ -43,77 +40,7 @@ CPU_POOL = web.AppKey("cpu_pool", CpuPool)
 LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
 
 
-class ApiError(Exception):
-    """An error answered as ``{error: {type, message, field?}}`` with HTTP ``status``."""
-
-    def __init__(self, status: int, type_: str, message: str, field: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.field = status, type_, message, field
-
-
-def json_response(model: BaseModel, status: int = 200) -> web.Response:
-    return web.Response(body=model.model_dump_json(), status=status, content_type="application/json")
-
-
-def error_response(status: int, type_: str, message: str, field: Optional[str] = None) -> web.Response:
-    return json_response(ErrorResponse(error=ErrorDetail(type=type_, message=message, field=field)), status)
-
-
-async def parse_body(request: web.Request, model: Type[BaseModel]) -> Any:
-    """Validate the JSON body against ``model``. Raises ApiError 400 (not JSON) or 422 (wrong shape)."""
-    body = await request.read()
-    if not body.strip():
-        body = b"{}"
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise ApiError(400, "invalid_json", f"request body is not valid JSON: {err['msg']}") from None
-        field = ".".join(str(p) for p in err["loc"]) or None
-        raise ApiError(422, "validation_error", f"{field or 'body'}: {err['msg']}", field) from None
-
-
 # ------------------------------------------------------------------------------------------ middlewares
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return error_response(e.status, e.type, e.message, e.field)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status, "http_error")
-        resp = error_response(e.status, kind, e.text or e.reason)
-        if "Allow" in e.headers:  # RFC 9110: a 405 says which methods the resource has
-            resp.headers["Allow"] = e.headers["Allow"]
-        return resp
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # a bug; still answer in the contract's shape
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal_error", f"{type(e).__name__}: {e}")
-
-
-def auth_middleware(token: str):
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler) -> web.StreamResponse:
-        # The route table says who needs the token: "none" (/health) and "capability" (the gateway's agent
-        # routes, whose handlers check the secret in their path) do not; unknown paths do.
-        route = request.app[APP_ROUTES].get(request.match_info.handler)
-        if route is None or route.auth == "bearer":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(401, "unauthorized", "missing or wrong bearer token "
-                                      "(send 'Authorization: Bearer <token>')")
-        return await handler(request)
-
-    return check
 
 
 # ------------------------------------------------------------------------------------------ handlers
@@ -207,26 +134,6 @@ async def openapi(request: web.Request) -> web.Response:
                                             data_sources=request.app[REGISTRY].names()))
 
 
-@dataclass(frozen=True)
-class Route:
-    """One endpoint: registered on the app and described in ``/openapi.json``. ``auth``: ``"bearer"`` (the
-    server token, when one is configured), ``"capability"`` (a secret in the path; the gateway's agent
-    routes) or ``"none"``. ``openai_errors``: errors answer in the OpenAI format (the gateway's routes), not
-    as :class:`ErrorResponse`. ``status``: the success status the handler answers with ``response``;
-    ``errors``: 5xx statuses it can answer by design (``503`` no backend / stopped), besides every 4xx."""
-
-    method: str
-    path: str
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    summary: str
-    request: Optional[Type[BaseModel]] = None
-    response: Optional[Type[BaseModel]] = None
-    auth: str = "bearer"
-    openai_errors: bool = False
-    status: int = 200
-    errors: tuple[int, ...] = ()
-
-
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/process", process, "Run a job and wait for its result", ProcessRequest, JobResult,
           errors=(503,)),
@@ -246,52 +153,6 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/metrics", metrics, "Prometheus metrics (text format)"),
     Route("GET", "/openapi.json", openapi, "This API's OpenAPI 3.1 schema"),
 )
-
-
-#: The routes of an app by handler: ``ROUTES`` plus those added by extensions (the gateway's). The auth
-#: middleware reads each route's ``auth`` here; ``/openapi.json`` lists them.
-APP_ROUTES = web.AppKey("app_routes", dict)
-
-
-def add_routes(app: web.Application, routes: Iterable[Route]) -> None:
-    """Register ``routes`` on ``app``: served, authorized as their ``auth`` says, listed in ``/openapi.json``."""
-    for r in routes:
-        app.router.add_route(r.method, r.path, r.handler)
-        app[APP_ROUTES][r.handler] = r
-
-
-def openapi_schema(routes: Iterable[Route] = ROUTES, data_sources: Optional[list[str]] = None) -> dict[str, Any]:
-    """OpenAPI 3.1 document generated from ``routes`` and their pydantic models; ``data_sources``: the
-    handler names and aliases this server serves (``instance.data_source`` is one of them)."""
-    routes = list(routes)
-    models = {m for r in routes for m in (r.request, r.response) if m is not None} | {ErrorResponse}
-    _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
-                                 ref_template="#/components/schemas/{model}")
-
-    def ref(m: Type[BaseModel]) -> dict[str, Any]:
-        return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{m.__name__}"}}}}
-
-    paths: dict[str, Any] = {}
-    for r in routes:
-        error = ({"description": "Error in the OpenAI format {error: {message, type, param, code}}"}
-                 if r.openai_errors else {"description": "Error", **ref(ErrorResponse)})
-        op: dict[str, Any] = {"summary": r.summary, "responses": {
-            str(r.status): {"description": "OK", **(ref(r.response) if r.response else {})}, "4XX": error,
-            **{str(code): error for code in r.errors}}}
-        if r.request is not None:
-            op["requestBody"] = {"required": True, **ref(r.request)}
-        params = re.findall(r"{(\w+)}", r.path)
-        if params:
-            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
-                                for n in params]
-        op["security"] = [{"bearer": []}] if r.auth == "bearer" else []
-        paths.setdefault(r.path, {})[r.method.lower()] = op
-    instance = defs.get("$defs", {}).get("ProcessRequest", {}).get("properties", {}).get("instance")
-    if instance is not None and data_sources is not None:
-        instance["properties"]["data_source"]["enum"] = sorted(data_sources)
-    return {"openapi": "3.1.0", "info": {"title": "ProRL rollout server", "version": "0.1.0"},
-            "paths": paths, "components": {"schemas": defs.get("$defs", {}),
-                                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
 # ------------------------------------------------------------------------------------------ factory

@@ -32,7 +32,7 @@ regenerates the sample instead of training on it. The kinds:
     a bug of the rollout server itself (a stage worker crashed).
 
 A handler declares a failure that the exception type alone does not tell by raising
-:class:`InfrastructureError` (re-exported by :mod:`handlers.base`), or by setting ``job.failure_kind``
+:class:`InfrastructureError` (re-exported by :mod:`prorl_server.plugin.handler`), or by setting ``job.failure_kind``
 in a stage or in its ``<stage>_exception`` callback.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, Trajectory
 
 if TYPE_CHECKING:
-    from handlers.base import AgentHandler
+    from prorl_server.plugin.handler import AgentHandler
     from prorl_server.balancer import Backend, BackendPool
     from prorl_server.cpu_pool import CpuPool
     from prorl_server.llm_context import LLMContext

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.failures import classify
 from prorl_server.job import Job
@@ -126,7 +126,7 @@ class Pipeline:
 
         Raises:
             ServerStoppedError: the server is stopped.
-            handlers.registry.UnknownHandlerError: ``data_source`` names no handler.
+            prorl_server.plugin.registry.UnknownHandlerError: ``data_source`` names no handler.
             NoBackendError: the handler needs an LLM and no backend was ever registered (while backends are
                 being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.

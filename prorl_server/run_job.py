@@ -102,7 +102,7 @@ class Summary:
 
 
 def _needs_llm(instances: list[dict[str, Any]]) -> bool:
-    from handlers.registry import UnknownHandlerError, default_registry
+    from prorl_server.plugin.registry import UnknownHandlerError, default_registry
 
     default_registry.load_entry_points()
     for ds in {i["data_source"] for i in instances}:

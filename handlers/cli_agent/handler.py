@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
 
 GATEWAY_DIR = "/run/prorl-gateway"
 SOCKET_NAME = "gateway.sock"

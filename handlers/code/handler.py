@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Optional
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 from handlers.code.data import validate_instance
 from handlers.code.grading import GradingLimits, grade
-from handlers.tools import run_agent, sandbox_tools
+from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 
 SOLUTION = "solution.py"
 DEFAULT_EVAL_TIMEOUT_S = 20.0

@@ -12,9 +12,9 @@
 """
 from __future__ import annotations
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 from handlers.math.scoring import score
-from handlers.tools import run_agent, sandbox_tools
+from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from prorl_server.cpu_pool import CpuTimeoutError
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "

@@ -26,7 +26,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from handlers.base import AgentHandler, InvalidInstanceError
+from prorl_server.plugin.handler import AgentHandler, InvalidInstanceError
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -34,11 +34,11 @@ import secrets
 import shlex
 from typing import Any
 
-from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
 from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
                                   parse_status, read_report, file_of_test, report_statuses)
 from handlers.swe.run_tests import TIMEOUT_EXIT
-from handlers.tools import run_agent, sandbox_tools
+from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 
 REPO_SRC = "/repo_src"
 DEFAULT_TEST_COMMAND = "python -m pytest"

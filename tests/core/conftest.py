@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from handlers.arithmetic import ArithmeticHandler
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
 

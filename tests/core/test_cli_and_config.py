@@ -14,8 +14,8 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry, UnknownHandlerError
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError
 from prorl_server.cli import run_event_loop, settings_from_args
 from prorl_server.config import build_settings
 

@@ -18,7 +18,7 @@ import pytest
 from handlers.arithmetic import evaluate
 from handlers.math.handler import MathHandler
 from handlers.math.scoring import score
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import CPU_POOL, create_app
 from prorl_server.config import ServerSettings
 from prorl_server.cpu_pool import CpuPool, CpuTimeoutError, WorkerCrashedError

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from handlers.base import AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
 from prorl_server.balancer import NoBackendError
 from prorl_server.failures import FAILURE_KINDS, classify
 from prorl_server.llm_client import LLMRequestError, LLMUnavailableError
@@ -196,7 +196,7 @@ def test_classification_rules():
 
 # ------------------------------------------------------------------------------------------ the agent loop
 class ToolAgentHandler(AgentHandler):
-    """The generic agent loop (``handlers.tools.run_agent``) with one tool, ``probe``, that raises the
+    """The generic agent loop (``prorl_server.plugin.toolkit.run_agent``) with one tool, ``probe``, that raises the
     instance's ``fault`` (a :data:`FAULTS` key: the exception classes a sandbox tool's client raises), or
     answers ``"ok"`` without one. Stands in for a sandbox handler whose sandbox fails in the middle of a turn."""
 
@@ -204,7 +204,7 @@ class ToolAgentHandler(AgentHandler):
     needs_llm = True
 
     async def run(self, job):
-        from handlers.tools import run_agent
+        from prorl_server.plugin.toolkit import run_agent
         from prorl_server.agent_loop import AgentConfig
 
         async def probe(args):
@@ -258,7 +258,7 @@ async def test_a_killed_sandbox_fails_a_code_rollout_while_an_editor_error_is_an
     import psutil
 
     from handlers.code.data import humaneval_problems, to_instance
-    from handlers.registry import HandlerRegistry
+    from prorl_server.plugin.registry import HandlerRegistry
     from prorl_server.app import create_app
     from prorl_server.config import ServerSettings
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import create_app
 from prorl_server.balancer import BackendPool
 from prorl_server.config import ServerSettings

@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
 
@@ -136,7 +136,7 @@ SLOW_HANDLER = textwrap.dedent('''
     registers a job-scoped closer standing in for a sandbox; the closer writes a marker file when it runs."""
     import asyncio, os
     from pathlib import Path
-    from handlers.base import AgentHandler
+    from prorl_server.plugin.handler import AgentHandler
 
     class SlowHandler(AgentHandler):
         name = "slow_plugin"

@@ -8,8 +8,8 @@ import tracemalloc
 
 import pytest
 
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import PIPELINE, create_app
 from prorl_server.balancer import BackendPool
 from prorl_server.config import ServerSettings

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 from prorl_server.agent_loop import AgentConfig, AgentLoop
 from prorl_server.balancer import Backend, BackendPool, NoBackendError
 from prorl_server.llm_client import LLMClient

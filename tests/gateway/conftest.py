@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 
 TOKEN = "server-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

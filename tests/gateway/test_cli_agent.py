@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from handlers.base import InvalidInstanceError
+from prorl_server.plugin.handler import InvalidInstanceError
 from handlers.cli_agent import CliAgentHandler
 from handlers.cli_agent.handler import _eval_mode
 from handlers.code.data import humaneval_problems, to_instance
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.gateway import GATEWAY
 from prorl_server.types import Trajectory
 

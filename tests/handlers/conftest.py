@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def test_serving_math_imports_no_scorer_on_the_event_loop():
     import subprocess
     import sys
 
-    code = ("import sys; from handlers.registry import HandlerRegistry; HandlerRegistry().load_entry_points(); "
+    code = ("import sys; from prorl_server.plugin.registry import HandlerRegistry; HandlerRegistry().load_entry_points(); "
             "import prorl_server.app, handlers.math.handler; "
             "print(sorted(m for m in ('sympy', 'math_verify', 'reasoning_gym') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

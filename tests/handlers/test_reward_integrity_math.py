@@ -15,7 +15,7 @@ import pytest
 from handlers.math.data import load_reasoning_gym
 from handlers.math.handler import MathHandler
 from handlers.math.scoring import MAX_ANSWER_CHARS, score
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
 

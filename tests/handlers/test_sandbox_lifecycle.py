@@ -16,7 +16,7 @@ import urllib.request
 import psutil
 import pytest
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 
 pytestmark = pytest.mark.real
 
@@ -81,7 +81,7 @@ async def test_job_sandbox_is_closed_however_the_job_ends(hold_client, sandbox_p
 
 SERVER = textwrap.dedent("""
     import asyncio, sys
-    from handlers import AgentHandler, register_handler
+    from prorl_server.plugin import AgentHandler, register_handler
 
     class Hold(AgentHandler):
         name = "hold"

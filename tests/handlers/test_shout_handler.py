@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.registry import HandlerRegistry
 from handlers.shout import ShoutHandler, capital_share, load_dataset
 from handlers.shout.handler import DEFAULT_FEEDBACK
 from prorl_server.app import create_app

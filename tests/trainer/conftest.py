@@ -18,8 +18,8 @@ from collections import Counter
 import pytest
 
 from handlers.arithmetic import ArithmeticHandler
-from handlers.base import AgentHandler
-from handlers.registry import HandlerRegistry
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
 
@@ -177,7 +177,7 @@ class ChatHandler(AgentHandler):
     needs_llm = True
 
     async def run(self, job):
-        from handlers.tools import run_agent
+        from prorl_server.plugin.toolkit import run_agent
         from prorl_server.agent_loop import AgentConfig
 
         await run_agent(job, job.instance["messages"], {}, AgentConfig(max_turns=1, finish_tool=None))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 from trainer_plugins.admission import WindowedFIFO
 from trainer_plugins.client import RolloutClient
 from trainer_plugins.servers import ServerEntry, write_servers

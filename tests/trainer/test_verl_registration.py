@@ -29,7 +29,7 @@ from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient  # noqa: E
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 from verl.workers.rollout.router import GlobalRequestLoadBalancer  # noqa: E402
 
-from handlers.base import AgentHandler  # noqa: E402
+from prorl_server.plugin.handler import AgentHandler  # noqa: E402
 from prorl_server.types import Trajectory  # noqa: E402
 from trainer_plugins.client import BackendUnreachableError, register_backends  # noqa: E402
 from trainer_plugins.verl import CONFIG_DIR  # noqa: E402

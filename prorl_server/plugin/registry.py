@@ -10,7 +10,7 @@ import logging
 from importlib.metadata import entry_points
 from typing import Iterable, Optional, Union
 
-from handlers.base import AgentHandler
+from prorl_server.plugin.handler import AgentHandler
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.app import Route, add_routes
+from prorl_server.routes import Route, add_routes
 from prorl_server.balancer import NoBackendError
 from prorl_server.conversation import ContextLengthError, Conversation
 from prorl_server.llm_client import LLMRequestError, LLMUnavailableError, backend_getter
