@@ -1,6 +1,6 @@
 """Rootless sandboxes and their tools.
 
-Runtimes (:func:`make_runtime`): ``bubblewrap`` (what CI exercises), ``singularity`` / ``apptainer`` (HPC
+Runtimes (:func:`make_runtime`, by name from :data:`sandbox.factory.RUNTIMES`): ``bubblewrap`` (what CI exercises), ``singularity`` / ``apptainer`` (HPC
 clusters), ``local`` (no isolation, development only). A runtime starts a sandbox from a :class:`SandboxSpec`
 and returns a :class:`SandboxHandle` with the tools ``bash``, ``ipython``, ``editor``, ``upload``,
 ``download`` and ``close``; they are served by :mod:`sandbox.exec_server` inside the sandbox over a Unix
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 _EXPORTS = MappingProxyType({
-    "make_runtime": "runtime", "SandboxRuntime": "runtime", "SandboxHandle": "runtime",
+    "make_runtime": "factory", "RUNTIMES": "factory", "SandboxRuntime": "runtime", "SandboxHandle": "runtime",
     "SandboxSpec": "spec", "Bind": "spec", "Limits": "spec", "BashResult": "spec", "IPythonResult": "spec",
     "EditorResult": "spec",
     "BubblewrapRuntime": "bubblewrap", "SingularityRuntime": "singularity", "LocalRuntime": "local",

@@ -26,12 +26,11 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from typing import Optional
 
 from .errors import SandboxError
 from .leases import Lease, ensure_lease_dir, try_lease
-from .runtime import LaunchContext, SandboxRuntime, project_root
+from .runtime import LaunchContext, SandboxRuntime, server_host_paths
 from .spec import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ log = logging.getLogger(__name__)
 _SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
 #: Without an image, the only top-level host entries a sandbox sees (read-only; symlinks recreated): the system.
 #: No home directories, no /root, /opt, /srv, /var, /mnt or project tree; the interpreter, its site-packages and
-#: the project's ``sandbox`` package are added one by one (:func:`_needed_paths`), spec binds on top.
+#: the project's ``sandbox`` package are added one by one (:func:`sandbox.runtime.server_host_paths`), spec binds on top.
 HOST_SYSTEM_DIRS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "usr")
 #: Paths under the host's /etc masked in a sandbox without an image (an empty file or directory over each that
 #: exists): password hashes, host keys, cluster and service credentials, package-index tokens.
@@ -100,25 +99,6 @@ class BubblewrapRuntime(SandboxRuntime):
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay,
                                    host_dirs=self._host_dirs)
-
-
-def _needed_paths(ctx: LaunchContext) -> list[str]:
-    """Host paths the execution server needs: the project's ``sandbox`` package (not the rest of the project:
-    it may hold configuration, tokens, datasets), the interpreter's prefixes, the real location of the
-    interpreter binary (a venv's python is a symlink) and its site-packages."""
-    root = os.path.realpath(project_root())
-    # An installed project's root is a site-packages directory, needed whole (the dependencies live there).
-    checkout = not root.endswith(("site-packages", "dist-packages"))
-    paths = [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
-    paths += ctx.pythonpath
-    out: list[str] = []
-    for p in paths:
-        p = os.path.realpath(p)
-        if checkout and p == root:
-            continue  # e.g. a venv's prefix being the project itself: never the whole checkout
-        if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
-            out = [q for q in out if not q.startswith(p + os.sep)] + [p]
-    return out
 
 
 def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False,
@@ -183,7 +163,7 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
                 out += ["--perms", "0755", "--dir", d]
         return out
 
-    for p in _needed_paths(ctx):
+    for p in server_host_paths(ctx):
         args += parents(p) + ["--ro-bind", p, p]
     for b in spec.binds:
         args += parents(b.container) + ["--ro-bind" if b.ro else "--bind", b.host, b.container]

@@ -1,4 +1,5 @@
-"""The ``SandboxRuntime`` interface, the ``SandboxHandle`` agents act through, and ``make_runtime``.
+"""The ``SandboxRuntime`` interface and the ``SandboxHandle`` agents act through (runtimes by name:
+:mod:`sandbox.factory`).
 
 A runtime turns a :class:`~sandbox.spec.SandboxSpec` into a launcher command line (bwrap, apptainer, or plain
 python); everything else is shared here: per-sandbox run directory and workspace, the ownership record, the
@@ -124,6 +125,26 @@ class LaunchContext:
         return [self.python, "-S", "-m", "sandbox.exec_server",
                 "--socket", os.path.join(self.sandbox_run_dir, SOCKET_NAME),
                 "--config", os.path.join(self.sandbox_run_dir, CONFIG_NAME)]
+
+
+def server_host_paths(ctx: LaunchContext) -> list[str]:
+    """Host paths the execution server needs, bound read-only into a sandbox at the same place (bubblewrap, and
+    Singularity without an image venv): the project's ``sandbox`` package (not the rest of the project:
+    it may hold configuration, tokens, datasets), the interpreter's prefixes, the real location of the
+    interpreter binary (a venv's python is a symlink) and its site-packages."""
+    root = os.path.realpath(project_root())
+    # An installed project's root is a site-packages directory, needed whole (the dependencies live there).
+    checkout = not root.endswith(("site-packages", "dist-packages"))
+    paths = [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
+    paths += ctx.pythonpath
+    out: list[str] = []
+    for p in paths:
+        p = os.path.realpath(p)
+        if checkout and p == root:
+            continue  # e.g. a venv's prefix being the project itself: never the whole checkout
+        if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
+            out = [q for q in out if not q.startswith(p + os.sep)] + [p]
+    return out
 
 
 class SandboxHandle:
@@ -575,24 +596,3 @@ class SandboxRuntime(abc.ABC):
             return "(no log)"
         finally:
             os.close(fd)
-
-
-def make_runtime(kind: str, **options: Any) -> SandboxRuntime:
-    """Runtime by name: ``"bubblewrap"`` (alias ``"bwrap"``), ``"singularity"`` (alias ``"apptainer"``),
-    ``"local"`` (no isolation). ``options`` go to the runtime's constructor (see :class:`SandboxRuntime` and
-    each runtime). Raises ``ValueError`` for an unknown kind, :class:`SandboxError` if the runtime's binary
-    is missing."""
-    k = kind.lower()
-    if k in ("bubblewrap", "bwrap"):
-        from .bubblewrap import BubblewrapRuntime
-
-        return BubblewrapRuntime(**options)
-    if k in ("singularity", "apptainer"):
-        from .singularity import SingularityRuntime
-
-        return SingularityRuntime(**options)
-    if k == "local":
-        from .local import LocalRuntime
-
-        return LocalRuntime(**options)
-    raise ValueError(f"unknown sandbox runtime {kind!r}; choose bubblewrap, singularity or local")

@@ -26,9 +26,8 @@ import os
 import shutil
 from typing import Optional
 
-from .bubblewrap import _needed_paths
 from .errors import SandboxError, SandboxStartError
-from .runtime import CONFIG_NAME, SOCKET_NAME, LaunchContext, SandboxRuntime
+from .runtime import CONFIG_NAME, SOCKET_NAME, LaunchContext, SandboxRuntime, server_host_paths
 from .spec import SandboxSpec
 
 #: What ``--no-mount`` disables (Apptainer >= 1.0 / SingularityCE >= 3.7 values): the site's host file system
@@ -72,7 +71,7 @@ def build_singularity_command(binary: str, spec: SandboxSpec, ctx: LaunchContext
     if spec.network == "none":
         args += ["--net", "--network", "none"]
     if exec_python is None:
-        for p in (_needed_paths(ctx) if ro_paths is None else ro_paths):
+        for p in (server_host_paths(ctx) if ro_paths is None else ro_paths):
             args += ["--bind", f"{p}:{p}:ro"]
     for b in spec.binds:
         args += ["--bind", f"{b.host}:{b.container}:{'ro' if b.ro else 'rw'}"]

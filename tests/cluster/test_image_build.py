@@ -1,4 +1,5 @@
-"""prorl-build-image: rendering, Dockerfile conversion, cache keys and decisions, the exact build command.
+"""prorl-build-image (`singularity/build.py`): rendering, Dockerfile conversion, cache keys and decisions, the
+exact build command.
 
 Apptainer cannot be installed on the CI machines: builds run through tests/cluster/fake_apptainer.py (which
 stands for `apptainer build`); the one real build test runs only where a builder binary exists.
@@ -10,13 +11,15 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
+import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from sandbox import image_build as ib
+from singularity import build as ib
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_BUILDER = Path(__file__).resolve().parent / "fake_apptainer.py"
@@ -69,7 +72,7 @@ def build(p: ib.BuildPlan) -> Path:
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sandbox.image_build", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "singularity.build", *args], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=60)
 
 
@@ -458,3 +461,50 @@ def test_real_build_of_the_default_image(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert ib.plan_build(store=tmp_path / "store").decision == "reuse"
+
+
+# ------------------------------------------------------------------------------------------ templates shipped
+
+
+def test_the_default_templates_are_the_ones_beside_the_builder():
+    assert ib.DEFAULT_TEMPLATES_DIR == REPO / "singularity" / "templates"
+    assert ib.list_templates() == ["execution_server", "swe"]
+
+
+@pytest.mark.real
+def test_installed_wheel_ships_the_templates_and_the_builder_finds_them(tmp_path):
+    """An installed project (not a checkout) carries the templates as package data of ``singularity`` and
+    ``prorl-build-image`` finds them there."""
+    templates = sorted(p.name for p in (REPO / "singularity" / "templates").iterdir() if p.name != "__pycache__")
+    src = tmp_path / "src"
+    src.mkdir()
+    # A clean copy of what a clone holds (no build/ or egg-info in the shared checkout).
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "MANIFEST.in", "LICENSE"):
+        if (REPO / name).exists():
+            shutil.copy(REPO / name, src / name)
+    for name in ("prorl_server", "sandbox", "handlers", "trainer_plugins", "singularity"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(src)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert sorted(n.split("/", 2)[2] for n in names if n.startswith("singularity/templates/")) == templates, names
+    assert "singularity/build.py" in names and not any(".data/" in n for n in names), names
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True)
+    # The installed project first; its dependencies (jinja2, ...) from this environment after it.
+    installed_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    env = {**os.environ, "PYTHONPATH": f"{installed_site}:{sysconfig.get_paths()['purelib']}"}
+    env.pop("PRORL_TEMPLATES_DIR", None)
+    out = subprocess.run([str(py), "-c", "from singularity.build import DEFAULT_TEMPLATES_DIR as d, list_templates"
+                          " as l; print(d); print(*l())"], check=True, capture_output=True, text=True, env=env,
+                         cwd=str(tmp_path)).stdout.split("\n")
+    assert out[0] == os.path.join(installed_site, "singularity", "templates")
+    assert out[1].split() == sorted(t[:-len(".def.j2")] for t in templates
+                                    if t.endswith(".def.j2") and not t.startswith("_"))

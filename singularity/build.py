@@ -1,7 +1,7 @@
 """``prorl-build-image``: Singularity/Apptainer images (``.sif``) for the sandboxes, with a content-hash cache.
 
-A definition file comes from a Jinja2 template in ``singularity/templates/`` of a checkout, or
-``<prefix>/share/prorl/singularity/templates`` when installed (:func:`find_templates_dir`), rendered with
+A definition file comes from a Jinja2 template in ``singularity/templates/`` (package data of this package,
+so the same directory in a checkout and an installed wheel: :data:`DEFAULT_TEMPLATES_DIR`), rendered with
 StrictUndefined (a missing variable is an error naming it, never an empty string), or from a user's
 Dockerfile, converted by spython's recipe parser and writer (no Singularity binary needed), with the
 execution-server layer added.
@@ -49,29 +49,10 @@ from typing import Any, Iterator, Optional, Sequence
 import jinja2
 import jinja2.meta
 
+#: The project root of a checkout (the parent of this package): ``--project-root``'s default, staged into images.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: Where an installed (non-checkout) project keeps the templates: setup.cfg's ``data_files`` puts
-#: ``singularity/templates/*`` under ``<prefix>/share/prorl/singularity/templates``.
-INSTALLED_TEMPLATES_SUBDIR = Path("share") / "prorl" / "singularity" / "templates"
-
-
-def find_templates_dir(repo_root: Path = REPO_ROOT, prefixes: Sequence[str] = ()) -> Path:
-    """The templates directory: ``<repo_root>/singularity/templates`` in a checkout, else the first of
-    ``<prefix>/share/prorl/singularity/templates`` that exists for ``prefixes`` (default: ``sys.prefix``,
-    ``sys.base_prefix``, the user base). Returns the checkout path when none exists (so that errors name it)."""
-    checkout = Path(repo_root) / "singularity" / "templates"
-    if checkout.is_dir():
-        return checkout
-    import site
-
-    for prefix in prefixes or (sys.prefix, sys.base_prefix, site.getuserbase()):
-        candidate = Path(prefix) / INSTALLED_TEMPLATES_SUBDIR
-        if candidate.is_dir():
-            return candidate
-    return checkout
-
-
-DEFAULT_TEMPLATES_DIR = find_templates_dir()
+#: The shipped templates: ``templates/`` next to this module (setup.cfg ``package_data``), checkout or installed.
+DEFAULT_TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 DEFAULT_TEMPLATE = "execution_server"
 DEFAULT_BASE = "docker://python:3.11-slim"
 CACHE_MODES = ("scratch", "versioned", "lock")
@@ -79,7 +60,7 @@ BUILDERS = ("apptainer", "singularity")
 KEY_SUFFIX = ".key.json"
 #: What of the project goes into an image (and into the scratch key): installable with ``pip install DIR``.
 PROJECT_FILES = ("pyproject.toml", "setup.cfg", "setup.py", "README.md", "LICENSE")
-PROJECT_PACKAGES = ("prorl_server", "sandbox", "handlers", "trainer_plugins")
+PROJECT_PACKAGES = ("prorl_server", "sandbox", "handlers", "trainer_plugins", "singularity")
 DEFAULT_LOCK_FILES = ("setup.cfg", "pyproject.toml")
 #: Builder stderr that means the base image could not be fetched (Apptainer 1.x / SingularityCE 3.x / 4.x).
 UNREACHABLE_PATTERNS = re.compile(
