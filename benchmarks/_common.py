@@ -6,15 +6,6 @@ import time
 from typing import Any, Iterator, Optional
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``xs`` by nearest rank; NaN for no data."""
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[k]
-
-
 @contextlib.contextmanager
 def vllm_address(address: Optional[str], model_dir: str, **start_kwargs: Any) -> Iterator[str]:
     """The base URL of ``address`` if given, else of a CPU vLLM server started for the tiny model (built in

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from benchmarks._common import pct  # noqa: E402
 from handlers.math.handler import MathHandler  # noqa: E402
 from handlers.math.scoring import score  # noqa: E402
 from prorl_server.plugin.registry import HandlerRegistry  # noqa: E402
 from prorl_server.app import CPU_POOL, LOOP_MONITOR, create_app  # noqa: E402
 from prorl_server.config import ServerSettings  # noqa: E402
+from prorl_server.stats import percentile  # noqa: E402
 
 # (gold, final answer), all correct: what a capable policy's answers cost to verify.
 ANSWERS = [
@@ -115,7 +115,8 @@ async def one_round(url: str, session: aiohttp.ClientSession, monitor, handler: 
     if errors:
         raise RuntimeError(f"{handler}: {len(errors)} jobs failed: {errors[:2]}")
     return {"wall_s": wall, "solved": sum(r["reward"] == 1.0 for r in results), "samples": len(lags),
-            "p50_ms": pct(lags, 50) * 1000, "p99_ms": pct(lags, 99) * 1000, "max_ms": max(lags) * 1000}
+            "p50_ms": percentile(lags, 50) * 1000, "p99_ms": percentile(lags, 99) * 1000,
+            "max_ms": max(lags) * 1000}
 
 
 async def main(args) -> None:
@@ -142,7 +143,7 @@ async def main(args) -> None:
             await asyncio.sleep(args.idle_s)  # the floor: this machine's lag with nothing to do
             idle_lags = list(app[LOOP_MONITOR].samples)[first:]
             idle = {"wall_s": args.idle_s, "solved": "-", "samples": len(idle_lags),
-                    "p50_ms": pct(idle_lags, 50) * 1000, "p99_ms": pct(idle_lags, 99) * 1000,
+                    "p50_ms": percentile(idle_lags, 50) * 1000, "p99_ms": percentile(idle_lags, 99) * 1000,
                     "max_ms": max(idle_lags) * 1000}
             inline = await one_round(url, session, app[LOOP_MONITOR], "math_inline", items)
             await asyncio.sleep(0.5)

@@ -65,8 +65,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
-from _common import pct, print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
+from _common import print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
 from prorl_server.llm_client import KEEPALIVE_S  # noqa: E402
+from prorl_server.stats import percentile  # noqa: E402
 
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
@@ -155,8 +156,8 @@ async def scenario(http, server, vllm, model, sessions: int, turns: int, gen: in
         row["server_cpu_ms_per_request"] = (sum(server_proc.cpu_times()[:2]) - cpu0) / len(out["added"]) * ms
     for k, v in out.items():
         if v:
-            row[f"{k}_p50_ms"] = pct(v, 50) * ms
-            row[f"{k}_p99_ms"] = pct(v, 99) * ms
+            row[f"{k}_p50_ms"] = percentile(v, 50) * ms
+            row[f"{k}_p99_ms"] = percentile(v, 99) * ms
     return row
 
 

@@ -39,9 +39,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp  # noqa: E402
 
-from _common import pct, print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
+from _common import print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
 from prorl_server.conversation import Conversation  # noqa: E402
 from prorl_server.llm_client import LLMClient  # noqa: E402
+from prorl_server.stats import percentile  # noqa: E402
 
 
 
@@ -104,9 +105,9 @@ async def scenario(address: str, tok, model: str, llm: LLMClient, session: aioht
     ms = 1e3
     return {
         "context": context, "turns": turns, "initial_tokens": initial, "final_tokens": conv.num_tokens,
-        "bare_p50_ms": pct(bare_s, 50) * ms, "bare_p99_ms": pct(bare_s, 99) * ms,
-        "ours_p50_ms": pct(ours_s, 50) * ms, "ours_p99_ms": pct(ours_s, 99) * ms,
-        "added_p50_ms": pct(added_s, 50) * ms, "added_p99_ms": pct(added_s, 99) * ms,
+        "bare_p50_ms": percentile(bare_s, 50) * ms, "bare_p99_ms": percentile(bare_s, 99) * ms,
+        "ours_p50_ms": percentile(ours_s, 50) * ms, "ours_p99_ms": percentile(ours_s, 99) * ms,
+        "added_p50_ms": percentile(added_s, 50) * ms, "added_p99_ms": percentile(added_s, 99) * ms,
         "added_mean_ms": statistics.fmean(added_s) * ms,
         "full_retokenize_last_ms": retok_s[-1] * ms,
     }

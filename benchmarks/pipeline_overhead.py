@@ -3,7 +3,7 @@
 2000 jobs of the built-in ``arithmetic`` handler through ``POST /process`` from 64 concurrent clients, server
 pools 64/64/64, beside the same client against a bare aiohttp handler that answers at once (the floor). Both
 servers run as separate processes so client and server do not share an event loop. Added latency =
-ours - floor at the same percentile. Target (issue 2): >= 500 jobs/s and p50 added <= 3x the floor p50.
+ours - floor at the same percentile. Target: >= 500 jobs/s and p50 added <= 3x the floor p50.
 
 Usage: python benchmarks/pipeline_overhead.py [--jobs 2000] [--concurrency 64] [--rounds 3]
 The last line printed is one JSON object (jobs_per_s, p50_added_ms, p99_added_ms, floor_p50_ms, ...).
@@ -22,6 +22,8 @@ import tempfile
 import time
 
 import aiohttp
+
+from prorl_server.stats import percentile
 
 JOB = {"instance": {"data_source": "arithmetic", "expression": "2*(3+4)", "answer": 14}, "sampling_params": {}}
 
@@ -81,11 +83,6 @@ async def load(url: str, jobs: int, concurrency: int, check: bool) -> tuple[floa
         return time.perf_counter() - t0, latencies
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2000)
@@ -110,8 +107,8 @@ def main() -> None:
             fw, fl = asyncio.run(load(floor_url, args.jobs, args.concurrency, False))
             ow, ol = asyncio.run(load(ours_url, args.jobs, args.concurrency, True))
             rows.append({"floor_rps": args.jobs / fw, "ours_rps": args.jobs / ow,
-                         "floor_p50": pct(fl, .5), "floor_p99": pct(fl, .99),
-                         "ours_p50": pct(ol, .5), "ours_p99": pct(ol, .99)})
+                         "floor_p50": percentile(fl, 50) * 1e3, "floor_p99": percentile(fl, 99) * 1e3,
+                         "ours_p50": percentile(ol, 50) * 1e3, "ours_p99": percentile(ol, 99) * 1e3})
     finally:
         for p in (ours, floor):
             p.send_signal(signal.SIGTERM)

@@ -7,7 +7,7 @@ jupyter-client AsyncKernelManager/AsyncKernelClient in this process; an asyncio 
 a bare bwrap running /bin/true and one running ``python -S -c pass`` (the least any Python-served sandbox
 costs to start). Every measurement is taken in interleaved rounds (a slice of each per round), so that a
 change of machine load during the run moves a measurement and its floor together.
-Targets (issue 3): bash builtin p50 < 1 ms and >= 10x faster than tmux; ipython within 1.5x of bare
+Targets: bash builtin p50 < 1 ms and >= 10x faster than tmux; ipython within 1.5x of bare
 jupyter-client; bubblewrap sandbox start p50 < 50 ms (kernel started lazily, so not included).
 
 Usage: python benchmarks/tool_latency.py [--n 200] [--starts 30] [--rounds 10]
@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from prorl_server.stats import percentile  # noqa: E402
 from sandbox import SandboxSpec, make_runtime  # noqa: E402
 
 
 def summary(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"p50": statistics.median(s), "p95": s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))], "n": len(s)}
+    return {"p50": percentile(xs, 50), "p95": percentile(xs, 95), "n": len(xs)}
 
 
 class PtyBashFloor:
@@ -191,8 +190,10 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds the calls are split into")
     args = ap.parse_args()
     k, ks = max(1, args.n // args.rounds), max(1, args.starts // args.rounds)
-    state_dir = tempfile.mkdtemp(prefix="prorl-bench-")
-    rt = make_runtime("bubblewrap", state_dir=state_dir, workspace_root=os.path.join(state_dir, "ws"))
+    # Host state and sandbox workspaces side by side, never one inside the other: a sandbox may write its
+    # workspace, so the runtime refuses a workspace that overlaps its state directory.
+    base = tempfile.mkdtemp(prefix="prorl-bench-")
+    rt = make_runtime("bubblewrap", state_dir=os.path.join(base, "state"), workspace_root=os.path.join(base, "ws"))
     res: dict[str, list[float]] = {}
 
     def add(key: str, xs: list[float]) -> None:
@@ -235,7 +236,7 @@ async def main() -> None:
         await uds.close()
         if tmux:
             tmux.close()
-        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
     p50 = {key: summary(xs)["p50"] for key, xs in res.items()}
     rows = [("bash builtin `echo hi`", "bash_builtin", "floor_bash_builtin"),

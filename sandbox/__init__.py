@@ -1,10 +1,10 @@
 """Rootless sandboxes and their tools.
 
-Runtimes (:func:`make_runtime`, by name from :data:`sandbox.factory.RUNTIMES`): ``bubblewrap`` (what CI exercises), ``singularity`` / ``apptainer`` (HPC
-clusters), ``local`` (no isolation, development only). A runtime starts a sandbox from a :class:`SandboxSpec`
-and returns a :class:`SandboxHandle` with the tools ``bash``, ``ipython``, ``editor``, ``upload``,
-``download`` and ``close``; they are served by :mod:`sandbox.exec_server` inside the sandbox over a Unix
-socket. Errors are in :mod:`sandbox.errors`.
+Runtimes (:func:`make_runtime`, by name from :data:`sandbox.factory.RUNTIMES`): ``bubblewrap`` (what CI
+exercises), ``singularity`` / ``apptainer`` (HPC clusters), ``local`` (no isolation, development only). A
+runtime starts a sandbox from a :class:`SandboxSpec` and returns a :class:`SandboxHandle` with the tools
+``bash``, ``ipython``, ``editor``, ``upload``, ``download`` and ``close``; they are served by
+:mod:`sandbox.exec_server` inside the sandbox over a Unix socket. Errors are in :mod:`sandbox.errors`.
 
 Names are loaded lazily: the execution server imports this package inside every sandbox and must not pay for
 asyncio or psutil at start.

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 _SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
 #: Without an image, the only top-level host entries a sandbox sees (read-only; symlinks recreated): the system.
 #: No home directories, no /root, /opt, /srv, /var, /mnt or project tree; the interpreter, its site-packages and
-#: the project's ``sandbox`` package are added one by one (:func:`sandbox.runtime.server_host_paths`), spec binds on top.
+#: the project's ``sandbox`` package are added one by one (:func:`sandbox.runtime.server_host_paths`), spec binds
+#: on top.
 HOST_SYSTEM_DIRS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "usr")
 #: Paths under the host's /etc masked in a sandbox without an image (an empty file or directory over each that
 #: exists): password hashes, host keys, cluster and service credentials, package-index tokens.
