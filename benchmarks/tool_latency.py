@@ -105,9 +105,13 @@ class UdsFloor:
     async def start(self) -> "UdsFloor":
         self.dir = tempfile.mkdtemp(prefix="prorl-uds-")
 
+        self.served = asyncio.Event()
+
         async def echo(reader, writer):
             while line := await reader.readline():
                 writer.write(json.dumps(json.loads(line)).encode() + b"\n")
+            writer.close()
+            self.served.set()
 
         self.server = await asyncio.start_unix_server(echo, os.path.join(self.dir, "s"))
         self.reader, self.writer = await asyncio.open_unix_connection(os.path.join(self.dir, "s"))
@@ -124,7 +128,9 @@ class UdsFloor:
 
     async def close(self) -> None:
         self.writer.close()
+        await self.served.wait()  # the echo side saw the end of the stream: no task left to cancel at exit
         self.server.close()
+        await self.server.wait_closed()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
