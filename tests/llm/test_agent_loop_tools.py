@@ -116,7 +116,6 @@ async def test_model_caused_tool_errors_become_observations(tokenizer):
     assert (m["malformed_tool_calls"], m["unknown_tool_calls"], m["tool_errors"], m["tool_timeouts"]) == (1, 1, 4, 0)
     assert m["tool_calls"] == 6
     assert r.finish_reason == "no_tool_call" and r.num_turns == 2
-    assert loop.counters["malformed_tool_calls"] == 1
     # the second turn was generated from the first turn's tokens plus the observations
     (traj,) = r.trajectories
     assert llm.prompts[1] == (traj.prompt_ids + traj.response_ids)[:len(llm.prompts[1])]
