@@ -5,20 +5,31 @@ The token ids sent to the model are the truth; text is derived from them, never 
 - the first prompt is the model's chat template rendered over the initial messages (transformers
   ``apply_chat_template``) and tokenized once;
 - each assistant turn is appended exactly as generated (token ids, logprobs; ``loss_mask`` 1);
-- new messages (tool observations, user turns) are appended by rendering the template and taking the
-  *delta*: the rendered text must extend what is already there (the previous rendering followed by the
-  assistant's generated text); only the text after that is tokenized (``loss_mask`` 0, logprob 0.0).
+- new messages (tool observations, user turns) are appended as a *delta* (``loss_mask`` 0, logprob 0.0):
+  only text after the generated turn is ever tokenized, nothing generated is re-tokenized.
 
-If the template does not extend the previous rendering (it rewrites history, e.g. drops earlier reasoning,
-or renders the assistant's text differently from what was generated), the current :class:`Trajectory`
-segment is closed with ``split_reason`` saying why and a new segment starts from a fresh rendering of the
-whole conversation. Nothing is ever silently re-tokenized.
+How the delta is found depends on what the model family's template does to a generated turn when it renders
+the conversation again (:mod:`prorl_server.chat_templates` names the family from the template, or take
+``family=``):
+
+- *exact*: the rendering extends the previous one with the generated text verbatim: the delta is the text
+  after it (for ChatML/Qwen2.5, Llama 3.x and Mistral with canonical output the final ids equal the
+  canonical rendering of the whole conversation);
+- *continued*: the template renders the latest turn differently but keeps all of its text (Qwen3's
+  ``<think>`` spacing and the empty think block of ``enable_thinking=False``, ``| trim``): the delta is the
+  rest of the turn's terminator plus the new messages rendered after a synthetic assistant turn (verl's
+  Continuous Token rule, see :mod:`prorl_server.chat_templates`);
+- *split*: the template drops generated text (past reasoning) or changes text before the latest turn: the
+  current :class:`Trajectory` segment is closed with ``split_reason`` (``"<code>: <why>"``) and a new
+  segment starts from a fresh rendering of the whole conversation.
+
+:meth:`Conversation.token_stats` reports how often each happened (the drift report).
 
 Cost per turn is independent of the history length by default (``window=True``): the delta is rendered over
-the *head* (messages up to the first user message, plus ``tools``) and the latest generated assistant turn
-followed by the new messages. That is exact for templates whose rendering of a message depends only on the
-head and its neighbours (ChatML/Qwen2.5, Llama-3, Mistral...). ``window=False`` renders the whole
-conversation each turn (exact for any template, O(history) per turn).
+the *head* (messages up to the first user message, plus ``tools``), the previous generated turn and its
+observations, the latest generated turn and the new messages. That is exact for templates whose rendering of a
+message depends only on the head and its neighbours (all bundled families). ``window=False`` renders the
+whole conversation each turn (exact for any template, O(history) per turn).
 
 Context length is enforced: :attr:`Conversation.room` is the generation budget left, and
 :meth:`Conversation.add_messages` refuses (returns False, nothing appended) messages that would leave no room
@@ -27,9 +38,12 @@ for another generated token.
 from __future__ import annotations
 
 import asyncio
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from prorl_server.chat_templates import FamilySpec, detect_family, family_spec, synthetic_assistant
 from prorl_server.types import Trajectory
 
 if TYPE_CHECKING:
@@ -39,6 +53,12 @@ if TYPE_CHECKING:
 # observation (a long file, a build log) does not stall the event loop; smaller deltas cost ~0.1 ms inline,
 # far less than a thread hop.
 OFFLOAD_CHARS = 16_384
+
+_SPACE = re.compile(r"\s+")
+
+
+def _squash(text: str) -> str:
+    return _SPACE.sub("", text)
 
 
 class ContextLengthError(ValueError):
@@ -50,11 +70,16 @@ class ChatTokenizer:
 
     ``tools``: OpenAI-style tool schemas passed to the template (``apply_chat_template(tools=...)``).
     ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+    ``family``: a key of :data:`prorl_server.chat_templates.FAMILIES`; None: detected from the template.
+
+    Raises:
+        ValueError: ``family`` is not a known family.
     """
 
     def __init__(self, tokenizer: Any, tools: Optional[Sequence[dict]] = None,
-                 chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
+                 chat_template_kwargs: Optional[dict[str, Any]] = None, family: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
+        self.family: FamilySpec = family_spec(family or detect_family(getattr(tokenizer, "chat_template", None)))
         self.tools = list(tools) if tools else None
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # The Rust tokenizer directly: same ids as tokenizer.encode, without the Python wrapper's overhead.
@@ -66,7 +91,7 @@ class ChatTokenizer:
         """The text the template puts right after an assistant message's content (ChatML: ``"<|im_end|>\\n"``),
         found once by rendering a probe; None if the template could not be probed."""
         if not self._terminator_known:
-            probe = "\x1fprorl-probe\x1f"
+            probe = "PRORL_PROBE_7f3a"  # no whitespace (nor \x1f, which str.strip removes): survives | trim
             try:
                 text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
                                    add_generation_prompt=False)
@@ -142,19 +167,22 @@ class Conversation:
         messages: initial messages (system/user...), OpenAI format. Copied.
         tools: tool schemas rendered by the template (``tools=``).
         max_context_tokens: the model's context (tokens); prompt + all turns never exceed it.
-        window: render only head + latest turn per step (O(1) in history); False: whole conversation.
+        window: render only head + the latest two turns per step (O(1) in history); False: whole conversation.
+        family: the model family (a key of :data:`prorl_server.chat_templates.FAMILIES`); None: detected from
+            the tokenizer's chat template. Ignored when ``tokenizer`` is a :class:`ChatTokenizer`.
 
     Raises:
         ContextLengthError: the initial prompt already fills the context.
+        ValueError: no messages, or an unknown ``family``.
 
     Use :meth:`create` from async code: it tokenizes a long initial prompt in a worker thread.
     """
 
     def __init__(self, tokenizer: Any, messages: Sequence[dict], *, max_context_tokens: int,
                  tools: Optional[Sequence[dict]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
-                 window: bool = True) -> None:
+                 window: bool = True, family: Optional[str] = None) -> None:
         self.tok = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(
-            tokenizer, tools, chat_template_kwargs)
+            tokenizer, tools, chat_template_kwargs, family)
         self.messages: list[dict] = [dict(m) for m in messages]
         if not self.messages:
             raise ValueError("a conversation needs at least one message")
@@ -166,14 +194,17 @@ class Conversation:
         ids = self.tok.encode(text)
         if len(ids) >= self.max_context_tokens:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context holds {self.max_context_tokens}")
-        self._prefix_text = text  # window=False: the rendering the current token stream corresponds to
-        self._anchor_text: Optional[str] = None  # window=True: render(head, add_generation_prompt=True)
+        self._prefix_text = text  # window=False: render(messages so far, add_generation_prompt=True)
+        self._win_start = len(self._head)  # window=True: first message after the head that the window renders
         self._seg = _Segment(prompt_len=len(ids), ids=ids)
         self._done: list[_Segment] = []
         self._pending: Optional[_Pending] = None
         self.finish_reason: Optional[str] = None
         self.metrics: dict[str, int] = {"segments": 1, "splits": 0, "generated_tokens": 0,
                                         "observation_tokens": 0, "refused_messages": 0}
+        self._split_reasons: Counter[str] = Counter()
+        self._continued = 0
+        self._rerendered_chars = 0
 
     @classmethod
     async def create(cls, tokenizer: Any, messages: Sequence[dict], **kwargs: Any) -> "Conversation":
@@ -264,7 +295,7 @@ class Conversation:
             plan = await asyncio.to_thread(self._plan_delta, new)
         else:
             plan = self._plan_delta(new)
-        kind, ids, text, reason = plan
+        kind, ids, text, reason, rerendered = plan
         if kind == "split":
             if len(ids) >= self.max_context_tokens:
                 self.metrics["refused_messages"] += len(new)
@@ -275,6 +306,7 @@ class Conversation:
             self._seg = _Segment(prompt_len=len(ids), ids=ids)
             self.metrics["segments"] += 1
             self.metrics["splits"] += 1
+            self._split_reasons[reason.split(":", 1)[0]] += 1
         else:
             if len(self._seg.ids) + len(ids) >= self.max_context_tokens:
                 self.metrics["refused_messages"] += len(new)
@@ -284,6 +316,10 @@ class Conversation:
             seg.logprobs.extend([0.0] * len(ids))
             seg.mask.extend([0] * len(ids))
             self.metrics["observation_tokens"] += len(ids)
+            if kind == "continue":
+                self._continued += 1
+                self._rerendered_chars += rerendered
+        self._win_start = self._pending.index
         self.messages.extend(new)
         if not self.window:
             self._prefix_text = text
@@ -294,33 +330,77 @@ class Conversation:
         gen = self._generated
         return [_generated_view(m) if id(m) in gen else m for m in messages]
 
-    def _plan_delta(self, new: list[dict]) -> tuple[str, list[int], str, Optional[str]]:
-        """("append", delta ids, rendering, None) or ("split", full prompt ids, rendering, reason)."""
+    def _plan_delta(self, new: list[dict]) -> tuple[str, list[int], str, Optional[str], int]:
+        """(kind, ids, rendering of everything with the generation prompt, split reason, re-rendered chars):
+        ("append", delta ids, ...) when the template renders the latest turn verbatim, ("continue", delta ids,
+        ...) when it renders it differently but keeps its text, ("split", full prompt ids, ..., reason)."""
         p = self._pending
         assert p is not None
-        views = new
+        render = self.tok.render
         if self.window:
-            if self._anchor_text is None:
-                self._anchor_text = self.tok.render(self._head, add_generation_prompt=True)
-            prefix = self._anchor_text
-            window = self._head + self._views(self.messages[p.index:]) + views
-            text = self.tok.render(window, add_generation_prompt=True)
+            ctx = self._head + self._views(self.messages[self._win_start:p.index])
+            before = render(ctx, add_generation_prompt=True)
         else:
-            prefix = self._prefix_text
-            text = self.tok.render(self._views(self.messages) + views, add_generation_prompt=True)
+            ctx = self._views(self.messages[:p.index])
+            before = self._prefix_text
+        turn = self._views(self.messages[p.index:p.index + 1])
+        text = render(ctx + turn + new, add_generation_prompt=True)
+        if text.startswith(before) and text.startswith(p.content, len(before)):
+            pos = len(before) + len(p.content)
+            if p.stop_text and text.startswith(p.stop_text, pos):
+                pos += len(p.stop_text)
+            return "append", self.tok.encode(text[pos:]), text, None, 0
+        # The template renders the latest turn differently from what was generated: keep the generated tokens
+        # if it only reformats them, split if it drops some of them or changes what came before.
+        hist = render(ctx, add_generation_prompt=False)
         reason = None
-        if not text.startswith(prefix):
+        if not text.startswith(hist):
             reason = "template_not_append_only: the new rendering changes text before the latest turn"
-        elif not text.startswith(p.content, len(prefix)):
-            reason = "template_not_append_only: the template renders the latest assistant turn differently " \
-                     "from the generated text"
-        if reason is not None:
-            full = self.tok.render(self._views(self.messages) + views, add_generation_prompt=True)
-            return "split", self.tok.encode(full), full, reason
-        pos = len(prefix) + len(p.content)
-        if p.stop_text and text.startswith(p.stop_text, pos):
-            pos += len(p.stop_text)
-        return "append", self.tok.encode(text[pos:]), text, None
+        elif _squash(p.content) not in _squash(text[len(hist):]):
+            reason = "template_drops_generated_text: the template leaves out text the model generated in the " \
+                     f"latest turn ({self.tok.family.rewrites_history or 'e.g. its reasoning'})"
+        else:
+            delta = self._continuation(new, p)
+            if delta is None:
+                reason = "template_not_append_only: the new messages do not extend a rendered assistant turn"
+            else:
+                return "continue", self.tok.encode(delta), text, None, len(p.content)
+        full = text if not self.window else render(self._views(self.messages) + new, add_generation_prompt=True)
+        return "split", self.tok.encode(full), full, reason, 0
+
+    def _continuation(self, new: list[dict], p: "_Pending") -> Optional[str]:
+        """Text following a generated turn that the template would render differently: the rest of the
+        assistant terminator the model did not generate, then ``new`` and the generation prompt as rendered
+        after a synthetic assistant turn (verl's ``ContinuousTokenBuilder`` rule). None: the template renders
+        nothing that extends such a turn."""
+        terminator = self.tok.assistant_terminator() or ""
+        if p.stop_text and terminator.startswith(p.stop_text):
+            boundary = terminator[len(p.stop_text):]
+        else:
+            boundary = terminator
+        for max_calls in (None, 1):  # Llama 3.1 renders one tool call per assistant turn
+            ctx = self._head + [synthetic_assistant(new, max_calls)]
+            try:
+                a = self.tok.render(ctx, add_generation_prompt=False)
+                b = self.tok.render(ctx + new, add_generation_prompt=True)
+            except Exception:  # the template refuses the synthetic turn (jinja raise_exception)
+                continue
+            if b.startswith(a):
+                return boundary + b[len(a):]
+        return None
+
+    def token_stats(self) -> dict[str, Any]:
+        """How true the token stream stayed to the chat template (the drift report).
+
+        Returns:
+            ``{"family": str, "turns": int, "splits": {reason_code: count}, "continued": int,
+            "rerendered_chars": int}``: ``turns`` generated turns; ``splits`` segments closed because the template
+            rewrote history, by reason code (the ``split_reason`` text before ``":"``); ``continued`` turns the
+            template would render differently (reformatting only) that were kept as generated;
+            ``rerendered_chars`` characters of generated text in those turns.
+        """
+        return {"family": self.tok.family.name, "turns": self.num_turns, "splits": dict(self._split_reasons),
+                "continued": self._continued, "rerendered_chars": self._rerendered_chars}
 
     # ------------------------------------------------------------------ results
     def finish(self, reason: str) -> None:

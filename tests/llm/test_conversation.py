@@ -115,16 +115,26 @@ async def test_non_append_only_template_starts_a_new_segment_and_says_why(tokeni
         assert t2.prompt_ids == tok.encode(fresh, add_special_tokens=False)
         assert (t1.num_turns, t2.num_turns) == (1, 1)
         assert conv.metrics["splits"] == 1
+        assert conv.token_stats()["splits"] == {"template_not_append_only": 1}
 
 
-async def test_template_that_trims_the_assistant_text_is_detected(tokenizer):
+async def test_template_that_trims_the_assistant_text_keeps_the_generated_tokens_and_reports_it(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     conv = Conversation(tok, START, max_context_tokens=4096)
-    conv.add_completion(gen(tok, "padded   "))
+    first = gen(tok, "padded   ")
+    conv.add_completion(first)
+    before = list(conv.token_ids)
     assert await conv.add_messages([{"role": "user", "content": "next"}])
-    assert "renders the latest assistant turn differently" in conv.trajectories()[0].split_reason
+    (traj,) = conv.trajectories()
+    assert traj.split_reason is None
+    # The generated "padded   <|im_end|>" stays; what follows is the terminator's "\n" and the rendered user turn.
+    assert conv.token_ids[:len(before)] == before and before[-len(first.token_ids):] == first.token_ids
+    assert tok.decode(conv.token_ids[len(before):], skip_special_tokens=False) == \
+        "\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n"
+    assert conv.token_stats() == {"family": "chatml", "turns": 1, "splits": {}, "continued": 1,
+                                  "rerendered_chars": len("padded   ")}
 
 
 async def test_observation_that_would_overflow_the_context_is_refused(tokenizer):
