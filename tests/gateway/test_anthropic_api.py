@@ -1,0 +1,290 @@
+"""The Anthropic Messages API translation (prorl_server.gateway.anthropic): every block type of a request
+becomes the Chat Completions body the gateway accepts, answers become ``anthropic.types.Message`` objects the
+real SDK reads (whole and streamed, event order checked), bad input gets Anthropic-format 400s, and a
+multi-turn tool-use conversation resent in Anthropic form stays one trajectory on a real gateway session."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+from aiohttp import web
+from anthropic.types import ErrorResponse, Message, MessageCreateParams, RawMessageStreamEvent
+from pydantic import TypeAdapter
+
+from prorl_server.gateway import describe_divergence, normalize_message, parse_chat_request
+from prorl_server.gateway.anthropic import (AnthropicError, from_gateway_error, sse, stream_events,
+                                            to_chat_request, to_message)
+
+AUTH = {"Authorization": "Bearer server-secret"}
+EVENTS = TypeAdapter(RawMessageStreamEvent)
+TOOL = {"name": "read", "description": "Read a file.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+def answer(content, calls=(), finish="stop", **choice):
+    """A ``chat.completion`` in the form the gateway's session chat path answers (Gateway.chat)."""
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                             for cid, n, a in calls]
+    return {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny",
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None, **choice}],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}}
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+def test_every_block_type_becomes_the_chat_body_the_gateway_accepts():
+    body: MessageCreateParams = {
+        "model": "claude-anything", "max_tokens": 256, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
+        "stop_sequences": ["END"], "metadata": {"user_id": "u1"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=deadbeef;"},
+                   {"type": "text", "text": "You read files."}, {"type": "text", "text": " Be brief.",
+                                                                  "cache_control": {"type": "ephemeral"}}],
+        "tools": [TOOL, {"name": "ls", "input_schema": {"type": "object"}, "type": "custom"}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<reminder/>"}, {"type": "text", "text": "Read a.txt"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should read it.", "signature": "sig"},
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a.txt"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "read", "input": {"path": "b.txt"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "hello"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": [{"type": "text", "text": "no such "}, {"type": "text", "text": "file"}]},
+                {"type": "text", "text": "Now summarise."}]},
+            {"role": "assistant", "content": "Both read."},
+            {"role": "user", "content": "Thanks."},
+        ]}
+    req = to_chat_request(body)
+    assert req.stream is False and req.stop_sequences == ["END"]
+    assert req.chat == {
+        "messages": [
+            {"role": "system", "content": "You read files. Be brief."},
+            {"role": "user", "content": "<reminder/>Read a.txt"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}},
+                {"id": "toolu_2", "type": "function", "function": {"name": "read", "arguments": '{"path": "b.txt"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "hello"},
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such file"},
+            {"role": "user", "content": "Now summarise."},
+            {"role": "assistant", "content": "Both read."},
+            {"role": "user", "content": "Thanks."}],
+        "max_tokens": 256, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop": ["END"],
+        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                                    "parameters": TOOL["input_schema"]}},
+                  {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+        "tool_choice": "auto", "parallel_tool_calls": False}
+    parsed = parse_chat_request(req.chat)  # the gateway's own validation accepts it as it is
+    assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "tool", "tool", "user",
+                                                    "assistant", "user"]
+    assert parsed.sampling == {"temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop": ["END"]}
+    assert parsed.max_tokens == 256 and parsed.parse_tools
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+    ({"type": "tool", "name": "read"}, {"type": "function", "function": {"name": "read"}})])
+def test_tool_choice_maps_to_its_chat_completions_form(choice, expected):
+    req = to_chat_request({"max_tokens": 8, "tools": [TOOL], "tool_choice": choice,
+                           "messages": [{"role": "user", "content": "hi"}]})
+    assert req.chat["tool_choice"] == expected
+
+
+def test_inline_system_messages_and_string_system():
+    req = to_chat_request({"max_tokens": 8, "system": "Be brief.", "stream": True, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "user", "content": "again"}]})
+    assert req.stream is True and "stream" not in req.chat
+    assert req.chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                    {"role": "system", "content": "Reminder."}, {"role": "user", "content": "again"}]
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+     "messages.0.content.0: image blocks are not supported"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}]},
+     "messages.0.content.0.content.0: only text blocks"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
+     "messages.0.content.0: document blocks are not supported"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "read", "input": {}}]}]},
+     "messages.0.content.0: a user message cannot carry a 'tool_use' block"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
+     "messages.0.content.0: an assistant message cannot carry a 'tool_result' block"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "read", "input": "a.txt"}]}]},
+     "messages.0.content.0: a tool_use block needs id"),
+    ({"max_tokens": 8, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 8, "messages": []}, "messages: a non-empty list is required"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens: a positive integer is required"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []},
+     "unsupported field(s): mcp_servers"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type: server tool"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "read"}]},
+     "tools.0.input_schema"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}},
+     "tool_choice.type"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"},
+     "stop_sequences: must be a list"),
+    ([1, 2], "the request body must be a JSON object"),
+])
+def test_bad_requests_are_anthropic_format_400s(body, where):
+    with pytest.raises(AnthropicError) as e:
+        to_chat_request(body)
+    assert e.value.status == 400 and e.value.message.startswith(where), e.value.message
+    err = ErrorResponse.model_validate(e.value.body())
+    assert err.error.type == "invalid_request_error" and err.error.message == e.value.message
+
+
+def test_gateway_errors_keep_their_status_with_the_anthropic_type():
+    from prorl_server.gateway import GatewayError
+
+    cases = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+             409: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+    for status, kind in cases.items():
+        e = from_gateway_error(GatewayError(status, "why", "some_code"))
+        assert e.status == status
+        assert ErrorResponse.model_validate(e.body()).error.type == kind
+        assert e.message == "why (some_code)"
+
+
+# ------------------------------------------------------------------------------------------ answers
+
+
+@pytest.mark.parametrize("ans, stops, content, stop_reason, stop_sequence", [
+    (answer("Hello."), None, [{"type": "text", "text": "Hello."}], "end_turn", None),
+    (answer("Let me look.", [("call_1", "read", {"path": "a.txt"}), ("call_2", "read", {"path": "b"})],
+            "tool_calls"), None,
+     [{"type": "text", "text": "Let me look."},
+      {"type": "tool_use", "id": "call_1", "name": "read", "input": {"path": "a.txt"}},
+      {"type": "tool_use", "id": "call_2", "name": "read", "input": {"path": "b"}}], "tool_use", None),
+    (answer(None, [("call_1", "read", {"path": "a.txt"})], "tool_calls"), None,
+     [{"type": "tool_use", "id": "call_1", "name": "read", "input": {"path": "a.txt"}}], "tool_use", None),
+    (answer("Hel", finish="length"), None, [{"type": "text", "text": "Hel"}], "max_tokens", None),
+    (answer(""), None, [{"type": "text", "text": ""}], "end_turn", None),
+    (answer("1, 2", stop_reason="END"), ["END"], [{"type": "text", "text": "1, 2"}], "stop_sequence", "END"),
+    (answer("1, 2", stop_reason=151645), ["END"], [{"type": "text", "text": "1, 2"}], "end_turn", None),
+])
+def test_answers_become_sdk_messages(ans, stops, content, stop_reason, stop_sequence):
+    msg = to_message(ans, stops)
+    m = Message.model_validate(msg)
+    assert m.id == "msg_abc123" and m.role == "assistant" and m.model == "tiny"
+    assert [b.model_dump(exclude_none=True) for b in m.content] == content
+    assert (m.stop_reason, m.stop_sequence) == (stop_reason, stop_sequence)
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (40, 7)
+
+
+def test_stream_events_are_in_order_and_typed():
+    msg = to_message(answer("Let me look.", [("call_1", "read", {"path": "a.txt"})], "tool_calls"))
+    events = stream_events(msg)
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    typed = [EVENTS.validate_python(e) for e in events]
+    assert typed[0].message.content == [] and typed[0].message.stop_reason is None
+    assert typed[2].delta.type == "text_delta" and typed[2].delta.text == "Let me look."
+    assert typed[4].content_block.type == "tool_use" and typed[4].content_block.input == {}
+    assert typed[5].delta.type == "input_json_delta" and json.loads(typed[5].delta.partial_json) == {"path": "a.txt"}
+    assert [getattr(t, "index", None) for t in typed[1:7]] == [0, 0, 0, 1, 1, 1]
+    assert typed[7].delta.stop_reason == "tool_use" and typed[7].usage.output_tokens == 7
+    text = sse(events).decode()
+    assert text.startswith("event: message_start\ndata: {") and text.endswith("event: message_stop\n"
+                                                                             'data: {"type": "message_stop"}\n\n')
+
+
+@pytest.fixture
+async def sdk_over(aiohttp_server):
+    """``async (body, content_type) -> AsyncAnthropic``: a real ``anthropic`` SDK client on a loopback server
+    that answers every request with ``body`` (what is checked is that the SDK parses what the translation
+    produces; the gateway's own route is tested with the SDK further down)."""
+    clients = []
+
+    async def make(body: bytes, content_type: str) -> anthropic.AsyncAnthropic:
+        async def reply(request):
+            return web.Response(body=body, content_type=content_type)
+
+        app = web.Application()
+        app.router.add_post("/v1/messages", reply)
+        server = await aiohttp_server(app)
+        clients.append(anthropic.AsyncAnthropic(api_key="k", base_url=str(server.make_url("")), max_retries=0))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.parametrize("ans", [
+    answer("Let me look.", [("call_1", "read", {"path": "a.txt", "n": [1, 2]})], "tool_calls"),
+    answer(""), answer("Hello.", finish="length")])
+async def test_the_sdk_accumulates_the_stream_into_the_same_message(ans, sdk_over):
+    msg = to_message(ans)
+    sdk = await sdk_over(sse(stream_events(msg)), "text/event-stream")
+    async with sdk.messages.stream(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as s:
+        final = await s.get_final_message()
+    assert final.model_dump(exclude_none=True) == Message.model_validate(msg).model_dump(exclude_none=True)
+    sdk = await sdk_over(json.dumps(msg).encode(), "application/json")
+    whole = await sdk.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert whole.model_dump(exclude_none=True) == final.model_dump(exclude_none=True)
+
+
+# ------------------------------------------------------------------------------------------ on a session
+
+
+def test_a_served_answer_resent_as_anthropic_blocks_is_the_same_history():
+    """What the client sends back (the SDK's content blocks as params) normalises to what the gateway
+    recorded as served: the session's prefix check sees no divergence."""
+    first = to_chat_request({"max_tokens": 64, "tools": [TOOL], "messages": [{"role": "user", "content": "Read a.txt"}]})
+    served = answer("Let me look.", [("call_1", "read", {"path": "a.txt"})], "tool_calls")
+    history = [normalize_message(m, i) for i, m in enumerate(first.chat["messages"])]
+    history.append(normalize_message(served["choices"][0]["message"], len(history)))
+    m = Message.model_validate(to_message(served))
+    resent = [{"role": "user", "content": "Read a.txt"},
+              {"role": m.role, "content": [b.model_dump(exclude_none=True) for b in m.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "hello"}]}]
+    second = to_chat_request({"max_tokens": 64, "tools": [TOOL], "messages": resent})
+    assert describe_divergence(history, [normalize_message(x, i) for i, x in enumerate(second.chat["messages"])]) is None
+
+
+def read_then_answer(prompt: str, turn: int) -> str:
+    if turn == 0:
+        return 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>'
+    return f"It says: {prompt.count('<tool_response>')} response(s) seen."
+
+
+async def test_a_tool_use_conversation_in_anthropic_form_is_one_trajectory(gateway_server, scripted_policy):
+    """Two Anthropic turns through the session's chat path (the translated body posted to the session's chat
+    completions, the answer translated back) on a real server whose backend is the scripted policy."""
+    client, app = await gateway_server([await scripted_policy(read_then_answer)])
+    s = await (await client.post("/sessions", json={}, headers=AUTH)).json()
+
+    async def turn(messages):
+        req = to_chat_request({"model": "m", "max_tokens": 64, "system": "You read files.", "tools": [TOOL],
+                               "messages": messages})
+        r = await client.post(f"/sessions/{s['session_id']}.{s['api_key']}/v1/chat/completions", json=req.chat)
+        assert r.status == 200, await r.text()
+        return Message.model_validate(to_message(await r.json(), req.stop_sequences))
+
+    messages = [{"role": "user", "content": "What is in a.txt?"}]
+    m1 = await turn(messages)
+    assert m1.stop_reason == "tool_use" and m1.content[0].text == "Let me look."
+    use = m1.content[1]
+    assert (use.type, use.name, use.input) == ("tool_use", "read", {"path": "a.txt"})
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hello"}]}]
+    m2 = await turn(messages)
+    assert m2.stop_reason == "end_turn" and m2.content[0].text == "It says: 1 response(s) seen."
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
+    assert result["counters"]["requests"] == 2
