@@ -1,10 +1,50 @@
 """Prometheus metrics of one server (prometheus-client, one registry per app: no process globals)."""
 from __future__ import annotations
 
+from typing import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+#: ``LLMClient.counters`` key → (counter name on /metrics, help), see :meth:`Metrics.export_counts`.
+LLM_CLIENT_COUNTS: Mapping[str, tuple[str, str]] = {
+    "requests": ("prorl_llm_requests", "Generation requests an LLM backend answered"),
+    "backend_failures": ("prorl_llm_backend_failures", "Generation attempts that failed on a backend "
+                         "(connection error, timeout, 5xx, an answer that is not JSON)"),
+    "failovers": ("prorl_llm_failovers", "Generation attempts sent to another backend after such a failure"),
+    "pause_retries": ("prorl_llm_pause_retries", "Generation attempts retried because the backend was paused "
+                      "(a weight update) or aborted the turn"),
+    "request_errors": ("prorl_llm_request_errors", "Generation requests a backend refused with a 4xx"),
+}
+#: ``Gateway.counters`` key → (counter name on /metrics, help).
+GATEWAY_COUNTS: Mapping[str, tuple[str, str]] = {
+    "sessions": ("prorl_gateway_sessions", "Gateway sessions opened"),
+    "rejected_sessions": ("prorl_gateway_rejected_sessions", "Gateway sessions refused (max_sessions open)"),
+    "requests": ("prorl_gateway_requests", "Chat completions served by the gateway"),
+    "splits": ("prorl_gateway_splits", "Trajectories split because a request's history was not a prefix of "
+               "the one served"),
+    "expired": ("prorl_gateway_expired_sessions", "Gateway sessions ended for being idle"),
+}
+
+
+class _Counts(Collector):
+    """Counter families read at scrape time from a component's own running counts (a plain dict it increments:
+    no Prometheus call on its hot path)."""
+
+    def __init__(self, families: Mapping[str, tuple[str, str]], read: Callable[[], Mapping[str, float]]) -> None:
+        self._families, self._read = dict(families), read
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return (CounterMetricFamily(name, doc) for name, doc in self._families.values())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self._read()
+        for key, (name, doc) in self._families.items():
+            yield CounterMetricFamily(name, doc, value=counts.get(key, 0))
 
 
 class Metrics:
@@ -72,6 +112,14 @@ class Metrics:
         self.backend_in_flight.labels(backend.address).set(backend.in_flight)
         # "in rotation": a backend taken out by /clear_llm_server reads 0 until it is re-added
         self.backend_healthy.labels(backend.address).set(1 if backend.in_rotation else 0)
+
+    def export_counts(self, families: Mapping[str, tuple[str, str]],
+                      read: Callable[[], Mapping[str, float]]) -> None:
+        """Expose a component's running counts on /metrics: for each ``key -> (name, help)`` of ``families``
+        (e.g. :data:`LLM_CLIENT_COUNTS`), the counter ``<name>_total`` with the value ``read()[key]`` (0 when
+        absent) at every scrape. ``read`` must be cheap and must not raise. Raises ``ValueError`` when a name is
+        already registered."""
+        self.registry.register(_Counts(families, read))
 
     def affinity_decided(self, outcome: str) -> None:
         self.backend_affinity.labels(outcome).inc()
