@@ -1,0 +1,280 @@
+"""The OpenAI Responses API translation (prorl_server.gateway.responses): every input item type becomes the
+Chat Completions body the gateway accepts, answers become ``openai.types.responses.Response`` objects the real
+SDK reads (whole and streamed, event order and sequence numbers checked), bad input (stored state such as
+``previous_response_id`` included) gets OpenAI-format 400s, and a multi-turn function-calling conversation
+resent as Responses items stays one trajectory on a real gateway session."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from aiohttp import web
+from openai.types.responses import Response, ResponseInputParam, ResponseStreamEvent
+from openai.types.shared import ErrorObject
+from pydantic import TypeAdapter
+
+from prorl_server.gateway import GatewayError, describe_divergence, normalize_message, parse_chat_request
+from prorl_server.gateway.responses import sse, stream_events, to_chat_request, to_response
+
+AUTH = {"Authorization": "Bearer server-secret"}
+EVENTS = TypeAdapter(ResponseStreamEvent)
+TOOL = {"type": "function", "name": "read", "description": "Read a file.", "strict": False,
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+def answer(content, calls=(), finish="stop"):
+    """A ``chat.completion`` in the form the gateway's session chat path answers (Gateway.chat)."""
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                             for cid, n, a in calls]
+    return {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny",
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}}
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+def test_every_item_type_becomes_the_chat_body_the_gateway_accepts():
+    items: ResponseInputParam = [
+        {"role": "developer", "content": "Use the tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<env/>"},
+                                                        {"type": "input_text", "text": "Read a.txt"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "read", "arguments": '{"path": "a.txt"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "read", "arguments": '{"path": "b.txt"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "hello"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "no such "}, {"type": "input_text", "text": "file"}]},
+        {"type": "function_call", "call_id": "call_3", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_3", "output": "?"},
+        {"role": "user", "content": "Summarise."},
+    ]
+    body = {"model": "gpt-anything", "instructions": "You read files.", "input": items, "tools": [TOOL],
+            "tool_choice": "auto", "max_output_tokens": 256, "temperature": 0.5, "top_p": 0.9,
+            "parallel_tool_calls": False, "store": False, "include": ["reasoning.encrypted_content"],
+            "reasoning": {"effort": "low", "summary": "auto"}, "prompt_cache_key": "k", "metadata": {"run": "1"},
+            "text": {"format": {"type": "text"}, "verbosity": "low"}, "truncation": "disabled"}
+    req = to_chat_request(body)
+    assert req.stream is False
+    assert req.chat == {
+        "messages": [
+            {"role": "system", "content": "You read files."},
+            {"role": "developer", "content": "Use the tools."},
+            {"role": "user", "content": "<env/>Read a.txt"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}},
+                {"id": "call_2", "type": "function", "function": {"name": "read", "arguments": '{"path": "b.txt"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "hello"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "no such file"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_3", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_3", "content": "?"},
+            {"role": "user", "content": "Summarise."}],
+        "max_tokens": 256, "temperature": 0.5, "top_p": 0.9, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                                    "parameters": TOOL["parameters"]}}],
+        "tool_choice": "auto"}
+    parsed = parse_chat_request(req.chat)  # the gateway's own validation accepts it as it is
+    assert [m["role"] for m in parsed.messages] == ["system", "system", "user", "assistant", "tool", "tool",
+                                                    "assistant", "tool", "user"]
+    assert parsed.max_tokens == 256 and parsed.parse_tools
+    assert req.echo["metadata"] == {"run": "1"} and req.echo["parallel_tool_calls"] is False
+
+
+def test_a_string_input_is_one_user_message():
+    req = to_chat_request({"model": "m", "input": "hi", "stream": True})
+    assert req.stream is True and req.chat == {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ("auto", "auto"), ("none", "none"), ("required", "required"),
+    ({"type": "function", "name": "read"}, {"type": "function", "function": {"name": "read"}})])
+def test_tool_choice_maps_to_its_chat_completions_form(choice, expected):
+    assert to_chat_request({"input": "hi", "tools": [TOOL], "tool_choice": choice}).chat["tool_choice"] == expected
+
+
+@pytest.mark.parametrize("fmt, expected", [
+    ({"type": "json_schema", "name": "answer", "strict": True, "schema": {"type": "object"}},
+     {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True}}),
+    ({"type": "json_object"}, {"type": "json_object"})])
+def test_text_format_becomes_response_format(fmt, expected):
+    assert to_chat_request({"input": "hi", "text": {"format": fmt}}).chat["response_format"] == expected
+
+
+@pytest.mark.parametrize("body, code, param, says", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "unsupported_parameter", "previous_response_id",
+     "send the whole conversation in input"),
+    ({"input": "hi", "conversation": "conv_1"}, "unsupported_parameter", "conversation", "stores no conversations"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "unsupported_parameter", "prompt", "stored prompt"),
+    ({"input": "hi", "background": True}, "unsupported_parameter", "background", "background responses"),
+    ({"input": "hi", "modalities": ["text"]}, "unsupported_parameter", "modalities", "unsupported parameter"),
+    ({"instructions": "x"}, "invalid_input", "input", "input: is required"),
+    ({"input": []}, "invalid_input", "input", "non-empty list"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "invalid_input", "input[0].content[0]", "text-only model"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "invalid_input", "input[0]", "stores no items"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "invalid_input",
+     "input[0].type", "'web_search_call' are not supported"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "invalid_input", "input[0].role", "must be user"),
+    ({"input": [{"type": "function_call", "name": "read", "arguments": {}}]}, "invalid_input", "input[0]",
+     "needs call_id, name and arguments"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "invalid_input", "input[0].call_id", "non-empty"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "invalid_parameter", "tools[0]", "only function tools"),
+    ({"input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "invalid_parameter",
+     "tool_choice", "must be"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "invalid_parameter",
+     "text.format", "needs name"),
+    ("hi", "invalid_request", None, "JSON object"),
+])
+def test_bad_requests_are_openai_format_400s(body, code, param, says):
+    with pytest.raises(GatewayError) as e:
+        to_chat_request(body)
+    err = ErrorObject.model_validate({"message": e.value.message, "type": e.value.type, "param": e.value.param,
+                                      "code": e.value.code})
+    assert e.value.status == 400 and (err.code, err.param, err.type) == (code, param, "invalid_request_error")
+    assert says in err.message, err.message
+
+
+# ------------------------------------------------------------------------------------------ answers
+
+
+@pytest.mark.parametrize("ans, kinds, text, status", [
+    (answer("Hello."), ["message"], "Hello.", "completed"),
+    (answer("Let me look.", [("call_1", "read", {"path": "a.txt"}), ("call_2", "read", {"path": "b"})],
+            "tool_calls"), ["message", "function_call", "function_call"], "Let me look.", "completed"),
+    (answer(None, [("call_1", "read", {"path": "a.txt"})], "tool_calls"), ["function_call"], "", "completed"),
+    (answer("Hel", finish="length"), ["message"], "Hel", "incomplete"),
+    (answer(""), ["message"], "", "completed"),
+])
+def test_answers_become_sdk_responses(ans, kinds, text, status):
+    echo = to_chat_request({"input": "hi", "tools": [TOOL], "temperature": 0.5, "max_output_tokens": 64}).echo
+    r = Response.model_validate(to_response(ans, echo))
+    assert r.id == "resp_abc123" and r.object == "response" and r.model == "tiny"
+    assert [o.type for o in r.output] == kinds and r.output_text == text and r.status == status
+    assert r.incomplete_details == (None if status == "completed" else
+                                    type(r.incomplete_details)(reason="max_output_tokens"))
+    calls = [(o.call_id, o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    assert calls == [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in ans["choices"][0]["message"].get("tool_calls", [])]
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (40, 7, 47)
+    assert r.temperature == 0.5 and r.max_output_tokens == 64 and [t.name for t in r.tools] == ["read"]
+    assert r.tool_choice == "auto" and r.parallel_tool_calls is True
+
+
+def test_stream_events_are_in_order_and_typed():
+    resp = to_response(answer("Let me look.", [("call_1", "read", {"path": "a.txt"})], "tool_calls"))
+    events = stream_events(resp)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    typed = [EVENTS.validate_python(e) for e in events]
+    assert [t.sequence_number for t in typed] == list(range(len(events)))
+    assert typed[0].response.status == "in_progress" and typed[0].response.output == []
+    assert typed[4].delta == "Let me look." and typed[4].item_id == resp["output"][0]["id"]
+    assert typed[8].output_index == 1 and typed[8].item.arguments == ""
+    assert json.loads(typed[10].arguments) == {"path": "a.txt"}
+    assert typed[-1].response.model_dump() == Response.model_validate(resp).model_dump()
+    incomplete = stream_events(to_response(answer("Hel", finish="length")))
+    assert incomplete[-1]["type"] == "response.incomplete"
+    assert sse(events).decode().startswith("event: response.created\ndata: {")
+
+
+@pytest.fixture
+async def sdk_over(aiohttp_server):
+    """``async (body, content_type) -> AsyncOpenAI``: a real ``openai`` SDK client on a loopback server that
+    answers every request with ``body`` (what is checked is that the SDK parses what the translation
+    produces)."""
+    clients = []
+
+    async def make(body: bytes, content_type: str) -> openai.AsyncOpenAI:
+        async def reply(request):
+            return web.Response(body=body, content_type=content_type)
+
+        app = web.Application()
+        app.router.add_post("/v1/responses", reply)
+        server = await aiohttp_server(app)
+        clients.append(openai.AsyncOpenAI(api_key="k", base_url=str(server.make_url("/v1")), max_retries=0))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.parametrize("ans", [
+    answer("Let me look.", [("call_1", "read", {"path": "a.txt", "n": [1, 2]})], "tool_calls"),
+    answer(""), answer("Hello.", finish="length")])
+async def test_the_sdk_reads_the_stream_as_the_same_response(ans, sdk_over):
+    """The SDK's stream helper accumulates the events; like OpenAI, an incomplete turn ends with
+    ``response.incomplete`` (the helper's ``get_final_response`` is for completed ones)."""
+    resp = to_response(ans)
+    expected = Response.model_validate(resp).model_dump(exclude_none=True)
+    sdk = await sdk_over(sse(stream_events(resp)), "text/event-stream")
+    async with sdk.responses.stream(model="m", input="hi") as s:
+        seen = [e async for e in s]
+        if resp["status"] == "completed":
+            assert (await s.get_final_response()).model_dump(exclude_none=True)["output"] == expected["output"]
+    assert seen[0].type == "response.created"
+    assert seen[-1].type == ("response.completed" if resp["status"] == "completed" else "response.incomplete")
+    assert seen[-1].response.model_dump(exclude_none=True) == expected
+    sdk = await sdk_over(json.dumps(resp).encode(), "application/json")
+    whole = await sdk.responses.create(model="m", input="hi")
+    assert whole.model_dump(exclude_none=True) == expected
+
+
+# ------------------------------------------------------------------------------------------ on a session
+
+
+def test_a_served_answer_resent_as_items_is_the_same_history():
+    """What the client sends back (the output items, as Codex-style harnesses keep them) normalises to what
+    the gateway recorded as served: the session's prefix check sees no divergence."""
+    first = to_chat_request({"instructions": "You read files.", "input": "Read a.txt", "tools": [TOOL]})
+    served = answer("Let me look.", [("call_1", "read", {"path": "a.txt"})], "tool_calls")
+    history = [normalize_message(m, i) for i, m in enumerate(first.chat["messages"])]
+    history.append(normalize_message(served["choices"][0]["message"], len(history)))
+    r = Response.model_validate(to_response(served))
+    items = [{"role": "user", "content": "Read a.txt"}, *[o.model_dump(exclude_none=True) for o in r.output],
+             {"type": "function_call_output", "call_id": "call_1", "output": "hello"}]
+    second = to_chat_request({"instructions": "You read files.", "input": items, "tools": [TOOL]})
+    assert describe_divergence(history, [normalize_message(x, i) for i, x in enumerate(second.chat["messages"])]) is None
+
+
+def read_then_answer(prompt: str, turn: int) -> str:
+    if turn == 0:
+        return 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>'
+    return f"It says: {prompt.count('<tool_response>')} response(s) seen."
+
+
+async def test_a_function_calling_conversation_as_items_is_one_trajectory(gateway_server, scripted_policy):
+    """Two Responses turns through the session's chat path (the translated body posted to the session's chat
+    completions, the answer translated back) on a real server whose backend is the scripted policy."""
+    client, app = await gateway_server([await scripted_policy(read_then_answer)])
+    s = await (await client.post("/sessions", json={}, headers=AUTH)).json()
+
+    async def turn(items):
+        req = to_chat_request({"model": "m", "instructions": "You read files.", "tools": [TOOL], "input": items,
+                               "store": False})
+        r = await client.post(f"/sessions/{s['session_id']}.{s['api_key']}/v1/chat/completions", json=req.chat)
+        assert r.status == 200, await r.text()
+        return Response.model_validate(to_response(await r.json(), req.echo))
+
+    items = [{"role": "user", "content": "What is in a.txt?"}]
+    r1 = await turn(items)
+    assert [o.type for o in r1.output] == ["message", "function_call"] and r1.output_text == "Let me look."
+    call = r1.output[1]
+    assert (call.name, json.loads(call.arguments)) == ("read", {"path": "a.txt"})
+    items += [o.model_dump(exclude_none=True) for o in r1.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "hello"})
+    r2 = await turn(items)
+    assert r2.status == "completed" and r2.output_text == "It says: 1 response(s) seen."
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
+    assert result["counters"]["requests"] == 2
