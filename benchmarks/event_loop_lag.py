@@ -11,7 +11,7 @@ intervals, long sums, trigonometric identities, and (``--slow``, default 2) answ
 into math-verify's own 5 s limit (a tower of powers, as an adversarial policy writes).
 
 Lag = how late the server's own monitor task (``prorl_event_loop_lag_seconds``, a 50 ms sleep) woke, over
-the time each round's jobs were in flight. Target (issue 14): p99 < 10 ms with the pool.
+the time each round's jobs were in flight. Target: p99 < 10 ms with the pool.
 
 A first row measures the lag of the idle server for ``--idle-s`` seconds: the floor this machine gives (other
 processes competing for the cores show up there, not as scoring's cost).

@@ -1,4 +1,4 @@
-"""Fault benchmark (issue 15): does any fault lose a job, hang one, or leave a process or a sandbox directory
+"""Fault benchmark: does any fault lose a job, hang one, or leave a process or a sandbox directory
 behind?
 
 Phase 1: ``--arith-jobs`` (10,000) ``arithmetic`` jobs through ``POST /process`` at ``--arith-concurrency``

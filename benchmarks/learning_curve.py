@@ -11,7 +11,7 @@ Prints one line per step (mean reward, the weight versions the batch was generat
 deviation, the push time) and ends with one JSON line: ``reward_first`` / ``reward_last`` (mean reward of the
 first / last 3 steps: the random model is the baseline, measured in the same run), ``steps``, ``wall_s``,
 ``ratio_dev_step0`` (mean |exp(trainer logprob - rollout logprob) - 1| over the generated tokens of the first
-batch), ``weight_sync_s_p50``, ``tokens_discarded``, and the settings. Target (issue #13):
+batch), ``weight_sync_s_p50``, ``tokens_discarded``, and the settings. Target:
 ``reward_last - reward_first >= 0.3`` within 15 minutes and ``ratio_dev_step0 < 1e-3``.
 
     .venv/bin/python benchmarks/learning_curve.py                 # up to 15 min / 60 steps

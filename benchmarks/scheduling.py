@@ -15,7 +15,7 @@ Measured per policy: trainer idle fraction (time waiting for data / total time; 
 second), off-policy lag of consumed rollouts (weight versions between submission and consumption: max and
 mean), and difficulty drift: the mean over blocks of ``block`` steps of ``|mean difficulty consumed -
 dataset mean| / dataset mean``. ``drift_vs_fifo`` is a policy's drift minus strict FIFO's (fractions of the
-dataset mean; 0.05 is 5 points). Target (issue 6): some W keeps >= 90% of greedy's throughput with a lag
+dataset mean; 0.05 is 5 points). Target: some W keeps >= 90% of greedy's throughput with a lag
 bound no worse than W steps (here: max lag beyond strict FIFO's, which is the buffer's ``buffer / batch``
 steps, at most ``ceil(W / batch)``) and a drift within 5% of FIFO's.
 

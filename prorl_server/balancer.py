@@ -6,7 +6,7 @@ is reused across turns). The backend's in-flight count is incremented at assignm
 job ends. Unhealthy backends leave the heap; a health probe (``GET {address}/health``, vLLM's liveness
 route) puts them back when they answer again.
 
-**Weight swaps** (DESIGN.md "The training loop"; ProRL Agent paper, section 3.3): after each weight update the
+**Weight swaps** (ProRL Agent paper, section 3.3): after each weight update the
 trainer clears the pool and re-registers its inference servers with the new ``weight_version``. A backend is
 known by its address for the pool's whole life: :meth:`BackendPool.clear` takes backends out of the rotation
 (no new assignment) but keeps their :class:`Backend` objects, and :meth:`BackendPool.add` of a known address

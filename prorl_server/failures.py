@@ -1,6 +1,6 @@
-"""Why a job failed, in a form a trainer can act on (``JobResult.failure_kind``, issue 14).
+"""Why a job failed, in a form a trainer can act on (``JobResult.failure_kind``).
 
-The rule (DESIGN.md "Rewards and training data"): what the model caused is a normal outcome and is trained on
+The rule: what the model caused is a normal outcome and is trained on
 (a wrong answer, a bad tool call, its own command running past its time limit: those are observations or a
 low reward); what it did not cause is a failure with a ``failure_kind`` and ``filter: true``, and a trainer
 regenerates the sample instead of training on it. The kinds:

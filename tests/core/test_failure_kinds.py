@@ -1,4 +1,4 @@
-"""Failures the model did not cause are never training data (issue 14): each class of failure ends the job
+"""Failures the model did not cause are never training data: each class of failure ends the job
 with its ``failure_kind`` and ``filter: true``, and what the model caused stays a normal, trainable outcome.
 
 The fast tests run the real server (pipeline, agent loop, HTTP) with a fault-injecting handler whose stages

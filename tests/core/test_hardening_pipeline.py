@@ -1,4 +1,4 @@
-"""Hardening of the pipeline (issue #15): a job cancelled while queued never runs its next stage nor leaks a
+"""Hardening of the pipeline: a job cancelled while queued never runs its next stage nor leaks a
 backend slot; a handler raising SystemExit/KeyboardInterrupt fails its job, not the server."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hardening with real processes (issue #15): SIGTERM of ``python -m prorl_server`` cancels in-flight
+"""Hardening with real processes: SIGTERM of ``python -m prorl_server`` cancels in-flight
 ``/process`` jobs and exits; a SIGKILLed LLM backend fails its jobs fast with the reason."""
 from __future__ import annotations
 

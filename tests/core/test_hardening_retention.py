@@ -1,4 +1,4 @@
-"""Bounded memory (issue #15): finished results are retained up to ``keep_finished_mb`` (estimated from token
+"""Bounded memory: finished results are retained up to ``keep_finished_mb`` (estimated from token
 counts), results a ``/process`` call delivered keep only a summary, and /metrics forgets cleared backends."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weight swaps on a rollout server (DESIGN.md "The training loop"): the trainer clears and re-registers its
+"""Weight swaps on a rollout server: the trainer clears and re-registers its
 inference servers with a new ``weight_version`` after every update. A re-added address is the same backend:
 jobs holding it see the new version on their next turn, in-flight counts survive, jobs submitted during the
 swap wait for it, and every generated turn carries the version that produced it.

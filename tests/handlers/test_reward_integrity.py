@@ -2,7 +2,7 @@
 score 0.0; honest ones score 1.0. Real HumanEval problems, real bubblewrap sandboxes, the real grader.
 
 Each adversary is written to win against a grader that shares a process, a stream or a file system with the
-solution (the ``code`` handler before issue #14: one process ran the solution, then the tests, and printed
+solution (the ``code`` handler before isolated grading: one process ran the solution, then the tests, and printed
 its verdict on the stdout the solution shared). Which of them did win there is noted on each entry
 (``old=1.0``); the others are robustness cases (``old=0.0``).
 

@@ -1,4 +1,4 @@
-"""Reward integrity of the ``swe`` handler (issue 14): patches that try to get reward without fixing the bug
+"""Reward integrity of the ``swe`` handler: patches that try to get reward without fixing the bug
 score 0.0; honest fixes score 1.0.
 
 Everything is real: a git repository built here with a real bug, a failing test and a passing test; patches
@@ -74,7 +74,7 @@ def base_repo(tmp_path) -> Path:
 def instance(repo: Path, **extra) -> dict:
     return {"data_source": "swe", "instance_id": "stats-integrity", "repo": str(repo),
             "problem_statement": "mean([1, 2, 3]) should be 2", "FAIL_TO_PASS": [F2P], "PASS_TO_PASS": [P2P],
-            # -rA: the handler before issue 14 read its verdict from this summary; the new one ignores it.
+            # -rA: the handler before isolated grading read its verdict from this summary; the new one ignores it.
             "test_command": "python -m pytest -rA -p no:cacheprovider", **extra}
 
 
@@ -125,7 +125,7 @@ PYC_NAME = f"stats/__pycache__/__init__.{sys.implementation.cache_tag}.pyc"
 PYTHONPATH_COMMAND = "PYTHONPATH=. python -m pytest -rA -p no:cacheprovider"
 
 # name -> (edits, instance fields). Each one leaves the bug in place. The comment says whether the handler
-# before issue 14 gave it 1.0 (measured: see the module's report in the handler README).
+# before isolated grading gave it 1.0 (measured: see the module's report in the handler README).
 SHORTCUTS = {
     # the root conftest.py rewritten to force every report to "passed"
     "conftest_makereport": ({"conftest.py": FORCE_PASS}, {}),

@@ -13,7 +13,7 @@ backend (started with ``--worker-extension-cls trainer_plugins.vllm_weights.Weig
 3. ``POST /reset_prefix_cache`` (cached KV was computed with the old weights) and ``POST /resume``;
 
 then re-registers every backend that loaded them with every rollout server (``POST /add_llm_server
-{address, weight_version}``: a known address is the same backend with a new version, issue #12), version =
+{address, weight_version}``: a known address is the same backend with a new version), version =
 the trainer's ``global_step``. At ``on_train_begin`` the backends are registered with the current step (0 for
 a fresh run), so the first batch's trajectories carry a version too.
 

@@ -1,5 +1,5 @@
 """Per-worker relay: verl's own weight-synced inference servers serve the rollout servers' jobs, with the
-weight version of every generated turn (issue #12 items 1 and 5; ProRL Agent paper, section 3.3).
+weight version of every generated turn (ProRL Agent paper, section 3.3).
 
 Each verl ``AgentLoopWorker`` process (a Ray actor) runs one :class:`Relay`: a small aiohttp server that
 answers the subset of vLLM's OpenAI API the rollout server's LLM client uses (``prorl_server/llm_client.py``)
