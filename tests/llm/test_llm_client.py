@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm_client import LLMClient, LLMRequestError, LLMUnavailableError, backend_getter
+from prorl_server.llm_client import LLMClient, LLMRequestError, LLMUnavailableError, PoolBackends
 
 
 def choice(ids, finish="length"):
@@ -86,7 +86,7 @@ async def test_connection_failure_fails_over_and_repeated_failures_mark_the_back
     pool.add(dead, weight_version=1)
     pool.add(str(server.make_url("")), weight_version=2)
     async with LLMClient(pool=pool) as llm:
-        c = await llm.complete([1], backend=backend_getter(None, pool=pool, job_id="j"), max_tokens=1)
+        c = await llm.complete([1], backend=PoolBackends(pool, "j"), max_tokens=1)
     assert c.token_ids == [4] and c.failovers == 1 and c.weight_versions == [2]
     assert pool.get(dead).consecutive_failures == 1 and pool.get(dead).healthy  # one failure may be transient
     assert pool.holder("j").address == str(server.make_url("")).rstrip("/")

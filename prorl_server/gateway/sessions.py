@@ -1,0 +1,436 @@
+"""Gateway sessions: the session state machine and :class:`Gateway`, which drives one turn per request.
+
+A session is ``open`` until the agent posts ``complete`` (``completed``), the server finalizes it
+(``finalized``) or aborts it (``aborted``: its tokens are dropped), or it expires (``expired``: idle past
+``idle_timeout_s``, or the server shut down). Ended sessions are kept (``keep_finished``) for finalize and
+status.
+
+Each request's messages (normalised by :mod:`prorl_server.gateway.protocol`) are compared with the session's
+history as served: a prefix → only the new messages are rendered and tokenized; anything else closes the
+current trajectory with a ``split_reason`` naming the first diverging message and starts a new one. The turn
+itself (context limit, generation on the session's sticky backend, tool-call parsing) is the shared
+:class:`~prorl_server.turn.TurnEngine`'s, the same the server's own agent loop uses.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from aiohttp import web
+
+from prorl_server.balancer import NoBackendError
+from prorl_server.conversation import ContextLengthError, Conversation
+from prorl_server.gateway.protocol import (ChatRequest, GatewayError, assistant_message, chat_completion,
+                                           normalize_message, token_logprobs)
+from prorl_server.gateway.routes import agent_app
+from prorl_server.llm_client import (BackendSource, Completion, LLMRequestError, LLMUnavailableError, ModelInfo,
+                                     PoolBackends)
+from prorl_server.turn import ContextFullError, ContextUnknownError, TurnEngine
+from prorl_server.types import Trajectory
+
+if TYPE_CHECKING:
+    from prorl_server.balancer import BackendPool
+    from prorl_server.job import Job
+    from prorl_server.llm_context import LLMContext
+
+
+def _comparable(m: dict[str, Any]) -> dict[str, Any]:
+    """What must match for a message to count as "the same": tool-call ids are left out (an id is not part
+    of what the model generated, and some agent frameworks mint their own)."""
+    if "tool_calls" not in m:
+        return m
+    return {**m, "tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in m["tool_calls"]]}
+
+
+def describe_divergence(history: list[dict], messages: list[dict]) -> Optional[str]:
+    """None if ``history`` is a prefix of ``messages``; otherwise which message diverged and how."""
+    for i, h in enumerate(history):
+        if i >= len(messages):
+            return (f"history_truncated: the request has {len(messages)} messages, the session's history "
+                    f"{len(history)} (message {i}, {h['role']}, and later are gone)")
+        a, b = _comparable(h), _comparable(messages[i])
+        if a == b:
+            continue
+        if a["role"] != b["role"]:
+            return f"message_changed: message {i} was {a['role']}, now {b['role']}"
+        if a.get("content") != b.get("content"):
+            x, y = a.get("content", ""), b.get("content", "")
+            k = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            return (f"message_changed: message {i} ({a['role']}) content differs from character {k} "
+                    f"(history {len(x)} characters, request {len(y)})")
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        return f"message_changed: message {i} ({a['role']}) differs in {', '.join(keys)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ sessions
+
+
+@dataclass
+class Session:
+    """One agent's session: its conversation(s) and what it is owed. Fields are the gateway's; read them.
+
+    ``counters``: ``requests``; ``generated_tokens``; ``prompt_tokens_added`` (tokens the gateway rendered and
+    tokenized itself); ``splits``; seconds: ``llm_s`` (in the token-in/token-out client), ``backend_http_s``
+    (its HTTP exchanges with the backend), ``gateway_s`` (everything else of a request inside the gateway).
+    """
+
+    session_id: str
+    key: str
+    job: Optional["Job"] = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    state: str = "open"  # open | completed | finalized | aborted | expired
+    end_reason: Optional[str] = None
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    reward_info: Optional[dict[str, Any]] = None
+    conv: Optional[Conversation] = None
+    history: list[dict[str, Any]] = field(default_factory=list)  # conv.messages as served / as received
+    tools: Optional[list[dict[str, Any]]] = None
+    awaiting: bool = False  # conv ends with new messages, not yet answered
+    done: list[Trajectory] = field(default_factory=list)  # trajectories closed by splits
+    split_reasons: list[str] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=lambda: {
+        "requests": 0, "generated_tokens": 0, "prompt_tokens_added": 0, "splits": 0, "llm_s": 0.0,
+        "backend_http_s": 0.0, "gateway_s": 0.0})
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    completed: asyncio.Event = field(default_factory=asyncio.Event)
+    backend_key: Optional[str] = None  # pool assignment of a session without a job
+    last_finish: Optional[str] = None
+
+    @property
+    def ref(self) -> str:
+        """The capability path segment: ``{session_id}.{key}``."""
+        return f"{self.session_id}.{self.key}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.state == "open"
+
+    def trajectories(self) -> list[Trajectory]:
+        """Closed segments, then the open conversation's (its last segment carries the last turn's
+        finish reason)."""
+        out = list(self.done)
+        if self.conv is not None and self.conv.num_turns:
+            out += self.conv.trajectories()
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "state": self.state, "end_reason": self.end_reason,
+                "job_id": self.job.job_id if self.job is not None else None, "metadata": self.metadata,
+                "num_trajectories": len(self.done) + (1 if self.conv is not None else 0),
+                "split_reasons": list(self.split_reasons), "reward_info": self.reward_info,
+                "counters": dict(self.counters)}
+
+    def result(self) -> dict[str, Any]:
+        """``summary()`` plus ``trajectories`` (wire :class:`Trajectory` dicts) and ``messages`` (the open
+        conversation's, as served)."""
+        return {**self.summary(), "trajectories": [t.model_dump() for t in self.trajectories()],
+                "messages": [dict(m) for m in self.history]}
+
+
+class Gateway:
+    """Sessions of one rollout server.
+
+    Args:
+        llm: the server's :class:`~prorl_server.llm_context.LLMContext` (shared client, tokenizer).
+        pool: the backend pool (a session without a job holds one backend, sticky, until it ends).
+        max_sessions: open sessions at most (``POST /sessions`` answers 429 beyond).
+        idle_timeout_s: an open session unused this long (seconds) expires (its tokens are kept for finalize).
+        keep_finished: ended sessions kept for ``finalize`` / status (oldest dropped first).
+        parser: tool-call parser name (:mod:`prorl_server.tool_parser`).
+
+    :meth:`start` (on a running loop) starts the janitor that expires idle sessions; :meth:`close` stops it and
+    ends every open session.
+    """
+
+    def __init__(self, llm: "LLMContext", pool: "BackendPool", *, max_sessions: int = 1024,
+                 idle_timeout_s: float = 900.0, keep_finished: int = 1024, parser: str = "hermes") -> None:
+        self.llm = llm
+        self.pool = pool
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.keep_finished = keep_finished
+        self.engine = TurnEngine(llm.client, parser)
+        self.parser = self.engine.parser
+        self.open: dict[str, Session] = {}
+        self.finished: "OrderedDict[str, Session]" = OrderedDict()
+        self.counters: dict[str, float] = {"sessions": 0, "requests": 0, "splits": 0, "expired": 0,
+                                           "rejected_sessions": 0}
+        self._janitor: Optional[asyncio.Task] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start expiring idle sessions (every ``idle_timeout_s / 4``, between 0.05 and 30 s). Idempotent."""
+        if self._janitor is None:
+            self._janitor = asyncio.get_running_loop().create_task(self._expire_forever(), name="gateway-janitor")
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(30.0, self.idle_timeout_s / 4)))
+            self.expire_idle()
+
+    async def close(self) -> None:
+        """Stop the janitor and end every open session (``expired``, ``server_shutdown``; tokens kept)."""
+        if self._janitor is not None:
+            self._janitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._janitor
+            self._janitor = None
+        for s in list(self.open.values()):
+            self._end(s, "expired", "server_shutdown")
+
+    def create_session(self, job: Optional["Job"] = None, metadata: Optional[dict[str, Any]] = None) -> Session:
+        """Open a session (bound to ``job``: its sticky backend; else one from the pool on first use).
+
+        Raises:
+            GatewayError: 429 when ``max_sessions`` are open.
+        """
+        if len(self.open) >= self.max_sessions:
+            self.counters["rejected_sessions"] += 1
+            raise GatewayError(429, f"{len(self.open)} sessions are open (max_sessions={self.max_sessions}); "
+                               "finalize or abort some", "too_many_sessions", type_="rate_limit_error")
+        s = Session(session_id="sess_" + uuid.uuid4().hex, key=secrets.token_urlsafe(32), job=job,
+                    metadata=dict(metadata or {}))
+        self.open[s.session_id] = s
+        self.counters["sessions"] += 1
+        return s
+
+    def lookup(self, session_id: str) -> Session:
+        """Raises GatewayError 404 for an unknown (or long forgotten) session."""
+        s = self.open.get(session_id) or self.finished.get(session_id)
+        if s is None:
+            raise GatewayError(404, f"no session {session_id!r} (never created, or expired and forgotten)",
+                               "unknown_session", type_="not_found_error")
+        return s
+
+    def authorize(self, ref: str, only: Optional[str] = None) -> Session:
+        """The session named by a capability ``ref`` (``{session_id}.{key}``); ``only``: the one session this
+        listener serves.
+
+        Raises:
+            GatewayError: 404 unknown session; 403 a key that is not this session's.
+        """
+        sid, _, key = ref.partition(".")
+        if only is not None and sid != only:
+            raise GatewayError(404, "this endpoint serves one other session only", "unknown_session",
+                               type_="not_found_error")
+        s = self.lookup(sid)
+        if not key or not hmac.compare_digest(key.encode(), s.key.encode()):
+            raise GatewayError(403, f"the key in the URL is not session {sid!r}'s", "invalid_session_key",
+                               type_="permission_error")
+        return s
+
+    def _end(self, s: Session, state: str, reason: str) -> None:
+        if not s.is_open:
+            return
+        s.state, s.end_reason = state, reason
+        if s.conv is not None and s.last_finish is not None:
+            s.conv.finish(s.last_finish)
+        if state == "aborted":
+            s.conv, s.done, s.history = None, [], []
+        self.open.pop(s.session_id, None)
+        self.finished[s.session_id] = s
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
+        if s.backend_key is not None:
+            self.pool.release(s.backend_key)
+        s.completed.set()
+
+    def complete(self, s: Session, reward_info: Optional[dict[str, Any]] = None) -> None:
+        """The agent says it is done (``POST .../complete``); the tokens stay for finalize.
+
+        Raises:
+            GatewayError: 409 the session has ended.
+        """
+        if not s.is_open:
+            raise GatewayError(409, f"session {s.session_id} has ended ({s.state})", "session_finished")
+        s.reward_info = reward_info
+        self._end(s, "completed", "complete")
+
+    def finalize(self, s: Session, reason: str = "finalize") -> dict[str, Any]:
+        """End the session (if open) and return :meth:`Session.result`. Idempotent.
+
+        Raises:
+            GatewayError: 409 the session was aborted (its tokens are gone).
+        """
+        self._end(s, "finalized", reason)
+        if s.state == "aborted":
+            raise GatewayError(409, f"session {s.session_id} was aborted; its tokens are gone", "session_aborted")
+        return s.result()
+
+    def abort(self, s: Session, reason: str = "abort") -> None:
+        """End the session and drop its tokens. Idempotent."""
+        self._end(s, "aborted", reason)
+
+    def expire_idle(self, now: Optional[float] = None) -> int:
+        """Expire open sessions idle longer than ``idle_timeout_s`` (not those inside a request, nor those of a
+        job: the job's timeout and cancellation bound them). Returns how many expired."""
+        now = time.monotonic() if now is None else now
+        stale = [s for s in self.open.values()
+                 if s.job is None and now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+        for s in stale:
+            self._end(s, "expired", "idle_timeout")
+        self.counters["expired"] += len(stale)
+        return len(stale)
+
+    # ------------------------------------------------------------------ generation
+    def backends(self, s: Session) -> BackendSource:
+        """Where ``s`` generates: its job (the job's sticky backend; its result records each turn), else a pool
+        assignment under the session's own key, held until the session ends."""
+        if s.job is not None:
+            return s.job
+        s.backend_key = f"gateway:{s.session_id}"
+        return PoolBackends(self.pool, s.backend_key)
+
+    async def model_card(self, s: Session) -> ModelInfo:
+        """The model ``s``'s backend serves (``GET .../v1/models``).
+
+        Raises:
+            GatewayError: 503 no backend answers.
+        """
+        try:
+            b = await self.backends(s).acquire(frozenset())
+            return await self.llm.client.model_info(b.address)
+        except Exception as e:
+            raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
+
+    async def chat(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
+        """Answer one Chat Completions request of session ``s`` (serialised per session).
+
+        Returns:
+            ``(answer, backend_http_s)``: the ``chat.completion`` object and the seconds this turn spent in
+            HTTP exchanges with the backend (all attempts).
+
+        Raises:
+            GatewayError: 409 session ended; 400 context full or backend refusal; 503 no backend.
+        """
+        async with s.lock:
+            if not s.is_open:
+                raise GatewayError(409, f"session {s.session_id} has ended ({s.state}: {s.end_reason})",
+                                   "session_finished")
+            t0 = time.perf_counter()
+            s.last_used = time.monotonic()
+            s.counters["requests"] += 1
+            self.counters["requests"] += 1
+            source = self.backends(s)
+            try:
+                backend = await source.acquire(frozenset())
+                tok = await self.llm.tokenizer(backend)
+                info = await self.llm.client.model_info(backend.address)
+            except (NoBackendError, LLMUnavailableError) as e:
+                raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
+            await self._advance(s, req, tok, info.max_model_len)
+            conv = s.conv
+            assert conv is not None
+
+            def still_open(_: Completion) -> None:
+                if not s.is_open:  # aborted or finalized while generating: the turn is not recorded
+                    raise GatewayError(409, f"session {s.session_id} ended while this turn was generated "
+                                       f"({s.state})", "session_finished")
+
+            t_llm = time.perf_counter()
+            try:
+                turn = await self.engine.turn(conv, source, max_tokens=req.max_tokens, sampling_params=req.sampling,
+                                              parse=req.parse_tools, accept=still_open)
+            except ContextFullError as e:
+                raise GatewayError(400, str(e), "context_length_exceeded") from None
+            except LLMUnavailableError as e:
+                raise GatewayError(503, str(e), "backend_unavailable", type_="server_error") from None
+            except LLMRequestError as e:
+                raise GatewayError(400, f"the backend refused the request: {e}", "backend_rejected") from None
+            finally:
+                if not s.is_open and s.backend_key is not None:  # ended meanwhile: a retry may have re-acquired
+                    self.pool.release(s.backend_key)
+            comp = turn.completion
+            llm_s = time.perf_counter() - t_llm
+            s.awaiting = False
+            s.last_finish = comp.finish_reason
+            message, finish = assistant_message(turn.message["content"], turn.parsed, comp.finish_reason)
+            s.history.append(normalize_message(message, len(s.history)))
+            s.counters["generated_tokens"] += len(comp.token_ids)
+            s.counters["llm_s"] += llm_s
+            s.counters["backend_http_s"] += comp.http_s
+            s.counters["gateway_s"] += time.perf_counter() - t0 - llm_s
+            s.last_used = time.monotonic()
+            logprobs = (token_logprobs(tok.convert_ids_to_tokens(comp.token_ids), comp.logprobs)
+                        if req.logprobs else None)
+            answer = chat_completion(message, finish, model=info.id,
+                                     prompt_tokens=conv.num_tokens - len(comp.token_ids),
+                                     completion_tokens=len(comp.token_ids), logprobs=logprobs)
+            return answer, comp.http_s
+
+    async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
+        """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split."""
+        messages = req.messages
+        reason: Optional[str] = None
+        if s.conv is not None:
+            if req.tools != s.tools:
+                reason = "tools_changed: the request's tools differ from the session's"
+            else:
+                reason = describe_divergence(s.history, messages)
+            if reason is None:
+                new = messages[len(s.history):]
+                if not new:
+                    if s.awaiting:
+                        return  # a retry after a failed generation: the same prompt again
+                    raise GatewayError(400, "no new message after the assistant's last answer",
+                                       "invalid_messages", "messages")
+                if s.awaiting:
+                    reason = "unanswered_messages: new messages after messages that were never answered"
+                else:
+                    before = s.conv.num_tokens
+                    if not await s.conv.add_messages(new):
+                        raise GatewayError(400, "the new messages do not fit in the model's context",
+                                           "context_length_exceeded", "messages")
+                    s.history.extend(new)
+                    s.awaiting = True
+                    s.counters["prompt_tokens_added"] += s.conv.num_tokens - before
+                    return
+            # split: close the current conversation's last segment with the reason
+            trajs = s.conv.trajectories() if s.conv.num_turns else []
+            if trajs:
+                trajs[-1].finish_reason = "split"
+                trajs[-1].split_reason = reason
+                s.done.extend(trajs)
+            s.split_reasons.append(reason)
+            s.counters["splits"] += 1
+            self.counters["splits"] += 1
+            s.conv = None
+        try:
+            s.conv = await self.engine.start(tok, messages, caps=(max_model_len,), tools=req.tools)
+        except ContextUnknownError as e:
+            raise GatewayError(500, str(e), "no_context_length", type_="server_error") from None
+        except ContextLengthError as e:
+            raise GatewayError(400, str(e), "context_length_exceeded", "messages") from None
+        except Exception as e:  # the chat template refused these messages (e.g. roles out of order)
+            raise GatewayError(400, f"the model's chat template cannot render these messages: "
+                               f"{type(e).__name__}: {e}", "invalid_messages", "messages") from None
+        s.history = list(messages)
+        s.tools = req.tools
+        s.awaiting = True
+        s.counters["prompt_tokens_added"] += s.conv.num_tokens
+
+    # ------------------------------------------------------------------ per-session listener
+    async def serve_unix(self, session: Session, path: str,
+                         owner: Optional[tuple[int, int]] = None) -> web.AppRunner:
+        """Serve ``session``'s agent routes (and nothing else) on a Unix socket at ``path``, mode 0700: only
+        its owner connects (the server's user, or ``owner`` = ``(uid, gid)``, the sandbox's user when a root
+        server runs its sandboxes as another uid; the socket is chowned to it). Put it in a 0700 directory of
+        that user too. Returns the runner; ``await runner.cleanup()`` stops it."""
+        runner = web.AppRunner(agent_app(self, session.session_id), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.UnixSite(runner, path)
+        await site.start()
+        os.chmod(path, 0o700)
+        if owner is not None:
+            os.chown(path, *owner)
+        return runner
