@@ -354,11 +354,15 @@ class Conversation:
         # if it only reformats them, split if it drops some of them or changes what came before.
         hist = render(ctx, add_generation_prompt=False)
         reason = None
-        if not text.startswith(hist):
+        appends = text.startswith(hist)
+        squashed = _squash(text[len(hist):] if appends else text)
+        shown = [p.content] if appends else [m["content"] for m in self.messages[self._win_start:p.index + 1]
+                                             if id(m) in self._generated] + [p.content]
+        if not all(_squash(c) in squashed for c in shown):
+            reason = "template_drops_generated_text: the template leaves out text the model generated " \
+                     f"({self.tok.family.rewrites_history or 'e.g. its reasoning'})"
+        elif not appends:
             reason = "template_not_append_only: the new rendering changes text before the latest turn"
-        elif _squash(p.content) not in _squash(text[len(hist):]):
-            reason = "template_drops_generated_text: the template leaves out text the model generated in the " \
-                     f"latest turn ({self.tok.family.rewrites_history or 'e.g. its reasoning'})"
         else:
             delta = self._continuation(new, p)
             if delta is None:

@@ -8,9 +8,14 @@ Qwen2.5-style tool support (``tools=`` renders the JSON schemas into the system 
 written with ``save_pretrained`` so ``AutoTokenizer`` / ``AutoModelForCausalLM`` / vLLM load the directory
 like any hub model.
 
+``template=`` builds a *family test model* instead: the same kind of tokenizer and weights carrying one of the
+published chat templates bundled in :mod:`prorl_server.chat_templates` (``qwen2_5``, ``qwen3``, ``llama3_1``,
+``llama3_2``, ``mistral_v3_tekken``, ``mistral_v7_tekken``, ``gemma3``, ``deepseekv3``), with that family's
+markers as single tokens and its end-of-turn token as ``eos_token`` (and the model's stop tokens).
+
 Usage::
 
-    python -m prorl_server.tiny_model --out DIR [--force]
+    python -m prorl_server.tiny_model --out DIR [--force] [--template NAME]
 
 Measured here: ~10 s on 2 cores, ~5 MB on disk.
 """
@@ -25,6 +30,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -112,15 +118,11 @@ def stdlib_sources(max_bytes: int) -> Iterator[str]:
             return
 
 
-def build_tokenizer(vocab_size: int = 4096, corpus_bytes: int = 6_000_000, model_max_length: int = 16384):
-    """Train a byte-level BPE on stdlib sources and wrap it as a ``PreTrainedTokenizerFast``.
-
-    Returns:
-        transformers.PreTrainedTokenizerFast with ChatML special tokens, the tool-call added tokens and
-        :data:`CHAT_TEMPLATE`; ``eos_token`` is ``<|im_end|>`` (the end of an assistant turn).
-    """
+@lru_cache(maxsize=4)
+def _trained_bpe(vocab_size: int, corpus_bytes: int) -> str:
+    """The trained byte-level BPE as ``tokenizers`` JSON (trained once per process and size: every family
+    test model shares it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -132,17 +134,54 @@ def build_tokenizer(vocab_size: int = 4096, corpus_bytes: int = 6_000_000, model
         show_progress=False,
     )
     tok.train_from_iterator(stdlib_sources(corpus_bytes), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tokenizer(vocab_size: int = 4096, corpus_bytes: int = 6_000_000, model_max_length: int = 16384,
+                    template: Optional[str] = None):
+    """Train a byte-level BPE on stdlib sources and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        template: None: the ChatML tokenizer below; else a bundled template name
+            (:func:`prorl_server.chat_templates.load_template`): its family's markers are added as single tokens
+            (special, except the hermes tool tags and ``<think>`` tags, which Qwen keeps as plain added tokens).
+
+    Returns:
+        transformers.PreTrainedTokenizerFast. Default: ChatML special tokens, the tool-call added tokens and
+        :data:`CHAT_TEMPLATE`; ``eos_token`` is ``<|im_end|>`` (the end of an assistant turn). With
+        ``template``: that template, ``eos_token``/``bos_token`` its family's.
+
+    Raises:
+        ValueError: unknown ``template``.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if template is not None:
+        from prorl_server.chat_templates import TEMPLATE_FAMILY, family_spec, load_template
+
+        text = load_template(template)
+        spec = family_spec(TEMPLATE_FAMILY[Path(template).stem + ".jinja"])
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size, corpus_bytes))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
+        eos_token="<|im_end|>" if template is None else spec.eos,
+        bos_token=None if template is None else spec.bos,
         pad_token="<|endoftext|>",
         unk_token=None,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
-    fast.add_tokens(ADDED_TOKENS, special_tokens=False)
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    fast.chat_template = CHAT_TEMPLATE
+    if template is None:
+        fast.add_tokens(ADDED_TOKENS, special_tokens=False)
+        fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+        fast.chat_template = CHAT_TEMPLATE
+        return fast
+    plain = [m for m in spec.markers if m in ADDED_TOKENS or m in ("<think>", "</think>")]
+    special = [m for m in spec.markers if m not in plain and m != "<|endoftext|>"]
+    fast.add_tokens(plain, special_tokens=False)
+    fast.add_special_tokens({"additional_special_tokens": special})
+    fast.chat_template = text
     return fast
 
 
@@ -154,6 +193,7 @@ def build_model(tokenizer, *, hidden_size: int = 128, num_layers: int = 2, num_h
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     vocab = len(tokenizer)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in [tokenizer.eos_token, *_extra_stops(tokenizer)]]
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden_size,
@@ -164,8 +204,8 @@ def build_model(tokenizer, *, hidden_size: int = 128, num_layers: int = 2, num_h
         max_position_embeddings=max_position_embeddings,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.bos_token or "<|endoftext|>"),
+        eos_token_id=stops[0],
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         torch_dtype="float32",
     )
@@ -173,15 +213,25 @@ def build_model(tokenizer, *, hidden_size: int = 128, num_layers: int = 2, num_h
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
-        eos_token_id=[config.eos_token_id, config.bos_token_id],
+        eos_token_id=[*stops, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=config.pad_token_id,
     )
     return model
 
 
+def _extra_stops(tokenizer) -> list[str]:
+    """Tokens besides ``eos_token`` that end a turn in the tokenizer's template family (Llama's ``<|eom_id|>``)."""
+    from prorl_server.chat_templates import detect_family, family_spec
+
+    spec = family_spec(detect_family(tokenizer.chat_template))
+    return [t for t in spec.extra_stop if t in tokenizer.get_vocab()]
+
+
 def build(out: os.PathLike | str, *, force: bool = False, vocab_size: int = 4096,
-          max_position_embeddings: int = 16384) -> Path:
+          max_position_embeddings: int = 16384, template: Optional[str] = None) -> Path:
     """Build the tiny model + tokenizer into ``out`` (reused if a complete build is already there).
+
+    ``template``: a bundled chat template name for a family test model (see :func:`build_tokenizer`).
 
     Returns:
         The output directory. A ``prorl_tiny_model.json`` marker with the build parameters is written last, so
@@ -192,6 +242,8 @@ def build(out: os.PathLike | str, *, force: bool = False, vocab_size: int = 4096
     out.parent.mkdir(parents=True, exist_ok=True)
     marker = out / "prorl_tiny_model.json"
     params = {"vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings, "format": 1}
+    if template is not None:
+        params["template"] = template
     if not force and marker.exists():
         try:
             if json.loads(marker.read_text()) == params:
@@ -199,7 +251,7 @@ def build(out: os.PathLike | str, *, force: bool = False, vocab_size: int = 4096
         except (ValueError, OSError):
             pass
     t0 = time.monotonic()
-    tokenizer = build_tokenizer(vocab_size=vocab_size, model_max_length=max_position_embeddings)
+    tokenizer = build_tokenizer(vocab_size=vocab_size, model_max_length=max_position_embeddings, template=template)
     model = build_model(tokenizer, max_position_embeddings=max_position_embeddings)
     # A new directory appears atomically (built aside, then renamed), so concurrent test sessions sharing
     # a cache directory never load a half-written model; an existing directory is overwritten in place.
@@ -223,11 +275,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--max-position-embeddings", type=int, default=16384)
+    ap.add_argument("--template", default=None, help="bundled chat template of a family test model (e.g. qwen3)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
     path = build(args.out, force=args.force, vocab_size=args.vocab_size,
-                 max_position_embeddings=args.max_position_embeddings)
+                 max_position_embeddings=args.max_position_embeddings, template=args.template)
     print(f"{path} ({time.monotonic() - t0:.1f} s)")
     return 0
 
