@@ -5,16 +5,26 @@ the expression with a safe AST walker (numbers, + - * / // % **, unary +/-, pare
 ``eval`` gives reward 1.0 when the value equals ``answer`` (within 1e-9 relative), else 0.0. Without
 ``answer`` the reward is 0.0 and the value is reported in ``extra["value"]``.
 
+An instance of ``--dataset arithmetic`` may be named by id alone: ``{"data_source": "arithmetic",
+"instance_id": "arith-<seed>-<i>"}`` is the i-th instance of that seed's sample (:func:`load_dataset`).
+A malformed instance (no ``expression`` string, a non-numeric ``answer``) is refused at submit (HTTP 422).
+
 Raises (inside ``run``): ``ValueError`` for anything that is not a plain arithmetic expression; the pipeline
 turns it into a result with ``critical_error="run"``.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import operator
+import random
+import re
+from typing import Any, Optional
 
-from prorl_server.plugin.handler import AgentHandler
+from pydantic import BaseModel, ConfigDict, Field
+
+from prorl_server.plugin import AgentHandler
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -64,16 +74,29 @@ def evaluate(expression: str) -> float:
         raise ValueError("expression nested too deeply") from None
 
 
+class ArithmeticInstance(BaseModel):
+    """``{"data_source": "arithmetic", "expression": str, "answer"?: number}``; other keys are allowed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    expression: str = Field(description="a plain arithmetic expression")
+    answer: Optional[float] = Field(default=None, allow_inf_nan=False,
+                                    description="the expected value (none: reward 0.0)")
+
+
 class ArithmeticHandler(AgentHandler):
     name = "arithmetic"
     aliases = ("calc",)
     needs_llm = False
+    instance_model = ArithmeticInstance
+
+    def instance_by_id(self, instance_id: str) -> Optional[dict[str, Any]]:
+        """``arith-<seed>-<i>``: the i-th instance of ``load_dataset("arithmetic", seed=<seed>)``."""
+        m = re.fullmatch(r"arith-(\d{1,9})-(\d{1,4})", instance_id)
+        return None if m is None else _sample(int(m[1]))[int(m[2])]
 
     async def init(self, job) -> None:
-        expr = job.instance.get("expression")
-        if not isinstance(expr, str):
-            raise ValueError("instance.expression must be a string")
-        job.messages = [{"role": "user", "content": expr}]
+        job.messages = [{"role": "user", "content": job.instance["expression"]}]
 
     async def run(self, job) -> None:
         value = evaluate(job.instance["expression"])
@@ -91,10 +114,15 @@ class ArithmeticHandler(AgentHandler):
         job.reward = 1.0 if job.resolved else 0.0
 
 
+@functools.lru_cache(maxsize=4)
+def _sample(seed: int) -> tuple[dict[str, Any], ...]:
+    """The 10,000 instances of one seed, made once (~0.13 s): ids are resolved at submit, on the event loop,
+    so a request must not regenerate up to 10,000 instances each time."""
+    return tuple(load_dataset(None, limit=10000, seed=seed))
+
+
 def load_dataset(arg=None, limit=None, seed: int = 0) -> list[dict]:
     """A seeded sample of arithmetic instances (``limit`` of them, default 16) with their true answers."""
-    import random
-
     rng = random.Random(seed)
     out = []
     for i in range(limit or 16):

@@ -1,4 +1,8 @@
-"""Server settings: defaults < config file (YAML or TOML) < environment (``PRORL_TOKEN``) < command-line flags."""
+"""Server settings: defaults < config file (YAML or TOML) < environment (``PRORL_TOKEN``) < command-line flags.
+
+The ``handlers`` section holds each handler's own settings (``handlers: {code: {max_turns: 12}}``), validated
+against that handler's ``settings_model`` (:meth:`prorl_server.plugin.HandlerRegistry.configure`).
+"""
 from __future__ import annotations
 
 import os
@@ -9,6 +13,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from prorl_server.plugin.registry import default_registry
 from prorl_server.tool_parser import PARSERS
 
 
@@ -58,6 +63,9 @@ class ServerSettings(BaseModel):
                                      "generated text (prorl_server.tool_parser.PARSERS)")
     cpu_workers: Optional[int] = Field(default=None, ge=1, description="processes of the pool that runs "
                                        "CPU-bound scoring off the event loop; default min(4, CPU count)")
+    handlers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="each handler's own "
+                                                 "settings by handler name, e.g. {code: {max_turns: 12}}: the "
+                                                 "keys of its settings_model (see the README's Handlers part)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "
@@ -103,8 +111,13 @@ def build_settings(file: Optional[str] = None, overrides: Optional[dict[str, Any
     """Merge the layers: defaults, then ``file``, then ``PRORL_TOKEN``, then ``overrides`` (flags; None
     values are ignored so an unset flag never hides the file's value).
 
+    A ``handlers`` section is checked against the handlers the server would serve (the process-wide
+    registry with every entry-point handler), so a misspelt handler or setting stops the server at startup.
+
     Raises:
         pydantic.ValidationError: a setting has the wrong type or range, or is unknown.
+        prorl_server.plugin.HandlerSettingsError: a ``handlers`` section names an unknown handler or setting,
+            or has a bad value.
     """
     data: dict[str, Any] = load_config_file(file) if file else {}
     if os.environ.get("PRORL_TOKEN"):
@@ -112,4 +125,8 @@ def build_settings(file: Optional[str] = None, overrides: Optional[dict[str, Any
     for k, v in (overrides or {}).items():
         if v is not None:
             data[k] = v
-    return ServerSettings.model_validate(data)
+    settings = ServerSettings.model_validate(data)
+    if settings.handlers:
+        default_registry.load_entry_points()
+        default_registry.configure(settings.handlers)
+    return settings

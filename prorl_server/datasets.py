@@ -1,27 +1,47 @@
 """Dataset specs for ``prorl-run``: a name (``arithmetic``, ``humaneval``, ``reasoning-gym:<task>``) or a path
 to a JSONL file with one instance (a JSON object with ``data_source``) per line.
 
-Named datasets come from loaders that live beside their handlers; :data:`LOADERS` maps a name (the part before
-``:``) to ``"module:function"``, called as ``fn(arg, limit=..., seed=...) -> list[dict]``.
+Named datasets are plugins, like handlers: a Python entry point in the group ``prorl_server.datasets``
+(``humaneval = handlers.code.data:load_dataset``) names a loader, called as
+``fn(arg, limit=..., seed=...) -> list[dict]`` with ``arg`` the part of the spec after ``:`` (or None). A
+loader raises :class:`DatasetError` for an argument it cannot load. Naming a problem by ``instance_id`` alone
+in a request is the handler's business (``AgentHandler.instance_by_id``), not this module's.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 import json
-import re
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-LOADERS: dict[str, str] = {
-    "arithmetic": "handlers.arithmetic:load_dataset",
-    "humaneval": "handlers.code.data:load_dataset",
-    "reasoning-gym": "handlers.math.data:load_dataset",
-}
+ENTRY_POINT_GROUP = "prorl_server.datasets"
+
+Loader = Callable[..., list[dict[str, Any]]]
 
 
 class DatasetError(ValueError):
     """The dataset spec names nothing loadable, or a file holds a malformed instance."""
+
+
+def dataset_names() -> list[str]:
+    """The names of the datasets registered in the ``prorl_server.datasets`` entry-point group."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def dataset_loader(name: str) -> Loader:
+    """The loader registered under ``name``.
+
+    Raises:
+        DatasetError: no dataset of that name is registered, or its entry point does not import.
+    """
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        raise DatasetError(f"unknown dataset {name!r}: use one of {dataset_names()} "
+                           "(reasoning-gym takes reasoning-gym:<task>) or a path to a .jsonl file")
+    try:
+        return found[0].load()
+    except Exception as e:
+        raise DatasetError(f"dataset {name!r} ({found[0].value}) cannot be loaded: {type(e).__name__}: {e}") from e
 
 
 def load_dataset(spec: str, limit: Optional[int] = None, seed: int = 0) -> list[dict[str, Any]]:
@@ -34,12 +54,7 @@ def load_dataset(spec: str, limit: Optional[int] = None, seed: int = 0) -> list[
     if spec.endswith(".jsonl") or path.is_file():
         return _load_jsonl(path, limit)
     name, _, arg = spec.partition(":")
-    target = LOADERS.get(name)
-    if target is None:
-        raise DatasetError(f"unknown dataset {spec!r}: use one of {sorted(LOADERS)} "
-                           "(reasoning-gym takes reasoning-gym:<task>) or a path to a .jsonl file")
-    module, _, fn = target.partition(":")
-    instances = getattr(importlib.import_module(module), fn)(arg or None, limit=limit, seed=seed)
+    instances = dataset_loader(name)(arg or None, limit=limit, seed=seed)
     return instances[:limit] if limit is not None else instances
 
 
@@ -62,64 +77,3 @@ def _load_jsonl(path: Path, limit: Optional[int]) -> list[dict[str, Any]]:
             if limit is not None and len(out) >= limit:
                 break
     return out
-
-
-# ------------------------------------------------------------------------------ instances by id
-
-#: Shipped datasets whose problems a request may name by ``instance_id`` alone: data source (handler name or
-#: alias) -> (the content keys an inline instance carries, ``"module:function"`` that maps an id to the
-#: shipped instance or None).
-BY_ID: dict[str, tuple[tuple[str, ...], str]] = {
-    "code": (("prompt", "tests", "entry_point"), "prorl_server.datasets:_humaneval_by_id"),
-    "humaneval": (("prompt", "tests", "entry_point"), "prorl_server.datasets:_humaneval_by_id"),
-    "arithmetic": (("expression",), "prorl_server.datasets:_arithmetic_by_id"),
-}
-
-
-def resolve_instance(instance: dict[str, Any]) -> dict[str, Any]:
-    """``instance`` completed from its data source's shipped dataset when it names a problem only by id.
-
-    An instance of a :data:`BY_ID` data source that has an ``instance_id`` but none of the content keys gets
-    the shipped problem's fields; keys the request sets (``max_turns``, ...) win. Any other instance is
-    returned unchanged (inline problems are the handler's to check), and so is one whose id is not in the
-    shipped dataset: its handler refuses it as an invalid instance (``failure_kind="invalid_instance"`` in a
-    200 result, like any other malformed problem), since the request itself fits the schema.
-    """
-    entry = BY_ID.get(instance.get("data_source"))  # type: ignore[arg-type]
-    iid = instance.get("instance_id")
-    if entry is None or not isinstance(iid, str) or any(k in instance for k in entry[0]):
-        return instance
-    module, _, fn = entry[1].partition(":")
-    shipped = getattr(importlib.import_module(module), fn)(iid)
-    return instance if shipped is None else {**shipped, **instance}
-
-
-def _humaneval_by_id(instance_id: str) -> Optional[dict[str, Any]]:
-    from handlers.code.data import to_instance
-
-    problem = _humaneval().get(instance_id)
-    return None if problem is None else to_instance(problem)
-
-
-@functools.lru_cache(maxsize=1)
-def _humaneval() -> dict[str, dict[str, Any]]:
-    from handlers.code.data import humaneval_problems
-
-    return humaneval_problems()
-
-
-def _arithmetic_by_id(instance_id: str) -> Optional[dict[str, Any]]:
-    """``arith-<seed>-<i>``: the i-th instance of ``load_dataset("arithmetic", seed=<seed>)``."""
-    m = re.fullmatch(r"arith-(\d{1,9})-(\d{1,4})", instance_id)
-    if m is None:
-        return None
-    return _arithmetic(int(m[1]))[int(m[2])]
-
-
-@functools.lru_cache(maxsize=4)
-def _arithmetic(seed: int) -> tuple[dict[str, Any], ...]:
-    """The 10,000 instances of one seed, made once (~0.13 s): ids are resolved during request validation, on
-    the event loop, so a request must not regenerate up to 10,000 instances each time."""
-    from handlers.arithmetic import load_dataset as arithmetic
-
-    return tuple(arithmetic(None, limit=10000, seed=seed))

@@ -146,9 +146,10 @@ _INSTANCE_SCHEMA = {
 class ProcessRequest(BaseModel):
     """Body of ``POST /process`` and ``POST /jobs``.
 
-    ``instance`` must carry ``data_source`` (the handler name or an alias); one that names a shipped
-    dataset's problem only by ``instance_id`` (``{"data_source": "code", "instance_id": "HumanEval/0"}``) is
-    completed from that dataset (:func:`prorl_server.datasets.resolve_instance`). ``sampling_params``: see
+    ``instance`` must carry ``data_source`` (the handler name or an alias). At submit its handler completes
+    one that names a shipped problem only by ``instance_id`` (``{"data_source": "code", "instance_id":
+    "HumanEval/0"}``) and validates it against its instance model (``AgentHandler.prepare_instance``: a
+    malformed instance is a 422 naming ``instance.<field>``). ``sampling_params``: see
     :class:`SamplingParams` (unknown names are refused; aliases are renamed to vLLM's names).
     ``timeout_s`` bounds the counted time (init + run + eval, queue waits excluded), in seconds: a finite
     JSON number in (0, :data:`MAX_TIMEOUT_S`].
@@ -172,9 +173,7 @@ class ProcessRequest(BaseModel):
         ds = v.get("data_source")
         if not isinstance(ds, str) or not ds:
             raise ValueError("instance.data_source must be a non-empty string naming a handler")
-        from prorl_server.datasets import resolve_instance
-
-        return resolve_instance(v)
+        return v
 
     @model_validator(mode="after")
     def _agent_limits_into_instance(self) -> "ProcessRequest":

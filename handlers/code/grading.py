@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from prorl_server.plugin.handler import InfrastructureError, InvalidInstanceError
+from prorl_server.plugin import InfrastructureError, InvalidInstanceError
 from handlers.code import plain
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from prorl_server.plugin import DatasetError
+
 DEFAULT_TASK = "gsm_symbolic"
 
 
@@ -45,6 +47,4 @@ def load_dataset(arg: Optional[str] = None, limit: Optional[int] = None, seed: i
     try:
         return load_reasoning_gym(arg, limit=limit, seed=seed)
     except ValueError as e:
-        from prorl_server.datasets import DatasetError
-
         raise DatasetError(str(e)) from None

@@ -12,39 +12,73 @@
 """
 from __future__ import annotations
 
-from prorl_server.plugin.handler import AgentHandler
+from typing import Annotated, Any, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
 from handlers.math.scoring import score
-from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from prorl_server.cpu_pool import CpuTimeoutError
+from prorl_server.plugin import AgentConfig, AgentHandler
+from prorl_server.plugin.toolkit import run_agent, sandbox_tools
+from sandbox import Limits, SandboxSpec
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "
                  "Call finish with your final answer written as \\boxed{...}.")
 
 
+DEFAULT_MAX_TURNS = 6
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError("must be a string or a number")
+    return value
+
+
+Scalar = Annotated[Any, AfterValidator(_scalar)]
+
+
+class MathInstance(BaseModel):
+    """``{"data_source": "math", "question", "answer"}`` (strings or numbers), ``rg_entry`` for a
+    reasoning-gym problem, optional ``max_turns``; other keys are allowed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    question: Scalar = Field(description="the problem the model sees")
+    answer: Scalar = Field(description="the gold answer (math-verify parses it)")
+    rg_entry: Optional[dict[str, Any]] = Field(default=None, description="reasoning-gym's entry: scored with "
+                                               "that task's own score_answer")
+    max_turns: Optional[int] = Field(default=None, ge=1, description="agent turns (default: the setting)")
+
+
+class MathSettings(BaseModel):
+    """The ``math`` handler's settings (``handlers: {math: {...}}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(default=DEFAULT_MAX_TURNS, ge=1, description="agent turns for an instance that "
+                           "sets none")
+
+
 class MathHandler(AgentHandler):
-    """Instance: ``{"data_source": "math", "question": str, "answer": str}`` (+ ``rg_entry`` for
-    reasoning-gym problems); optional ``max_turns`` (default 6)."""
+    """Instance: :class:`MathInstance`; optional ``max_turns`` (default: the ``max_turns`` setting, 6)."""
 
     name = "math"
     aliases = ("reasoning_gym", "reasoning-gym")
     needs_llm = True
+    instance_model = MathInstance
+    settings_model = MathSettings
 
     async def init(self, job) -> None:
-        from sandbox import Limits, SandboxSpec
-
-        for key in ("question", "answer"):
-            if not isinstance(job.instance.get(key), (str, int, float)):
-                raise ValueError(f"math instance needs {key!r} (have: {sorted(job.instance)})")
         job.state["sandbox"] = await job.open_sandbox(
             SandboxSpec(network="none", limits=Limits(max_processes=256, max_memory_bytes=8 << 30)))
 
     async def run(self, job) -> None:
-        from prorl_server.agent_loop import AgentConfig
-
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": str(job.instance["question"])}]
+        max_turns = job.instance.get("max_turns") or self.settings.max_turns
         result = await run_agent(job, messages, sandbox_tools(job.state["sandbox"], ("ipython", "think")),
-                                 AgentConfig(max_turns=int(job.instance.get("max_turns", 6))))
+                                 AgentConfig(max_turns=int(max_turns)))
         final = (result.answer or {}).get("answer") if result.answer else None
         if final is None:
             final = next((m.get("content") or "" for m in reversed(result.messages)

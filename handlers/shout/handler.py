@@ -24,9 +24,10 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.plugin.handler import AgentHandler, InvalidInstanceError
+from prorl_server.conversation import Conversation
+from prorl_server.plugin import AgentHandler
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -58,18 +59,12 @@ class ShoutHandler(AgentHandler):
 
     name = "shout"
     needs_llm = True
+    instance_model = ShoutInstance  # a malformed instance is refused at submit (422)
 
     async def init(self, job) -> None:
-        try:
-            job.state["instance"] = ShoutInstance.model_validate(job.instance)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err.get("loc", ())) or "instance"
-            raise InvalidInstanceError(f"shout instance field {field!r}: {err.get('msg')}") from None
+        job.state["instance"] = ShoutInstance.model_validate(job.instance)
 
     async def run(self, job) -> None:
-        from prorl_server.conversation import Conversation
-
         inst: ShoutInstance = job.state["instance"]
         if job.llm is None:
             raise RuntimeError("this server has no LLM context")

@@ -15,7 +15,7 @@ Instance::
 - init: a sandbox (no network) with a private, writable copy of the repository at ``<workdir>/repo``.
 - run: the agent loop with ``bash`` and ``str_replace_editor``; then the patch is taken with
   ``git add -A && git diff --cached --binary`` against the starting commit.
-- eval, on a clean test harness (issue 14): a FRESH sandbox and a fresh copy; ``git apply`` the patch; every
+- eval, on a clean test harness: a FRESH sandbox and a fresh copy; ``git apply`` the patch; every
   path it touched that decides how tests run (see :mod:`handlers.swe.harness`: tests, conftest and
   configuration files, import hooks, files added outside a package) is restored from the base commit; then the
   hidden test files and the test patch; then pytest runs the named test files under
@@ -32,13 +32,16 @@ import asyncio
 import importlib.resources
 import secrets
 import shlex
-from typing import Any
+from typing import Any, Optional
 
-from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
                                   parse_status, read_report, file_of_test, report_statuses)
 from handlers.swe.run_tests import TIMEOUT_EXIT
+from prorl_server.plugin import AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
+from sandbox import Limits, SandboxSpec, ToolError
 
 REPO_SRC = "/repo_src"
 DEFAULT_TEST_COMMAND = "python -m pytest"
@@ -56,11 +59,45 @@ _RUNNER_SOURCE = importlib.resources.files("handlers.swe").joinpath(RUNNER_NAME)
 _STATUS = "git status --porcelain=v1 -z --untracked-files=all --ignored=traditional --no-renames"
 SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a git repository. Inspect the code, make the "
                  "smallest correct change, optionally run the tests, then call finish.")
+DEFAULT_MAX_TURNS = 20
+DEFAULT_EVAL_TIMEOUT_S = 600.0
+
+
+class SweInstance(BaseModel):
+    """A ``swe`` instance (see the module docstring); other keys are allowed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    problem_statement: str = ""
+    repo: Optional[str] = Field(default=None, description="host path of a git repository (bubblewrap/local)")
+    repo_path: Optional[str] = Field(default=None, description="the repository's path inside image")
+    image: Optional[str] = None
+    test_command: Optional[str] = Field(default=None, description="a pytest invocation (default "
+                                        f"{DEFAULT_TEST_COMMAND!r})")
+    test_files: Optional[dict[str, str]] = Field(default=None, description="hidden test files written at eval")
+    test_patch: Optional[str] = None
+    FAIL_TO_PASS: list[str] = Field(default_factory=list, description="test ids that must pass")
+    PASS_TO_PASS: list[str] = Field(default_factory=list, description="test ids that must keep passing")
+    max_turns: Optional[int] = Field(default=None, ge=1)
+    eval_timeout_s: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _has_repository(self) -> "SweInstance":
+        if not self.repo and not self.repo_path:
+            raise ValueError("swe instance needs 'repo' (host path) or 'repo_path' (path inside the image)")
+        return self
+
+
+class SweSettings(BaseModel):
+    """The ``swe`` handler's settings (``handlers: {swe: {...}}``): defaults for instances that set none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(default=DEFAULT_MAX_TURNS, ge=1)
+    eval_timeout_s: float = Field(default=DEFAULT_EVAL_TIMEOUT_S, gt=0, description="the test run's limit, s")
 
 
 def _spec(instance: dict[str, Any]) -> Any:
-    from sandbox import Limits, SandboxSpec
-
     binds = [(instance["repo"], REPO_SRC, True)] if instance.get("repo") else []
     return SandboxSpec(image=instance.get("image"), binds=binds, network="none",
                        limits=Limits(max_processes=512, max_memory_bytes=8 << 30))
@@ -81,34 +118,29 @@ async def _checkout(handle, instance: dict[str, Any]) -> str:
 
 
 class SweHandler(AgentHandler):
-    """See the module docstring for the instance format; optional ``max_turns`` (default 20) and
-    ``eval_timeout_s`` (default 600)."""
+    """Instance: :class:`SweInstance` (see the module docstring); optional ``max_turns`` and
+    ``eval_timeout_s`` override the settings (:class:`SweSettings`: 20 turns, 600 s)."""
 
     name = "swe"
     aliases = ("swe_gym", "r2e_gym")
     needs_llm = True
+    instance_model = SweInstance
+    settings_model = SweSettings
 
     async def init(self, job) -> None:
         inst = job.instance
-        if not inst.get("repo") and not inst.get("repo_path"):
-            raise ValueError("swe instance needs 'repo' (host path) or 'repo_path' (path inside the image)")
-        for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
-            if not isinstance(inst.get(key, []), list):
-                raise ValueError(f"swe instance field {key} must be a list of test ids")
         handle = await job.open_sandbox(_spec(inst))
         job.state["base_commit"] = await _checkout(handle, inst)
         job.state["sandbox"] = handle
 
     async def run(self, job) -> None:
-        from prorl_server.agent_loop import AgentConfig
-
         handle = job.state["sandbox"]
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": "The repository is in ./repo (bash starts in its parent "
                      f"directory). Fix this issue:\n\n{job.instance.get('problem_statement', '')}"}]
         try:
             await run_agent(job, messages, sandbox_tools(handle, ("bash", "str_replace_editor")),
-                            AgentConfig(max_turns=int(job.instance.get("max_turns", 20))))
+                            AgentConfig(max_turns=int(job.instance.get("max_turns") or self.settings.max_turns)))
         finally:
             job.state["patch"], job.state["patch_error"] = await self._take_patch(handle, job.state["base_commit"])
 
@@ -117,8 +149,6 @@ class SweHandler(AgentHandler):
         """(patch, None), or ("", why) when the agent left its repository in a state git cannot diff (a
         deleted ``.git``, a stale lock, a patch over the transfer limit): the agent's doing, so it is graded
         as an empty patch, not failed as an infrastructure fault. A dead sandbox still raises."""
-        from sandbox import ToolError
-
         # cd ~ (the workspace in every runtime): the agent may have left the shell anywhere.
         # Byte-code caches from the agent's own test runs are not part of a fix.
         r = await handle.bash(f"cd ~/repo && git add -A -- . ':(exclude,glob)**/__pycache__/**' "
@@ -176,7 +206,7 @@ class SweHandler(AgentHandler):
             r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{grader}/test.diff", timeout_s=120)
             if r.exit_code != 0:
                 raise InvalidInstanceError(f"the instance's test_patch does not apply on the base commit: {r.output[-1000:]}")
-        await self._run_tests(job, handle, grader, info)
+        await self._run_tests(job, handle, grader, info, self.settings.eval_timeout_s)
 
     @staticmethod
     async def _restore(handle, base: str, grader: str, paths: dict[str, str], base_files: set[str]) -> None:
@@ -194,9 +224,10 @@ class SweHandler(AgentHandler):
             raise InfrastructureError("harness", f"could not restore the test harness from {base}: {r.output[-1000:]}")
 
     @staticmethod
-    async def _run_tests(job, handle, grader: str, info: dict[str, Any]) -> None:
+    async def _run_tests(job, handle, grader: str, info: dict[str, Any],
+                         default_timeout_s: float = DEFAULT_EVAL_TIMEOUT_S) -> None:
         inst = job.instance
-        timeout_s = float(inst.get("eval_timeout_s", 600))
+        timeout_s = float(inst.get("eval_timeout_s") or default_timeout_s)
         ids = {"FAIL_TO_PASS": list(inst.get("FAIL_TO_PASS", [])), "PASS_TO_PASS": list(inst.get("PASS_TO_PASS", []))}
         files = sorted({file_of_test(t) for t in (*ids["FAIL_TO_PASS"], *ids["PASS_TO_PASS"])})
         report_rel = f"{grader}/{REPORT_NAME}"

@@ -1,12 +1,19 @@
 """The plugin API: what a task handler package imports from the server.
 
-- :class:`AgentHandler` (the three-stage handler base class) and the failure types a handler raises;
+- :class:`AgentHandler` (the three-stage handler base class, with its ``instance_model`` and
+  ``settings_model``) and the failure types a handler raises;
 - :class:`HandlerRegistry` / :func:`register_handler` (handlers also register through the
-  ``prorl_server.handlers`` entry-point group);
-- :mod:`prorl_server.plugin.toolkit`: sandbox tools as agent tools and the shared tool-using agent loop.
+  ``prorl_server.handlers`` entry-point group; datasets through ``prorl_server.datasets``, whose loaders
+  raise :class:`DatasetError`);
+- :mod:`prorl_server.plugin.toolkit`: sandbox tools as agent tools and the shared tool-using agent loop
+  (:func:`~prorl_server.plugin.toolkit.run_agent` with an :class:`AgentConfig`).
 """
-from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.agent_loop import AgentConfig
+from prorl_server.datasets import DatasetError
+from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, InfrastructureError,
+                                         InstanceValidationError, InvalidInstanceError)
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, register_handler
 
-__all__ = ["AgentHandler", "HandlerRegistry", "InfrastructureError", "InvalidInstanceError",
-           "UnknownHandlerError", "register_handler"]
+__all__ = ["AgentConfig", "AgentHandler", "DatasetError", "HandlerRegistry", "HandlerSettingsError",
+           "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "UnknownHandlerError",
+           "register_handler"]

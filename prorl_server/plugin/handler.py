@@ -5,6 +5,10 @@ calls ``init``, ``run`` and ``eval`` in that order, each in its own worker pool;
 to ``<stage>_exception`` and ends the job with ``critical_error=<stage>``; ``final_result`` builds the
 result in every case (success, failure, timeout, cancel).
 
+Before a job exists, :meth:`AgentHandler.prepare_instance` completes an instance given only by id (from the
+handler's :meth:`~AgentHandler.instance_by_id`) and validates it against the handler's ``instance_model``: a
+malformed instance is refused at submit (HTTP 422 naming ``instance.<field>``), never run.
+
 Failures the model did not cause are never trained on: the pipeline gives a failed job a ``failure_kind``
 and ``filter: true`` (:mod:`prorl_server.failures`). The exception's type decides (an infrastructure
 ``SandboxError`` -> ``sandbox``, a backend error -> ``llm_backend``, a ``ValueError`` in ``init`` or an
@@ -16,15 +20,39 @@ its own command timing out) is not an exception: it is an observation or a rewar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+from pydantic import BaseModel, ValidationError
 
 from prorl_server.failures import FAILURE_KINDS, InfrastructureError, InvalidInstanceError
 
-__all__ = ["AgentHandler", "FAILURE_KINDS", "InfrastructureError", "InvalidInstanceError"]
+__all__ = ["AgentHandler", "FAILURE_KINDS", "HandlerSettingsError", "InfrastructureError",
+           "InstanceValidationError", "InvalidInstanceError", "error_location"]
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
     from prorl_server.types import JobResult
+
+
+class InstanceValidationError(ValueError):
+    """A submitted instance does not fit its handler's ``instance_model`` (or names an unknown shipped
+    problem): the request is refused with HTTP 422. ``field`` is the dotted path of the first bad field
+    (``"instance.prompt"``, ``"instance.files.a.txt"``; ``"instance"`` for a whole-instance rule). An
+    ``instance_model`` validator may raise it to name the field a cross-field rule is about."""
+
+    def __init__(self, message: str, field: str = "instance") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class HandlerSettingsError(ValueError):
+    """The server settings' ``handlers`` section names an unknown handler, a key its ``settings_model`` does
+    not have, or a bad value (raised at startup)."""
+
+
+def error_location(err: dict[str, Any], prefix: str) -> str:
+    """``prefix`` joined with a pydantic error's ``loc`` (``("files", "a")`` -> ``"instance.files.a"``)."""
+    return ".".join([prefix, *(str(p) for p in err.get("loc", ()))])
 
 
 class AgentHandler:
@@ -34,12 +62,77 @@ class AgentHandler:
         name: the ``data_source`` this handler serves.
         aliases: other names that dispatch here.
         needs_llm: False if the handler never calls an LLM backend (then ``/process`` works with no backend).
+        instance_model: a pydantic model of the instance, validated at submit (None: any dict with a
+            ``data_source`` is accepted, and checking it is the handler's). Unknown keys should be allowed
+            (trainers add their own bookkeeping): they are kept in ``job.instance`` either way.
+        settings_model: a pydantic model of the handler's server-side settings, filled from the settings
+            file's ``handlers: {<name>: {...}}`` section (None: the handler takes no settings). Give it
+            ``extra="forbid"``; the registry refuses unknown keys in any case.
     """
 
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     needs_llm: ClassVar[bool] = True
+    instance_model: ClassVar[Optional[type[BaseModel]]] = None
+    settings_model: ClassVar[Optional[type[BaseModel]]] = None
 
+    # ------------------------------------------------------------------ settings and instances
+    @property
+    def settings(self) -> Any:
+        """This handler's settings: an instance of ``settings_model`` (its defaults until the registry
+        hands it the settings file's section), or None for a handler without a ``settings_model``."""
+        value = self.__dict__.get("_settings")
+        if value is None and self.settings_model is not None:
+            value = self.__dict__["_settings"] = self.settings_model()
+        return value
+
+    @settings.setter
+    def settings(self, value: Any) -> None:
+        self.__dict__["_settings"] = value
+
+    def instance_by_id(self, instance_id: str) -> Optional[dict[str, Any]]:
+        """The shipped dataset's instance with id ``instance_id``, or None when there is none. Override it
+        to let requests name a problem only by id (``{"data_source": "code", "instance_id": "HumanEval/0"}``);
+        it runs on the event loop at submit, so it must be fast (cache what it loads)."""
+        return None
+
+    def prepare_instance(self, instance: dict[str, Any]) -> dict[str, Any]:
+        """The instance a job of this handler runs: ``instance`` completed from :meth:`instance_by_id` when
+        it names a problem by ``instance_id`` and gives none of ``instance_model``'s required fields (the
+        request's own keys win), then validated against ``instance_model``: the fields it gives, as validated
+        (coerced), over the request's keys; unknown keys are kept and defaults are not filled in (the handler
+        applies its own, so a field's absence still says the request did not set it).
+
+        Raises:
+            InstanceValidationError: the instance does not fit ``instance_model``, or its id names no
+                shipped problem.
+        """
+        model = self.instance_model
+        if model is None:
+            return instance
+        iid = instance.get("instance_id")
+        required = [n for n, f in model.model_fields.items() if f.is_required()]
+        if (isinstance(iid, str) and required and not any(k in instance for k in required)
+                and type(self).instance_by_id is not AgentHandler.instance_by_id):
+            shipped = self.instance_by_id(iid)
+            if shipped is None:
+                raise InstanceValidationError(
+                    f"instance.instance_id: {iid!r} is no problem of the {self.name} handler's shipped dataset "
+                    f"(give the problem inline: {', '.join(required)})", "instance.instance_id")
+            instance = {**shipped, **instance}
+        try:
+            validated = model.model_validate(instance, context={"handler": self})
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, InstanceValidationError):  # a model validator that names its field
+                raise InstanceValidationError(f"{cause.field}: {cause}", cause.field) from None
+            field = error_location(err, "instance")
+            message = str(cause) if isinstance(cause, ValueError) else err["msg"]  # no "Value error, " prefix
+            raise InstanceValidationError(f"{field}: {message}", field) from None
+        return {**instance, **validated.model_dump(exclude_unset=True)}
+
+    # ------------------------------------------------------------------ stages
     async def init(self, job: "Job") -> None:
         """Prepare the job (e.g. start and populate a sandbox)."""
 

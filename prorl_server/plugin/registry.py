@@ -3,14 +3,19 @@
 Handlers register in two ways: an explicit :func:`register_handler` call (module-level default registry or a
 server's own), or a Python entry point in the group ``prorl_server.handlers`` (``name = module:Class``), which
 lets users ship handlers in their own packages without touching the server.
+
+:meth:`HandlerRegistry.configure` hands each handler its settings (``handler.settings``), validated against
+its ``settings_model``, from the server settings' ``handlers: {<name>: {...}}`` section.
 """
 from __future__ import annotations
 
 import logging
 from importlib.metadata import entry_points
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
-from prorl_server.plugin.handler import AgentHandler
+from pydantic import ValidationError
+
+from prorl_server.plugin.handler import AgentHandler, HandlerSettingsError, error_location
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ class HandlerRegistry:
     def __init__(self) -> None:
         self._handlers: dict[str, AgentHandler] = {}
         self._aliases: dict[str, str] = {}
+        self._configured: set[str] = set()  # handlers whose settings the last configure() set
 
     def register(self, handler: HandlerLike, name: Optional[str] = None,
                  aliases: Iterable[str] = ()) -> AgentHandler:
@@ -83,6 +89,44 @@ class HandlerRegistry:
 
     def names(self) -> list[str]:
         return sorted({*self._handlers, *self._aliases})
+
+    def configure(self, sections: Mapping[str, Mapping[str, Any]]) -> None:
+        """Hand each handler named in ``sections`` (by name or alias) its settings: the section validated
+        against the handler's ``settings_model``. A handler that an earlier call configured and this one does
+        not name goes back to its model's defaults; any other keeps its own (e.g. from its constructor).
+
+        Raises:
+            HandlerSettingsError: a section names no registered handler, is given to a handler without a
+                ``settings_model``, has a key the model does not know, or a bad value. Nothing is changed
+                then.
+        """
+        chosen: dict[str, Any] = {}
+        for key, section in sections.items():
+            try:
+                name, handler = self.resolve(key)
+            except KeyError:
+                raise HandlerSettingsError(f"handlers.{key}: no such handler; known handlers: "
+                                           f"{', '.join(self.names()) or '(none)'}") from None
+            model = handler.settings_model
+            if model is None:
+                raise HandlerSettingsError(f"handlers.{key}: the {name} handler takes no settings")
+            if not isinstance(section, Mapping):
+                raise HandlerSettingsError(f"handlers.{key}: must be a mapping of settings")
+            unknown = sorted(set(section) - set(model.model_fields))
+            if unknown:
+                raise HandlerSettingsError(f"handlers.{key}: unknown setting(s) {unknown}; the {name} handler "
+                                           f"has {sorted(model.model_fields)}")
+            try:
+                chosen[name] = model.model_validate(dict(section))
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise HandlerSettingsError(f"{error_location(err, f'handlers.{key}')}: {err['msg']}") from None
+        for name in self._configured - set(chosen):
+            handler = self._handlers[name]
+            handler.settings = handler.settings_model() if handler.settings_model is not None else None
+        for name, value in chosen.items():
+            self._handlers[name].settings = value
+        self._configured = set(chosen)
 
 
 default_registry = HandlerRegistry()

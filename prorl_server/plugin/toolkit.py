@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from prorl_server.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec
+
+__all__ = ["AgentConfig", "run_agent", "sandbox_tools"]
+
 if TYPE_CHECKING:
-    from prorl_server.agent_loop import AgentConfig, AgentResult, ToolSpec
     from prorl_server.job import Job
 
 BASH = {"name": "bash", "description": "Run a bash command in a persistent shell (cwd and variables persist). "
@@ -91,8 +94,6 @@ async def run_agent(job: "Job", messages: list[dict], tools: dict[str, "ToolSpec
         sandbox.errors.SandboxError: a tool's sandbox failed or stopped answering (``failure_kind="sandbox"``;
             never a ``ToolError``, which the model sees as an observation).
     """
-    from prorl_server.agent_loop import AgentLoop
-
     if job.llm is None:
         raise RuntimeError("this server has no LLM context")
     backend = await job.backend()

@@ -143,7 +143,7 @@ async def test_the_server_scores_in_its_pool_and_exports_loop_lag_and_pool_outco
     app = create_app(ServerSettings(cpu_workers=1, health_interval_s=3600), registry=registry)
     client = await aiohttp_client(app)
     r = await (await client.post("/process", json={"instance": {
-        "data_source": "math_answer", "answer": "\\frac{1}{2}", "response": "so \\boxed{0.5}"}})).json()
+        "data_source": "math_answer", "question": "1/2?", "answer": "\\frac{1}{2}", "response": "so \\boxed{0.5}"}})).json()
     assert r["critical_error"] is None and r["reward"] == 1.0, r
     (worker,) = app[CPU_POOL].pids()
     assert worker != os.getpid()
@@ -170,7 +170,7 @@ async def test_a_crashed_scoring_worker_fails_eval_as_a_harness_fault(aiohttp_cl
         return await real_run(os._exit, 9, timeout_s=timeout_s)
 
     monkeypatch.setattr(pool, "run", crash_once)
-    body = {"instance": {"data_source": "math_answer", "answer": "2", "response": "\\boxed{2}"}}
+    body = {"instance": {"data_source": "math_answer", "question": "1+1?", "answer": "2", "response": "\\boxed{2}"}}
     r = await (await client.post("/process", json=body)).json()
     assert r["critical_error"] == "eval" and r["reward"] == 0.0 and "died" in r["error"], r
     if "failure_kind" in r:

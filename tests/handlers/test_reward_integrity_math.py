@@ -1,4 +1,4 @@
-"""Reward integrity of the ``math`` handler (issue 14, item 5): answers that try to game the scorer score 0.0,
+"""Reward integrity of the ``math`` handler: answers that try to game the scorer score 0.0,
 honest answers score 1.0. The policy is an adversary; each case below is a class of shortcut, tried as a
 policy would. The rules are in handlers/math/README.md ("Scoring rules").
 
@@ -165,7 +165,7 @@ async def test_an_answer_that_hangs_the_scorer_scores_zero_without_stalling_othe
                                              registry=registry))
 
     async def process(response: str) -> dict:
-        body = {"instance": {"data_source": "math_answer", "answer": "2", "response": response}}
+        body = {"instance": {"data_source": "math_answer", "question": "1+1?", "answer": "2", "response": response}}
         return await (await client.post("/process", json=body)).json()
 
     # Both workers started and math-verify imported in each, so the honest job below costs only its scoring.

@@ -68,11 +68,14 @@ async def test_the_feedback_is_environment_tokens_outside_the_loss(shout_server,
 
 @pytest.mark.parametrize("instance, field", [({"prompt": ""}, "prompt"), ({"prompt": "hi", "turns": 1}, "turns"),
                                              ({}, "prompt"), ({"prompt": "hi", "feedback": 3}, "feedback")])
-async def test_a_malformed_instance_fails_init_naming_the_field(shout_server, scripted_policy, instance, field):
-    client = await shout_server(await scripted_policy(lambda prompt, turn: "X"))
-    result = await run(client, {"data_source": "shout", **instance})
-    assert result["critical_error"] == "init" and result["failure_kind"] == "invalid_instance"
-    assert result["filter"] is True and repr(field) in result["error"]
+async def test_a_malformed_instance_is_refused_at_submit_naming_the_field(shout_server, scripted_policy,
+                                                                          instance, field):
+    asked = []
+    client = await shout_server(await scripted_policy(lambda prompt, turn: asked.append(prompt) or "X"))
+    r = await client.post("/process", json={"instance": {"data_source": "shout", **instance}})
+    err = (await r.json())["error"]
+    assert r.status == 422 and err["type"] == "validation_error" and err["field"] == f"instance.{field}", err
+    assert err["message"].startswith(f"instance.{field}: ") and not asked  # never run
 
 
 def test_capital_share_counts_cased_letters_only():

@@ -123,14 +123,12 @@ async def test_patch_that_does_not_apply_scores_zero(rollout_server, scripted_po
     assert r["extra"]["eval"]["FAIL_TO_PASS"]["tests/test_hidden.py::test_mean"] in ("FAILED", "ERROR", "MISSING")
 
 
-def test_swe_instance_without_repo_fails_init_clearly():
-    import asyncio
-
+def test_swe_instance_without_repo_is_refused_at_submit_clearly():
     from handlers.swe import SweHandler
+    from prorl_server.plugin import InstanceValidationError
 
-    class J:
-        instance = {"data_source": "swe"}
-        state: dict = {}
-
-    with pytest.raises(ValueError, match="repo"):
-        asyncio.run(SweHandler().init(J()))
+    with pytest.raises(InstanceValidationError, match="needs 'repo' \\(host path\\) or 'repo_path'"):
+        SweHandler().prepare_instance({"data_source": "swe", "problem_statement": "fix it"})
+    with pytest.raises(InstanceValidationError) as e:
+        SweHandler().prepare_instance({"data_source": "swe", "repo": "/r", "FAIL_TO_PASS": "tests/t.py::a"})
+    assert e.value.field == "instance.FAIL_TO_PASS"
