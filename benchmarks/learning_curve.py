@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from prorl_server.stats import percentile  # noqa: E402
+
 
 def start_rollout_server(backend: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     """A rollout server in its own process with ``backend`` registered (weight version 0 until the trainer
@@ -145,7 +147,7 @@ def main() -> int:
         "reward_first": round(first, 4), "reward_last": round(last, 4), "reward_gain": round(last - first, 4),
         "steps": len(rollout.history), "wall_s": round(wall, 1),
         "ratio_dev_step0": rollout.history[0].ratio_dev if rollout.history else None,
-        "weight_sync_s_p50": round(statistics.median(syncs), 3) if syncs else None,
+        "weight_sync_s_p50": round(percentile(syncs, 50), 3) if syncs else None,
         "tokens_discarded": sum(h.tokens_discarded for h in rollout.history),
         "filtered_rows": sum(h.filtered_rows for h in rollout.history),
         "versions_per_step": [h.versions for h in rollout.history],

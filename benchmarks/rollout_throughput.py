@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from prorl_server.stats import percentile  # noqa: E402
 
 
 async def sequential(instances, sampling, address) -> tuple[float, list[dict]]:
@@ -80,7 +81,7 @@ async def through_server(url, instances, sampling, concurrency) -> tuple[float, 
 
 
 def medians(results, key="timing"):
-    return {ph: round(statistics.median(r[key][ph] for r in results), 4) for ph in ("init_s", "run_s", "eval_s")}
+    return {ph: round(percentile((r[key][ph] for r in results), 50), 4) for ph in ("init_s", "run_s", "eval_s")}
 
 
 async def main() -> None:
