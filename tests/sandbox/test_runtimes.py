@@ -13,8 +13,18 @@ from sandbox.runtime import LaunchContext
 
 
 def test_unknown_runtime_kind_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="unknown sandbox runtime 'docker'"):
+    with pytest.raises(ValueError, match="unknown sandbox runtime 'docker'; choose bubblewrap, singularity, local"):
         make_runtime("docker", state_dir=str(tmp_path))
+
+
+def test_runtimes_by_name_and_alias(tmp_path):
+    from sandbox.factory import ALIASES, RUNTIMES
+    from sandbox.local import LocalRuntime
+
+    assert {name: cls.kind for name, cls in RUNTIMES.items()} == {n: n for n in ("bubblewrap", "singularity", "local")}
+    assert {a: RUNTIMES[k].kind for a, k in ALIASES.items()} == {"bwrap": "bubblewrap", "apptainer": "singularity"}
+    rt = make_runtime("LOCAL", state_dir=str(tmp_path))  # names are case-insensitive
+    assert type(rt) is LocalRuntime
 
 
 def test_spec_rejects_bad_network_and_relative_workdir():
