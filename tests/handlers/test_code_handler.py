@@ -367,3 +367,20 @@ async def test_tiny_model_rollout_is_complete_and_token_true(sandbox_procs, roll
         text = tokenizer.decode(traj["prompt_ids"] + traj["response_ids"])
         assert inst["prompt"].strip()[:60] in text
     assert not sandbox_procs()
+
+
+@pytest.mark.real
+async def test_the_settings_files_code_section_sets_the_turn_limit_and_the_instance_overrides_it(
+        sandbox_procs, rollout_server, scripted_policy):
+    """``handlers: {code: {max_turns: 2}}`` in the server settings bounds a policy that never finishes; an
+    instance's own ``max_turns`` wins over it. By id: the HumanEval problem is completed at submit."""
+    policy = await scripted_policy(lambda prompt, turn: tool_call("bash", command=f"echo turn {turn}"))
+    client = await rollout_server([policy], handlers={"code": {"max_turns": 2, "eval_timeout_s": 15}})
+    for extra, turns in [({}, 2), ({"max_turns": 3}, 3)]:
+        r = await (await client.post("/process", json={"instance": {
+            "data_source": "humaneval", "instance_id": "HumanEval/2", **extra}})).json()
+        assert r["critical_error"] is None, r["error"]
+        assert r["extra"]["agent"]["finish_reason"] == "max_turns"
+        assert [t["num_turns"] for t in r["trajectories"]] == [turns], r["trajectories"]
+        assert r["reward"] == 0.0 and r["extra"]["eval"]["passed"] is False  # the prompt alone: no body
+    assert not sandbox_procs()
