@@ -22,3 +22,13 @@ def second_vllm_server(tiny_model_dir, vllm_server):
                         log_path=ROOT / ".cache" / "logs" / f"vllm-second-{os.getpid()}.log", timeout_s=300)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def family_model_dir():
+    """``family_model_dir(template) -> Path``: the tiny model carrying a bundled family chat template
+    (:func:`prorl_server.tiny_model.build` ``template=``), built once per template into .cache/tiny-model-<name>."""
+    pytest.importorskip("transformers")
+    from prorl_server.tiny_model import build
+
+    return lambda template: build(ROOT / ".cache" / f"tiny-model-{template}", template=template)
