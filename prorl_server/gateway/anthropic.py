@@ -39,8 +39,9 @@ Streaming (:func:`stream_events`, :func:`sse`): the turn is generated whole, so 
 ``message_start``, per block ``content_block_start`` / ``content_block_delta`` (``text_delta`` or
 ``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage), ``message_stop``.
 
-Errors: :class:`AnthropicError`, answered as ``{"type": "error", "error": {"type", "message"}}``;
-:func:`from_gateway_error` converts the gateway's OpenAI-format errors.
+Errors: :class:`AnthropicError` (a :class:`~prorl_server.gateway.protocol.GatewayError`), answered as
+``{"type": "error", "error": {"type", "message"}}``; :func:`from_gateway_error` converts the gateway's
+OpenAI-format errors.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from aiohttp import web
+from prorl_server.gateway.protocol import GatewayError
 
 #: Fields accepted and not translated (see the module docstring).
 _IGNORED = ("model", "metadata", "service_tier", "cache_control", "thinking")
@@ -61,28 +62,25 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-class AnthropicError(Exception):
-    """Answered as an Anthropic-format error ``{"type": "error", "error": {"type", "message"}}`` with HTTP
-    ``status``; ``type`` defaults to the Anthropic type of that status (``invalid_request_error`` for 400)."""
+class AnthropicError(GatewayError):
+    """A gateway error answered in the Anthropic format ``{"type": "error", "error": {"type", "message"}}``
+    with HTTP ``status``; ``type`` defaults to the Anthropic type of that status (``invalid_request_error``
+    for 400)."""
 
     def __init__(self, status: int, message: str, type_: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.type = type_ or _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        kind = type_ or _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        super().__init__(status, message, kind, type_=kind)
 
     def body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.type, "message": self.message}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
-
-def from_gateway_error(e: Any) -> AnthropicError:
-    """The Anthropic form of a gateway error (anything with ``status`` and ``message``, such as the gateway's
-    OpenAI-format ``GatewayError``): same status, the Anthropic error type of that status, the message with the
-    gateway's error code appended when it has one (``code``)."""
-    code = getattr(e, "code", None)
-    return AnthropicError(e.status, f"{e.message} ({code})" if code else e.message)
+def from_gateway_error(e: GatewayError) -> AnthropicError:
+    """The Anthropic form of a gateway error: same status, the Anthropic error type of that status, the message
+    with the gateway's error code appended (an :class:`AnthropicError` is returned as it is)."""
+    if isinstance(e, AnthropicError):
+        return e
+    return AnthropicError(e.status, f"{e.message} ({e.code})" if e.code else e.message)
 
 
 def _bad(where: str, message: str) -> AnthropicError:
@@ -324,6 +322,11 @@ def to_message(answer: dict[str, Any], stop_sequences: Optional[list[str]] = Non
             "stop_sequence": stop_sequence,
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       "output_tokens": usage.get("completion_tokens", 0)}}
+
+
+def from_chat_completion(answer: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
+    """:func:`to_message` with the request's stop sequences (the signature both translated APIs share)."""
+    return to_message(answer, req.stop_sequences)
 
 
 def stream_events(message: dict[str, Any]) -> list[dict[str, Any]]:

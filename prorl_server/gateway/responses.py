@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from prorl_server.gateway import GatewayError
+from prorl_server.gateway.protocol import GatewayError
 
 _IGNORED = ("model", "store", "include", "truncation", "user", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options", "metadata", "reasoning")
@@ -287,6 +287,11 @@ def to_response(answer: dict[str, Any], echo: Optional[dict[str, Any]] = None) -
                       "output_tokens": outp,
                       "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage.get("total_tokens", inp + outp)}}
+
+
+def from_chat_completion(answer: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
+    """:func:`to_response` echoing the request's settings (the signature both translated APIs share)."""
+    return to_response(answer, req.echo)
 
 
 def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,13 +8,16 @@ agent routes alone, for one session (the Unix socket a ``cli_agent`` sandbox rea
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
+from prorl_server.gateway import anthropic as anthropic_api, responses as responses_api
 from prorl_server.gateway.protocol import (CreateSessionRequest, GatewayError, SessionCreated, parse_chat_request,
                                            server_timing, stream_chunks)
 from prorl_server.routes import Route, add_routes
@@ -42,9 +45,11 @@ async def _json_body(request: web.Request) -> Any:
         raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
 
 
-def _capability_route(fn: Callable[[web.Request, "Gateway", "Session"], Awaitable[web.StreamResponse]]) -> Handler:
+def _capability_route(fn: Callable[[web.Request, "Gateway", "Session"], Awaitable[web.StreamResponse]],
+                      convert: Callable[[GatewayError], GatewayError] = lambda e: e) -> Handler:
     """An agent route: authorized by the capability in ``{ref}`` (checked first, always), errors in the
-    OpenAI format. Register it with ``auth="capability"`` (the server's bearer-token check then skips it)."""
+    OpenAI format (or the one ``convert`` gives them). Register it with ``auth="capability"`` (the server's
+    bearer-token check then skips it)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
@@ -52,12 +57,13 @@ def _capability_route(fn: Callable[[web.Request, "Gateway", "Session"], Awaitabl
             s = gw.authorize(request.match_info["ref"], request.app.get(ONLY_SESSION))
             return await fn(request, gw, s)
         except GatewayError as e:
-            return e.response()
+            return convert(e).response()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug: still answer in the format the agent's SDK understands
             log.exception("gateway error in session %s", request.match_info.get("ref", "").partition(".")[0])
-            return GatewayError(500, f"{type(e).__name__}: {e}", "internal_error", type_="server_error").response()
+            return convert(GatewayError(500, f"{type(e).__name__}: {e}", "internal_error",
+                                        type_="server_error")).response()
 
     handler.__name__ = fn.__name__
     handler.__doc__ = fn.__doc__
@@ -102,6 +108,37 @@ async def _stream(request: web.Request, answer: dict[str, Any], include_usage: b
     await resp.write((body + "data: [DONE]\n\n").encode())
     await resp.write_eof()
     return resp
+
+
+async def _translated(request: web.Request, gw: "Gateway", s: "Session", api: ModuleType) -> web.StreamResponse:
+    """One turn of another API on the session's chat path: ``api`` (:mod:`~prorl_server.gateway.anthropic`,
+    :mod:`~prorl_server.gateway.responses`) translates the body into a Chat Completions body and the
+    ``chat.completion`` answer back (whole, or as its server-sent events). ``Server-Timing`` as for chat."""
+    t0 = time.perf_counter()
+    req = api.to_chat_request(await _json_body(request))
+    answer, backend_s = await gw.chat(s, parse_chat_request(req.chat))
+    out = api.from_chat_completion(answer, req)
+    timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
+    if not req.stream:
+        return web.json_response(out, headers={"Server-Timing": timing})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "Server-Timing": timing})
+    await resp.prepare(request)
+    await resp.write(api.sse(api.stream_events(out)))
+    await resp.write_eof()
+    return resp
+
+
+@functools.partial(_capability_route, convert=anthropic_api.from_gateway_error)
+async def messages(request: web.Request, gw: "Gateway", s: "Session") -> web.StreamResponse:
+    """``POST /sessions/{ref}/v1/messages``: the Anthropic Messages API (errors in its format)."""
+    return await _translated(request, gw, s, anthropic_api)
+
+
+@_capability_route
+async def responses(request: web.Request, gw: "Gateway", s: "Session") -> web.StreamResponse:
+    """``POST /sessions/{ref}/v1/responses``: the OpenAI Responses API (no stored responses)."""
+    return await _translated(request, gw, s, responses_api)
 
 
 @_capability_route
@@ -162,6 +199,10 @@ async def abort(request: web.Request, gw: "Gateway") -> web.StreamResponse:
 AGENT_ROUTES: tuple[Route, ...] = tuple(Route(*r, auth="capability", openai_errors=True, errors=(503,)) for r in (
     ("POST", "/sessions/{ref}/v1/chat/completions", chat_completions,
      "Chat Completions (OpenAI format) for the session's agent; exact tokens recorded"),
+    ("POST", "/sessions/{ref}/v1/messages", messages,
+     "Anthropic Messages API for the session's agent (errors in the Anthropic format); same session and tokens"),
+    ("POST", "/sessions/{ref}/v1/responses", responses,
+     "OpenAI Responses API for the session's agent (no stored responses); same session and tokens"),
     ("GET", "/sessions/{ref}/v1/models", models, "The model the session's backend serves"),
     ("POST", "/sessions/{ref}/complete", complete, "The agent is done ({reward_info?})"),
 ))

@@ -1,7 +1,8 @@
-"""The Anthropic Messages API translation (prorl_server.gateway.anthropic): every block type of a request
-becomes the Chat Completions body the gateway accepts, answers become ``anthropic.types.Message`` objects the
-real SDK reads (whole and streamed, event order checked), bad input gets Anthropic-format 400s, and a
-multi-turn tool-use conversation resent in Anthropic form stays one trajectory on a real gateway session."""
+"""The Anthropic Messages API on gateway sessions (prorl_server.gateway.anthropic, ``POST {base}/v1/messages``):
+every block type of a request becomes the Chat Completions body the gateway accepts, answers become
+``anthropic.types.Message`` objects the real SDK reads (whole and streamed, event order checked), bad input
+and gateway errors are Anthropic-format errors, and a multi-turn tool-use conversation of the real SDK on a
+real server stays one trajectory."""
 from __future__ import annotations
 
 import json
@@ -263,28 +264,76 @@ def read_then_answer(prompt: str, turn: int) -> str:
     return f"It says: {prompt.count('<tool_response>')} response(s) seen."
 
 
-async def test_a_tool_use_conversation_in_anthropic_form_is_one_trajectory(gateway_server, scripted_policy):
-    """Two Anthropic turns through the session's chat path (the translated body posted to the session's chat
-    completions, the answer translated back) on a real server whose backend is the scripted policy."""
+@pytest.fixture
+async def anthropic_session(open_session):
+    """``async (client) -> (session_json, AsyncAnthropic)``: a gateway session and a real ``anthropic`` SDK
+    client on it (its base URL is the session's ``base_url`` less ``/v1``: the SDK adds ``/v1/messages``)."""
+    clients = []
+
+    async def make(client):
+        s, _ = await open_session(client)
+        sdk = anthropic.AsyncAnthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="not-the-server-token",
+                                       max_retries=0, timeout=120)
+        clients.append(sdk)
+        return s, sdk
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+async def test_a_claude_style_agent_on_the_sdk_is_one_trajectory(gateway_server, anthropic_session, scripted_policy):
+    """The real SDK on ``POST {base}/v1/messages`` of a real server (backend: the scripted policy): a tool use,
+    its result sent back as Anthropic blocks, the second turn streamed; the session records one trajectory."""
     client, app = await gateway_server([await scripted_policy(read_then_answer)])
-    s = await (await client.post("/sessions", json={}, headers=AUTH)).json()
-
-    async def turn(messages):
-        req = to_chat_request({"model": "m", "max_tokens": 64, "system": "You read files.", "tools": [TOOL],
-                               "messages": messages})
-        r = await client.post(f"/sessions/{s['session_id']}.{s['api_key']}/v1/chat/completions", json=req.chat)
-        assert r.status == 200, await r.text()
-        return Message.model_validate(to_message(await r.json(), req.stop_sequences))
-
+    s, sdk = await anthropic_session(client)
     messages = [{"role": "user", "content": "What is in a.txt?"}]
-    m1 = await turn(messages)
+    raw = await sdk.messages.with_raw_response.create(model="m", max_tokens=64, system="You read files.",
+                                                      tools=[TOOL], messages=messages)
+    assert raw.headers["Server-Timing"].startswith("backend;dur=")
+    m1 = await raw.parse()
     assert m1.stop_reason == "tool_use" and m1.content[0].text == "Let me look."
     use = m1.content[1]
     assert (use.type, use.name, use.input) == ("tool_use", "read", {"path": "a.txt"})
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hello"}]}]
-    m2 = await turn(messages)
-    assert m2.stop_reason == "end_turn" and m2.content[0].text == "It says: 1 response(s) seen."
+    async with sdk.messages.stream(model="m", max_tokens=64, system="You read files.", tools=[TOOL],
+                                   messages=messages) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        m2 = await stream.get_final_message()
+    assert text == m2.content[0].text == "It says: 1 response(s) seen." and m2.stop_reason == "end_turn"
+    assert m2.usage.output_tokens == len(scripted_policy.returned[1][0])
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
     assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
     assert result["counters"]["requests"] == 2
+
+
+async def test_errors_on_the_route_are_in_the_anthropic_format(gateway_server, anthropic_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    s, sdk = await anthropic_session(client)
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [  # (SDK error, status, kwargs, words of the message)
+        (anthropic.BadRequestError, 400, dict(messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),
+         "image blocks are not supported"),
+        (anthropic.BadRequestError, 400, dict(messages=hi, stop_sequences=["a", "b", "c", "d", "e"]),
+         "stop must be a string or a list of up to 4 strings"),  # the gateway's own check, converted
+    ]
+    for kind, status, kw, words in cases:
+        with pytest.raises(kind) as e:
+            await sdk.messages.create(model="m", max_tokens=8, **kw)
+        err = ErrorResponse.model_validate(e.value.body)
+        assert e.value.status_code == status and err.error.type == "invalid_request_error"
+        assert words in err.error.message, err.error.message
+    other = anthropic.AsyncAnthropic(base_url=s["base_url"].removesuffix("/v1").rsplit(".", 1)[0] + ".wrong-key",
+                                     api_key="k", max_retries=0)
+    with pytest.raises(anthropic.PermissionDeniedError) as e:
+        await other.messages.create(model="m", max_tokens=8, messages=hi)
+    await other.close()
+    assert ErrorResponse.model_validate(e.value.body).error.type == "permission_error"
+    await sdk.messages.create(model="m", max_tokens=8, messages=hi)
+    await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)
+    with pytest.raises(anthropic.ConflictError) as e:
+        await sdk.messages.create(model="m", max_tokens=8, messages=hi + [
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    assert ErrorResponse.model_validate(e.value.body).error.type == "invalid_request_error"
