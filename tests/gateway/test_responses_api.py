@@ -1,8 +1,8 @@
-"""The OpenAI Responses API translation (prorl_server.gateway.responses): every input item type becomes the
-Chat Completions body the gateway accepts, answers become ``openai.types.responses.Response`` objects the real
-SDK reads (whole and streamed, event order and sequence numbers checked), bad input (stored state such as
-``previous_response_id`` included) gets OpenAI-format 400s, and a multi-turn function-calling conversation
-resent as Responses items stays one trajectory on a real gateway session."""
+"""The OpenAI Responses API on gateway sessions (prorl_server.gateway.responses, ``POST {base_url}/responses``):
+every input item type becomes the Chat Completions body the gateway accepts, answers become
+``openai.types.responses.Response`` objects the real SDK reads (whole and streamed, event order and sequence
+numbers checked), bad input (stored state such as ``previous_response_id`` included) gets OpenAI-format 400s,
+and a multi-turn function-calling conversation of the real SDK on a real server stays one trajectory."""
 from __future__ import annotations
 
 import json
@@ -253,28 +253,47 @@ def read_then_answer(prompt: str, turn: int) -> str:
     return f"It says: {prompt.count('<tool_response>')} response(s) seen."
 
 
-async def test_a_function_calling_conversation_as_items_is_one_trajectory(gateway_server, scripted_policy):
-    """Two Responses turns through the session's chat path (the translated body posted to the session's chat
-    completions, the answer translated back) on a real server whose backend is the scripted policy."""
+async def test_a_codex_style_agent_on_the_sdk_is_one_trajectory(gateway_server, open_session, scripted_policy):
+    """The real SDK's ``responses.create`` on ``POST {base_url}/responses`` of a real server (backend: the
+    scripted policy), ``store=False`` and the whole conversation as items each turn, the second turn streamed;
+    the session records one trajectory."""
     client, app = await gateway_server([await scripted_policy(read_then_answer)])
-    s = await (await client.post("/sessions", json={}, headers=AUTH)).json()
-
-    async def turn(items):
-        req = to_chat_request({"model": "m", "instructions": "You read files.", "tools": [TOOL], "input": items,
-                               "store": False})
-        r = await client.post(f"/sessions/{s['session_id']}.{s['api_key']}/v1/chat/completions", json=req.chat)
-        assert r.status == 200, await r.text()
-        return Response.model_validate(to_response(await r.json(), req.echo))
-
+    s, sdk = await open_session(client)
     items = [{"role": "user", "content": "What is in a.txt?"}]
-    r1 = await turn(items)
+    raw = await sdk.responses.with_raw_response.create(model="m", instructions="You read files.", tools=[TOOL],
+                                                       input=items, store=False)
+    assert raw.headers["Server-Timing"].startswith("backend;dur=")
+    r1 = raw.parse()
     assert [o.type for o in r1.output] == ["message", "function_call"] and r1.output_text == "Let me look."
     call = r1.output[1]
     assert (call.name, json.loads(call.arguments)) == ("read", {"path": "a.txt"})
     items += [o.model_dump(exclude_none=True) for o in r1.output]
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "hello"})
-    r2 = await turn(items)
+    events = [e async for e in await sdk.responses.create(model="m", instructions="You read files.", tools=[TOOL],
+                                                          input=items, store=False, stream=True)]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    r2 = events[-1].response
     assert r2.status == "completed" and r2.output_text == "It says: 1 response(s) seen."
+    assert r2.usage.output_tokens == len(scripted_policy.returned[1][0])
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
     assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
     assert result["counters"]["requests"] == 2
+
+
+async def test_errors_on_the_route_are_in_the_openai_format(gateway_server, open_session, scripted_policy):
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    s, sdk = await open_session(client)
+    cases = [  # (kwargs, code, param)
+        (dict(input="hi", previous_response_id="resp_1"), "unsupported_parameter", "previous_response_id"),
+        (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]),
+         "invalid_input", "input[0].content[0]"),
+        (dict(input="hi", temperature="hot"), "invalid_parameter", "temperature"),  # the gateway's own check
+    ]
+    for kw, code, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            await sdk.responses.create(model="m", **kw)
+        assert (e.value.code, e.value.param) == (code, param), e.value.body
+    wrong = openai.AsyncOpenAI(base_url=s["base_url"].replace(s["api_key"], "wrong-key"), api_key="k", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        await wrong.responses.create(model="m", input="hi")
+    await wrong.close()
