@@ -303,8 +303,8 @@ class VllmToolParser:
     JSON object (or whose name is empty); a family marker (:data:`_MARKERS`) opened and never closed (e.g.
     cut by ``max_tokens``; the partial call vLLM may still return from it is dropped); more marked calls
     than parsed ones; and a turn with a call attempt but no call. Calls keep vLLM's order; errors follow
-    them (vLLM reports no positions). ``content`` is vLLM's (the text before the first call, typically),
-    or the text before the first marker when nothing parsed. Ids: :func:`new_call_id` of ``name``.
+    them (vLLM reports no positions). ``content``: the text before the family's first call marker, as
+    written; vLLM's content for families without markers; the whole text when nothing was attempted. Ids: :func:`new_call_id` of ``name``.
 
     Args:
         name: a vLLM tool-parser name (``vllm:`` prefix allowed).
@@ -373,14 +373,16 @@ class VllmToolParser:
         errors += self._marker_errors(text, per_call, called)
         calls = [c for c in per_call if isinstance(c, ToolCall)]
         errors = [e for e in per_call if isinstance(e, ToolCallError)] + errors
-        content = (vllm_content or "").strip()
-        if not calls and not errors:  # vLLM's content may drop tags (qwen3's <think>) even without a call
+        m = self._markers
+        firsts = [text.index(t) for t in (m.section, m.start) if t and t in text]
+        if not calls and not errors:  # vLLM's content may drop tags (qwen3's </think>) even without a call
             content = text.strip()
-        elif not calls:
-            m = self._markers
-            firsts = [text.index(t) for t in (m.section, m.start) if t and t in text]
-            content = text[:min(firsts)].strip() if firsts else (
-                "" if m.attempt and m.attempt.match(text) else content)
+        elif firsts:  # the text before the calls as written (vLLM's drops qwen3's </think> there too)
+            content = text[:min(firsts)].strip()
+        elif not calls and m.attempt and m.attempt.match(text):
+            content = ""
+        else:
+            content = (vllm_content or "").strip()
         return ParsedTurn(content=content, calls=calls, errors=errors, raw=text, items=[*calls, *errors])
 
     def _marker_errors(self, text: str, per_call: list["ToolCall | ToolCallError"],
