@@ -24,10 +24,12 @@ Request rules (:func:`to_chat_request`):
   ``auto`` / ``any`` / ``tool`` / ``none`` → ``"auto"`` / ``"required"`` / ``{"type": "function", ...}`` /
   ``"none"`` (the gateway itself decides which of these it serves; it answers the others with a 400);
   ``disable_parallel_tool_use`` → ``parallel_tool_calls: false``.
-- ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` pass on; ``stop_sequences`` → ``stop``.
+- ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` pass on; ``stop_sequences`` → ``stop``;
+  ``output_config.format`` (``json_schema``) → ``response_format`` (``json_schema`` named ``output``).
 - Accepted and ignored: ``model`` (the session's backend serves its own model), ``metadata``,
   ``service_tier``, ``cache_control`` (top level and on blocks: nothing is cached per client), and
-  ``thinking`` (the chat template decides whether the model reasons; there is no budget to enforce).
+  ``thinking`` and ``output_config.effort`` (the chat template decides whether the model reasons; there is no
+  budget to enforce).
 
 Answer rules (:func:`to_message`): the text (if any) → one ``text`` block, then one ``tool_use`` block per
 tool call (``input`` = the parsed arguments, ``id`` = the call's id); no text and no call → one empty text
@@ -54,7 +56,7 @@ from prorl_server.gateway.protocol import GatewayError
 #: Fields accepted and not translated (see the module docstring).
 _IGNORED = ("model", "metadata", "service_tier", "cache_control", "thinking")
 _KNOWN = frozenset({"max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
-                    "top_k", "tools", "tool_choice", *_IGNORED})
+                    "top_k", "tools", "tool_choice", "output_config", *_IGNORED})
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: Anthropic error ``type`` by HTTP status (Anthropic API reference, "Errors").
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -231,6 +233,17 @@ def _convert_tool_choice(choice: Any, chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = False
 
 
+def _convert_output_config(config: Any, chat: dict[str, Any]) -> None:
+    if not isinstance(config, dict):
+        raise _bad("output_config", "must be an object {effort?, format?}")
+    fmt = config.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("output_config.format", "must be {type: json_schema, schema: object}")
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def to_chat_request(body: Any) -> MessagesRequest:
     """Translate an Anthropic Messages request body into the gateway's Chat Completions body (rules in the
     module docstring). Only the shape needed to translate is checked here; the gateway validates the rest.
@@ -270,6 +283,8 @@ def to_chat_request(body: Any) -> MessagesRequest:
         chat["tools"] = _convert_tools(body["tools"])
     if body.get("tool_choice") is not None:
         _convert_tool_choice(body["tool_choice"], chat)
+    if body.get("output_config") is not None:
+        _convert_output_config(body["output_config"], chat)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", "must be a boolean")

@@ -96,6 +96,15 @@ def test_tool_choice_maps_to_its_chat_completions_form(choice, expected):
     assert req.chat["tool_choice"] == expected
 
 
+def test_output_config_format_becomes_response_format_and_effort_is_ignored():
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    req = to_chat_request({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                           "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": schema}}})
+    assert req.chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert "response_format" not in to_chat_request({"max_tokens": 8, "output_config": {"effort": "high"},
+                                                     "messages": [{"role": "user", "content": "hi"}]}).chat
+
+
 def test_inline_system_messages_and_string_system():
     req = to_chat_request({"max_tokens": 8, "system": "Be brief.", "stream": True, "messages": [
         {"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
@@ -136,6 +145,8 @@ def test_inline_system_messages_and_string_system():
      "tools.0.input_schema"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}},
      "tool_choice.type"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "xml"}}},
+     "output_config.format: must be"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"},
      "stop_sequences: must be a list"),
     ([1, 2], "the request body must be a JSON object"),
