@@ -304,7 +304,9 @@ class VllmToolParser:
     cut by ``max_tokens``; the partial call vLLM may still return from it is dropped); more marked calls
     than parsed ones; and a turn with a call attempt but no call. Calls keep vLLM's order; errors follow
     them (vLLM reports no positions). ``content``: the text before the family's first call marker, as
-    written; vLLM's content for families without markers; the whole text when nothing was attempted. Ids: :func:`new_call_id` of ``name``.
+    written; vLLM's content for families without markers; the whole text when nothing was attempted.
+    Ids: :func:`new_call_id` of ``name``. Building the first one imports vLLM (seconds, blocking): build
+    parsers at startup, not on an event loop serving requests.
 
     Args:
         name: a vLLM tool-parser name (``vllm:`` prefix allowed).

@@ -1,9 +1,13 @@
-"""Hermes tool-call parsing: what the model wrote becomes calls, or errors it is told about; never a crash."""
+"""Hermes tool-call parsing: what the model wrote becomes calls, or errors it is told about; never a crash.
+
+vLLM's parsers for the other families: test_tool_parser_vllm.py."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
-from prorl_server.tool_parser import HermesToolParser, ToolCall, ToolCallError, get_parser
+from prorl_server.tool_parser import HermesToolParser, ToolCall, ToolCallError, get_parser, new_call_id
 
 P = HermesToolParser()
 
@@ -90,3 +94,14 @@ def test_registry():
     assert get_parser(P) is P
     with pytest.raises(KeyError, match="hermes"):
         get_parser("nope")
+
+
+def test_ids_follow_the_family():
+    """Mistral templates accept only 9 alphanumerics (rendered in test_tool_parser_vllm.py); others call_<hex>."""
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", new_call_id("mistral"))
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", new_call_id("vllm:mistral"))
+    for name in ("hermes", "qwen3_coder", "llama3_json", "deepseek_v3"):
+        assert re.fullmatch(r"call_[0-9a-f]{12}", new_call_id(name))
+    assert len({new_call_id("mistral") for _ in range(1000)}) == 1000
+    t = P.parse('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{bad}</tool_call>')
+    assert all(re.fullmatch(r"call_[0-9a-f]{12}", i.id) for i in t.items)
