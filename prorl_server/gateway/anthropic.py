@@ -4,6 +4,9 @@ A harness built on the Anthropic Messages API (``POST /v1/messages``, e.g. Claud
 served by the same session machinery as Chat Completions: its request is translated into the Chat
 Completions body the gateway accepts (one tokenization authority, one trajectory store), and the gateway's
 ``chat.completion`` answer is translated back into an Anthropic ``Message`` (or its stream of events).
+Served at ``POST {base}/v1/messages``, ``base`` being the session's ``base_url`` less its ``/v1`` suffix
+(what an Anthropic SDK takes as its base URL, e.g. ``ANTHROPIC_BASE_URL``); the SDK's ``x-api-key`` header
+is not what authorizes, the capability in the path is.
 
 Request rules (:func:`to_chat_request`):
 
@@ -34,8 +37,8 @@ Request rules (:func:`to_chat_request`):
 Answer rules (:func:`to_message`): the text (if any) → one ``text`` block, then one ``tool_use`` block per
 tool call (``input`` = the parsed arguments, ``id`` = the call's id); no text and no call → one empty text
 block. ``stop_reason``: ``tool_calls`` → ``tool_use``, ``length`` → ``max_tokens``, ``stop`` →
-``stop_sequence`` when the choice names the matched string in ``stop_reason`` (vLLM's field), else
-``end_turn``. ``usage``: ``input_tokens`` = prompt tokens, ``output_tokens`` = generated tokens.
+``stop_sequence`` when the choice names the matched string in ``stop_reason`` (vLLM's field; the
+session's chat answers do not carry it today, so a stop sequence ends as ``end_turn``), else ``end_turn``. ``usage``: ``input_tokens`` = prompt tokens, ``output_tokens`` = generated tokens.
 
 Streaming (:func:`stream_events`, :func:`sse`): the turn is generated whole, so its events come together:
 ``message_start``, per block ``content_block_start`` / ``content_block_delta`` (``text_delta`` or

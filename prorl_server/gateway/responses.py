@@ -3,7 +3,9 @@
 A harness built on the Responses API (``POST /v1/responses``, e.g. Codex-style agents) is served by the same
 session machinery as Chat Completions: its request is translated into the Chat Completions body the gateway
 accepts (one tokenization authority, one trajectory store), and the gateway's ``chat.completion`` answer is
-translated back into a ``Response`` object (or its stream of events).
+translated back into a ``Response`` object (or its stream of events). Served at
+``POST {base_url}/responses`` of the session (an OpenAI SDK's ``responses.create`` on the session's
+``base_url``).
 
 Request rules (:func:`to_chat_request`):
 
@@ -211,7 +213,9 @@ def to_chat_request(body: Any) -> ResponsesRequest:
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
-        messages.append({"role": "system", "content": _text(instructions, "instructions")})
+        if not isinstance(instructions, str):
+            raise _bad("instructions", "must be a string")
+        messages.append({"role": "system", "content": instructions})
     if "input" not in body:
         raise _bad("input", "is required", "invalid_input")
     messages.extend(_convert_input(body["input"]))

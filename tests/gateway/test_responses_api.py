@@ -114,6 +114,8 @@ def test_text_format_becomes_response_format(fmt, expected):
     ({"input": "hi", "background": True}, "unsupported_parameter", "background", "background responses"),
     ({"input": "hi", "modalities": ["text"]}, "unsupported_parameter", "modalities", "unsupported parameter"),
     ({"instructions": "x"}, "invalid_input", "input", "input: is required"),
+    ({"input": "hi", "instructions": [{"type": "input_text", "text": "x"}]}, "invalid_parameter", "instructions",
+     "must be a string"),
     ({"input": []}, "invalid_input", "input", "non-empty list"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "invalid_input", "input[0].content[0]", "text-only model"),
