@@ -190,7 +190,7 @@ class Conversation:
         self.window = window
         self._generated: set[int] = set()  # id() of the assistant messages this conversation generated
         self._head = self.messages[:_head_len(self.messages)]
-        text = self.tok.render(self.messages, add_generation_prompt=True)
+        text = self.tok.render(self._views(self.messages), add_generation_prompt=True)
         ids = self.tok.encode(text)
         if len(ids) >= self.max_context_tokens:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context holds {self.max_context_tokens}")
@@ -327,8 +327,12 @@ class Conversation:
         return True
 
     def _views(self, messages: Sequence[dict]) -> list[dict]:
+        """What the template is given: generated turns as their raw text; tool observations in the role the
+        family has for them (Gemma has no tool role: a ``user`` turn)."""
         gen = self._generated
-        return [_generated_view(m) if id(m) in gen else m for m in messages]
+        role = self.tok.family.tool_role
+        return [_generated_view(m) if id(m) in gen else
+                {**m, "role": role} if role != "tool" and m.get("role") == "tool" else m for m in messages]
 
     def _plan_delta(self, new: list[dict]) -> tuple[str, list[int], str, Optional[str], int]:
         """(kind, ids, rendering of everything with the generation prompt, split reason, re-rendered chars):
@@ -337,6 +341,7 @@ class Conversation:
         p = self._pending
         assert p is not None
         render = self.tok.render
+        new = self._views(new)
         if self.window:
             ctx = self._head + self._views(self.messages[self._win_start:p.index])
             before = render(ctx, add_generation_prompt=True)

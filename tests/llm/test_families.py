@@ -256,3 +256,17 @@ async def test_window_and_full_rendering_agree_for_every_family(toks):
         b, _ = await rollout(tok, turns, family, window=False)
         assert a.token_ids == b.token_ids, template
         assert a.token_stats() == b.token_stats(), template
+
+
+async def test_gemma_tool_observations_are_rendered_as_user_turns(toks):
+    tok = toks["gemma3"]
+    conv = Conversation(tok, START, tools=TOOLS, max_context_tokens=16384)
+    for i in range(3):
+        conv.add_completion(gen(tok, call_text("gemma", i)))
+        assert await conv.add_messages([{"role": "tool", "content": f"out {i}"}])
+    assert [m["role"] for m in conv.messages[2:]] == ["assistant", "tool"] * 3  # the messages stay as given
+    as_user = [{**m, "role": "user"} if m["role"] == "tool" else m for m in conv.messages]
+    (traj,) = conv.trajectories()
+    assert traj.prompt_ids + traj.response_ids == canonical(tok, as_user)
+    with pytest.raises(Exception, match="alternate"):  # what the template itself says of a tool role
+        tok.apply_chat_template(conv.messages, tokenize=False)
