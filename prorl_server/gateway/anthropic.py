@@ -27,12 +27,14 @@ Request rules (:func:`to_chat_request`):
   ``auto`` / ``any`` / ``tool`` / ``none`` → ``"auto"`` / ``"required"`` / ``{"type": "function", ...}`` /
   ``"none"`` (the gateway itself decides which of these it serves; it answers the others with a 400);
   ``disable_parallel_tool_use`` → ``parallel_tool_calls: false``.
-- ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` pass on; ``stop_sequences`` → ``stop``;
+- ``max_tokens`` passes on; ``stop_sequences`` → ``stop``;
   ``output_config.format`` (``json_schema``) → ``response_format`` (``json_schema`` named ``output``).
-- Accepted and ignored: ``model`` (the session's backend serves its own model), ``metadata``,
-  ``service_tier``, ``cache_control`` (top level and on blocks: nothing is cached per client), and
-  ``thinking`` and ``output_config.effort`` (the chat template decides whether the model reasons; there is no
-  budget to enforce).
+- Accepted and ignored: ``model`` (the session's backend serves its own model); ``metadata``,
+  ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id``, ``workspace_id``
+  (accounting and routing of Anthropic's service); ``cache_control`` (top level and on blocks: nothing is
+  cached per client); ``thinking`` and ``output_config.effort`` (the chat template decides whether the model
+  reasons; there is no budget to enforce). ``temperature``, ``top_p`` and ``top_k``, which older clients
+  send, pass on.
 
 Answer rules (:func:`to_message`): the text (if any) → one ``text`` block, then one ``tool_use`` block per
 tool call (``input`` = the parsed arguments, ``id`` = the call's id); no text and no call → one empty text
@@ -57,7 +59,8 @@ from typing import Any, Optional
 from prorl_server.gateway.protocol import GatewayError
 
 #: Fields accepted and not translated (see the module docstring).
-_IGNORED = ("model", "metadata", "service_tier", "cache_control", "thinking")
+_IGNORED = ("model", "metadata", "service_tier", "cache_control", "thinking", "speed", "inference_geo", "diagnostics",
+            "user_profile_id", "workspace_id")
 _KNOWN = frozenset({"max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
                     "top_k", "tools", "tool_choice", "output_config", *_IGNORED})
 _BILLING_HEADER = "x-anthropic-billing-header"

@@ -10,17 +10,43 @@ import json
 import anthropic
 import pytest
 from aiohttp import web
-from anthropic.types import ErrorResponse, Message, MessageCreateParams, RawMessageStreamEvent
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from prorl_server.gateway import describe_divergence, normalize_message, parse_chat_request
+from prorl_server.gateway import GATEWAY, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.anthropic import (AnthropicError, from_gateway_error, sse, stream_events,
                                             to_chat_request, to_message)
+from prorl_server.tool_parser import ParsedTurn, ToolCall
+from prorl_server.types import Trajectory
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 TOOL = {"name": "read", "description": "Read a file.",
         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+class EveryTurnCallsEcho:
+    """Tool parser standing for a model that calls ``echo`` every turn (TEST DOUBLE of the model's tool-calling
+    skill only): the random tiny model does not write hermes syntax. Generation and tokens stay vLLM's."""
+
+    name = "every-turn-echo"
+
+    def parse(self, text: str) -> ParsedTurn:
+        call = ToolCall(name="echo", arguments={"text": text[:24]})
+        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
+
+
+def assert_one_trajectory_of_vllms_tokens(result, calls) -> Trajectory:
+    """One trajectory, no split; its loss-masked tokens are exactly what vLLM generated, with vLLM's
+    logprobs, and every prompt vLLM got is a prefix of it."""
+    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
+    traj = Trajectory(**result["trajectories"][0])
+    assert [t for t, m in zip(traj.response_ids, traj.loss_mask) if m] == [t for _, c in calls for t in c.token_ids]
+    assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
+        [lp for _, c in calls for lp in c.logprobs]
+    ids = traj.prompt_ids + traj.response_ids
+    assert all(ids[:len(prompt)] == prompt for prompt, _ in calls)
+    return traj
 
 
 def answer(content, calls=(), finish="stop", **choice):
@@ -38,9 +64,10 @@ def answer(content, calls=(), finish="stop", **choice):
 
 
 def test_every_block_type_becomes_the_chat_body_the_gateway_accepts():
-    body: MessageCreateParams = {
+    body = {  # temperature, top_p, top_k: sent by older clients (the current SDK's parameters lack them)
         "model": "claude-anything", "max_tokens": 256, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
         "stop_sequences": ["END"], "metadata": {"user_id": "u1"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "speed": "standard", "inference_geo": "us", "cache_control": {"type": "ephemeral"},
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=deadbeef;"},
                    {"type": "text", "text": "You read files."}, {"type": "text", "text": " Be brief.",
                                                                   "cache_control": {"type": "ephemeral"}}],
@@ -348,3 +375,37 @@ async def test_errors_on_the_route_are_in_the_anthropic_format(gateway_server, a
         await sdk.messages.create(model="m", max_tokens=8, messages=hi + [
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
     assert ErrorResponse.model_validate(e.value.body).error.type == "invalid_request_error"
+
+
+@pytest.mark.real
+async def test_on_vllm_the_messages_route_records_exactly_vllms_tokens(tap_llm, gateway_server, anthropic_session,
+                                                                       vllm_server, tokenizer):
+    """Three tool-use turns of the real SDK against a real vLLM CPU server: one trajectory of exactly vLLM's
+    tokens, and the first prompt is the model's chat template over the translated messages (the same
+    rendering as the Chat Completions route)."""
+    client, app = await gateway_server([vllm_server.address])
+    gw = app[GATEWAY]
+    gw.engine.parser = EveryTurnCallsEcho()
+    calls = tap_llm(gw)
+    s, sdk = await anthropic_session(client)
+    echo = {"name": "echo", "description": "Echo text back.",
+            "input_schema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+    messages = [{"role": "user", "content": "Echo things."}]
+    for turn in range(3):
+        m = await sdk.messages.create(model="any", max_tokens=10, system="You are a test agent.", tools=[echo],
+                                      messages=messages)
+        assert m.stop_reason == "tool_use"
+        assert (m.usage.input_tokens, m.usage.output_tokens) == (len(calls[-1][0]), len(calls[-1][1].token_ids))
+        use = next(b for b in m.content if b.type == "tool_use")
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": f"echo #{turn}: {use.input['text']}"}]}]
+    result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
+    traj = assert_one_trajectory_of_vllms_tokens(result, calls)
+    first = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are a test agent."}, {"role": "user", "content": "Echo things."}],
+        tools=[{"type": "function", "function": {"name": "echo", "description": "Echo text back.",
+                                                 "parameters": echo["input_schema"]}}],
+        tokenize=False, add_generation_prompt=True)
+    assert traj.prompt_ids == calls[0][0] == tokenizer.encode(first, add_special_tokens=False)
+    assert "echo #1: " in tokenizer.decode(traj.response_ids)
