@@ -1,5 +1,6 @@
 """Fixtures of the LLM tier beyond the shared ones in tests/conftest.py (``tiny_model_dir``, ``tokenizer``,
-``vllm_server``: one server for the whole session): a second server for failover tests."""
+``vllm_server``: one server for the whole session): a second server for failover tests, and the family test
+models (``family_model_dir``)."""
 from __future__ import annotations
 
 import os
