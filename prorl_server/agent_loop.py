@@ -167,7 +167,6 @@ class AgentLoop:
                 raise ValueError(f"tool {name!r} has no function")
         self.schemas = [tool_schema(name, schema) for name, (schema, _) in self.tools.items()]
         self.engine = TurnEngine(llm, self.config.parser)
-        self.parser = self.engine.parser
 
     async def run(self, messages: Sequence[dict], *, backend: Backends,
                   sampling_params: Optional[dict[str, Any]] = None) -> AgentResult:

@@ -160,7 +160,6 @@ class Gateway:
         self.idle_timeout_s = idle_timeout_s
         self.keep_finished = keep_finished
         self.engine = TurnEngine(llm.client, parser)
-        self.parser = self.engine.parser
         self.open: dict[str, Session] = {}
         self.finished: "OrderedDict[str, Session]" = OrderedDict()
         self.counters: dict[str, float] = {"sessions": 0, "requests": 0, "splits": 0, "expired": 0,

@@ -72,7 +72,7 @@ async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_token
         gateway_server, open_session, vllm_server, tokenizer):
     client, app = await gateway_server([vllm_server.address])
     gw = app[GATEWAY]
-    gw.parser = EveryTurnCallsEcho()
+    gw.engine.parser = EveryTurnCallsEcho()
     calls = tap_llm(gw)
     s, sdk = await open_session(client)
     messages = [SYSTEM, {"role": "user", "content": "Echo things."}]

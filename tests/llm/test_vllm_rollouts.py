@@ -154,8 +154,9 @@ BAD = r'<tool_call>\n\{"name": "echo", "arguments": [0-9]\}\n</tool_call>'
 
 
 async def test_hermes_calls_from_real_generations_run_and_malformed_ones_are_counted(vllm_server, tokenizer):
-    # Grammar-constrained sampling makes the random model write hermes calls: one good, one malformed.
-    sp = {"max_tokens": 80, "structured_outputs": {"regex": r"[a-z ]{0,10}\n" + GOOD + r"\n" + BAD}}
+    # Grammar-constrained sampling makes the random model write hermes calls: one good, one malformed. The
+    # budget holds the longest text the pattern allows, so the malformed call is never also cut short.
+    sp = {"max_tokens": 200, "structured_outputs": {"regex": r"[a-z ]{0,10}\n" + GOOD + r"\n" + BAD}}
     async with SpyLLM() as llm:
         loop = AgentLoop(tokenizer, llm, ECHO, AgentConfig(max_turns=3))
         r = await loop.run(START, backend=vllm_server.address, sampling_params=sp)
