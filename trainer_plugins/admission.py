@@ -1,4 +1,8 @@
-"""Windowed FIFO admission: which finished rollouts a trainer may take, and in what order.
+"""Admission: which finished rollouts a trainer may take and in what order (:class:`WindowedFIFO`), which
+rollout server a job goes to (:class:`ServerChooser`), and what happens to groups over the staleness bound
+(:class:`StalenessPolicy`). All three are pure bookkeeping (no I/O, no clock), picked by configuration.
+
+Windowed FIFO.
 
 Source: MiniMax "Forge" (windowed FIFO over the generation queue). Work items are numbered in submission
 order (``seq`` 0, 1, 2, ...). The *head* is the oldest item not yet removed. The trainer may take a finished
@@ -10,12 +14,33 @@ the head leaves, so taking item ``head + 2`` does not open position ``head + W``
 - in between, off-policy lag and difficulty drift are bounded by the window while most of greedy's
   throughput is kept (measured in ``benchmarks/scheduling.py``).
 
-This class is pure bookkeeping (no I/O, no clock): :mod:`trainer_plugins.client` uses it for groups on real
-servers, and the scheduling benchmark drives the same class in a simulation.
+:mod:`trainer_plugins.client` uses it for groups on real servers, and the scheduling benchmark drives the same
+class in a simulation.
+
+Server choice (:class:`ServerChooser`; :func:`as_server_chooser` maps the configuration names):
+
+- ``"least_in_flight"`` (:class:`LeastInFlight`, the default of ``RolloutClient`` and the TRL plugin): a
+  group's first job goes to the server with the fewest of this process's jobs in flight (ties: the earliest
+  in order, so equal servers are used round-robin starting on the same node); the group's later jobs follow
+  it while any of them is in flight (one LLM backend, the prompt's prefix cache).
+- ``"rendezvous"`` (:class:`RendezvousByGroup`, verl's default): rendezvous hashing of the group id
+  (:func:`trainer_plugins.servers.server_for_group`), for samples of one group submitted by processes that
+  share no state; round-robin for a job with no group.
+
+Staleness (:class:`StalenessPolicy`; :func:`as_staleness_policy` maps ``"drop"`` and ``"wait"``):
+
+- ``"drop"`` (:class:`DropStale`): a group over the bound is discarded (its running jobs cancelled).
+- ``"wait"`` (:class:`WaitForStale`, dropless, like verl's ``max_off_policy_strategy=wait``): a step first
+  takes the groups that would be over the bound at the next version; a group already over it is cancelled and
+  its prompt regenerated.
 """
 from __future__ import annotations
 
-from typing import Generic, Iterator, Optional, TypeVar
+import itertools
+from collections import Counter
+from typing import AbstractSet, Generic, Iterator, Optional, Protocol, Sequence, TypeVar, Union, runtime_checkable
+
+from trainer_plugins.servers import server_for_group
 
 T = TypeVar("T")
 
@@ -112,3 +137,162 @@ class WindowedFIFO(Generic[T]):
         """Remove an item without the window check (discarded: dropped, cancelled, stale)."""
         self._ready.discard(seq)
         return self._items.pop(seq)
+
+
+# ------------------------------------------------------------------------------------------ server choice
+
+
+@runtime_checkable
+class ServerChooser(Protocol):
+    """Picks the rollout server of one job. The job client calls :meth:`started` when it submits a job to the
+    chosen server and :meth:`finished` when that job's request ended (whatever the outcome)."""
+
+    def choose(self, servers: Sequence[str], group_id: Optional[str] = None,
+               exclude: AbstractSet[str] = frozenset()) -> str:
+        """One of ``servers`` (non-empty) for a job of ``group_id`` (None: no group), never one in ``exclude``
+        while another is left (the servers on which this sample already failed)."""
+        ...
+
+    def started(self, server: str, group_id: Optional[str] = None) -> None: ...
+
+    def finished(self, server: str, group_id: Optional[str] = None) -> None: ...
+
+
+def _candidates(servers: Sequence[str], exclude: AbstractSet[str]) -> list[str]:
+    if not servers:
+        raise ValueError("no rollout server to choose from")
+    return [s for s in servers if s not in exclude] or list(servers)
+
+
+class LeastInFlight:
+    """Fewest of this chooser's jobs in flight, ties to the earliest server in order; a group's jobs follow its
+    first job's server while any of them is in flight (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.in_flight: Counter = Counter()  # server -> jobs in flight
+        self._groups: dict[str, list] = {}  # group_id -> [server, jobs in flight]
+
+    def choose(self, servers: Sequence[str], group_id: Optional[str] = None,
+               exclude: AbstractSet[str] = frozenset()) -> str:
+        candidates = _candidates(servers, exclude)
+        pinned = self._groups.get(group_id) if group_id is not None else None
+        if pinned is not None and pinned[0] in candidates:
+            return pinned[0]
+        return min(candidates, key=lambda s: self.in_flight[s])
+
+    def started(self, server: str, group_id: Optional[str] = None) -> None:
+        self.in_flight[server] += 1
+        if group_id is not None:
+            entry = self._groups.setdefault(group_id, [server, 0])
+            entry[1] += 1
+
+    def finished(self, server: str, group_id: Optional[str] = None) -> None:
+        self.in_flight[server] -= 1
+        entry = self._groups.get(group_id) if group_id is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._groups[group_id]
+
+
+class RendezvousByGroup:
+    """Rendezvous hashing of the group id over the candidate servers (every process computes the same server
+    for a group with no shared state); round-robin for a job with no group."""
+
+    def __init__(self) -> None:
+        self._rr = itertools.count()
+
+    def choose(self, servers: Sequence[str], group_id: Optional[str] = None,
+               exclude: AbstractSet[str] = frozenset()) -> str:
+        candidates = _candidates(servers, exclude)
+        if group_id is None:
+            return candidates[next(self._rr) % len(candidates)]
+        return server_for_group(candidates, group_id)
+
+    def started(self, server: str, group_id: Optional[str] = None) -> None:
+        pass
+
+    def finished(self, server: str, group_id: Optional[str] = None) -> None:
+        pass
+
+
+SERVER_CHOOSERS = {"least_in_flight": LeastInFlight, "rendezvous": RendezvousByGroup}
+
+
+def as_server_chooser(spec: Union[str, ServerChooser]) -> ServerChooser:
+    """A chooser from its configuration name (:data:`SERVER_CHOOSERS`), or ``spec`` itself when it is one.
+
+    Raises:
+        ValueError: an unknown name, or an object that is no :class:`ServerChooser`.
+    """
+    if isinstance(spec, str):
+        if spec not in SERVER_CHOOSERS:
+            raise ValueError(f"server_chooser must be one of {sorted(SERVER_CHOOSERS)}, got {spec!r}")
+        return SERVER_CHOOSERS[spec]()
+    if not isinstance(spec, ServerChooser):
+        raise ValueError(f"server_chooser must be a name or a ServerChooser, got {spec!r}")
+    return spec
+
+
+# ------------------------------------------------------------------------------------------ staleness
+
+
+@runtime_checkable
+class StalenessPolicy(Protocol):
+    """What happens to a group whose weight-version lag exceeds the bound ``max_staleness`` (K)."""
+
+    #: the configuration name
+    name: str
+
+    def due(self, lag_at_next_version: int, max_staleness: int) -> bool:
+        """True: this step must take the group (finished or not: the step waits for it), because at the next
+        weight version its lag would exceed K."""
+        ...
+
+    def regenerate(self) -> bool:
+        """What becomes of a group found over the bound (its running jobs are cancelled either way): True, its
+        prompt is submitted again at the current version; False, it is discarded."""
+        ...
+
+
+class DropStale:
+    """``"drop"``: a group over the bound is discarded; no step waits for a slow group."""
+
+    name = "drop"
+
+    def due(self, lag_at_next_version: int, max_staleness: int) -> bool:
+        return False
+
+    def regenerate(self) -> bool:
+        return False
+
+
+class WaitForStale:
+    """``"wait"`` (dropless): a step takes first the groups that would be over the bound at the next version;
+    a group already over it (the version jumped by more than one in a step) is regenerated."""
+
+    name = "wait"
+
+    def due(self, lag_at_next_version: int, max_staleness: int) -> bool:
+        return lag_at_next_version > max_staleness
+
+    def regenerate(self) -> bool:
+        return True
+
+
+STALENESS_POLICIES = {"drop": DropStale, "wait": WaitForStale}
+
+
+def as_staleness_policy(spec: Union[str, StalenessPolicy]) -> StalenessPolicy:
+    """A policy from its configuration name (:data:`STALENESS_POLICIES`), or ``spec`` itself when it is one.
+
+    Raises:
+        ValueError: an unknown name, or an object that is no :class:`StalenessPolicy`.
+    """
+    if isinstance(spec, str):
+        if spec not in STALENESS_POLICIES:
+            raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {spec!r}")
+        return STALENESS_POLICIES[spec]()
+    if not isinstance(spec, StalenessPolicy):
+        raise ValueError(f"staleness_policy must be a name or a StalenessPolicy, got {spec!r}")
+    return spec

@@ -10,12 +10,14 @@ A trainer drives it step by step::
             train_on(batch.groups); log(batch.metrics.as_dict())
             await client.update_weights(step + 1)    # clear + re-register vLLM backends, version step + 1
 
-What it does (DESIGN.md "Trainer side", issue 6):
+What it does:
 
 - **Servers**: a URL list, or ``servers.json`` read with :mod:`trainer_plugins.servers` (same-node servers
-  first, bearer token from the file). Each group goes to the server with the fewest of this client's jobs in
-  flight, ties broken in that order: same node first, then round-robin; all its samples run there, sent with
-  the group's ``group_id`` so the server keeps them on one LLM backend (the prompt's prefix cache).
+  first, bearer token from the file). Each group goes to the server its ``server_chooser`` picks
+  (:class:`trainer_plugins.admission.ServerChooser`; default ``"least_in_flight"``: the fewest of this
+  client's jobs in flight, ties broken in that order: same node first, then round-robin); all its samples run
+  there, sent with the group's ``group_id`` so the server keeps them on one LLM backend (the prompt's prefix
+  cache). Every job goes through :class:`trainer_plugins.jobs.JobSubmitter` (submit, cancel, 503 waits).
 - **Groups**: every dataset item is sampled ``n_samples`` times (one job each, ``POST /process`` with a
   client-chosen ``job_id`` so it can be cancelled at once); a group is complete when all its jobs ended.
 - **Replenishment**: a background task keeps as many groups outstanding (submitted and not yet consumed or
@@ -26,8 +28,8 @@ What it does (DESIGN.md "Trainer side", issue 6):
   carries no advantage signal and is dropped (its jobs' seconds are counted as wasted).
 - **Filtered samples are regenerated, never trained on**: a result with ``filter: true`` (the server's
   ``failure_kind``: a dead sandbox, an unreachable backend, a harness fault, a timeout, a cancel it did not
-  ask for; or no answer from the server at all) is replaced by a new job for the same group, preferably on
-  another server, up to ``max_sample_retries`` times per sample; a sample still filtered after that drops its
+  ask for; or no answer from the server at all) is replaced by a new job for the same group, on a server where
+  the sample has not failed yet while there is one (the job client's failover rule), up to ``max_sample_retries`` times per sample; a sample still filtered after that drops its
   whole group (its other jobs are cancelled and the next dataset item takes its place). Counted per step:
   ``filtered_jobs``, ``samples_regenerated``, ``groups_dropped_filtered``, ``failure_kinds``.
 - **Early termination**: when a step has its groups, groups that would exceed the staleness bound at the
@@ -40,7 +42,8 @@ What it does (DESIGN.md "Trainer side", issue 6):
   greedy, ``1`` strict FIFO.
 - **Staleness**: a group's version is the oldest weight version its trajectories were generated with (as the
   server reports it, else the version current when it was submitted). ``lag = current - version``
-  never exceeds ``max_staleness`` for a consumed group. ``staleness_policy="drop"``: a group that would
+  never exceeds ``max_staleness`` for a consumed group. The ``staleness_policy``
+  (:class:`trainer_plugins.admission.StalenessPolicy`, or its name) decides the rest. ``"drop"``: a group that would
   exceed it is discarded (its running jobs cancelled; the next dataset item takes its place).
   ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``): a step first waits for and takes
   the groups that would exceed the bound at the next version, slow or not, so none is lost to staleness;
@@ -64,8 +67,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import aiohttp
 
-from trainer_plugins.admission import WindowedFIFO
-from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result
+from prorl_server.types import JobResult
+from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
+                                       as_staleness_policy)
+from trainer_plugins.jobs import (InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result,
+                                  process_request)
 from trainer_plugins.servers import ServersFile, load_servers
 
 log = logging.getLogger(__name__)
@@ -80,22 +86,24 @@ Dataset = Union[Sequence[Any], Callable[[int], Iterable[Any]]]
 
 @dataclass
 class Sample:
-    """One job of a group. ``result`` is the server's job result (a dict, see README "HTTP API")."""
+    """One job of a group. ``result`` is the server's job result. ``failed_on``: the servers on which this
+    sample's earlier attempts were filtered."""
 
     job_id: str
     server: str
-    result: Optional[dict] = None
+    result: Optional[JobResult] = None
     submitted_at: float = 0.0
     finished_at: Optional[float] = None
     cancel_requested: bool = False
     task: Optional[asyncio.Task] = field(default=None, repr=False)
     slot: int = 0  # which of the group's n samples this is
     retries: int = 0  # how many filtered results this slot had before this job
+    failed_on: set[str] = field(default_factory=set)
 
     @property
     def filtered(self) -> bool:
         """The server said not to train on this result (``filter: true``)."""
-        return bool(self.result is not None and self.result.get("filter"))
+        return bool(self.result is not None and self.result.filter)
 
     @property
     def done(self) -> bool:
@@ -104,9 +112,7 @@ class Sample:
     @property
     def counted_s(self) -> float:
         """Seconds the server spent on the job (init + run + eval), 0 when unknown."""
-        if self.result is None:
-            return 0.0
-        return float((self.result.get("timing") or {}).get("counted_s") or 0.0)
+        return 0.0 if self.result is None else float(self.result.timing.counted_s)
 
 
 @dataclass
@@ -130,13 +136,13 @@ class Group:
         return bool(self.samples) and all(s.done for s in self.samples)
 
     @property
-    def results(self) -> list[dict]:
+    def results(self) -> list[JobResult]:
         """Job results in sample order (complete groups only)."""
         return [s.result for s in self.samples if s.result is not None]
 
     @property
     def rewards(self) -> list[float]:
-        return [float(r.get("reward", 0.0)) for r in self.results]
+        return [float(r.reward) for r in self.results]
 
     @property
     def informative(self) -> bool:
@@ -150,20 +156,21 @@ class Group:
         registered with), else the version current at submission."""
         versions = []
         for r in self.results:
-            if isinstance(r.get("weight_version"), int):
-                versions.append(r["weight_version"])
-            for t in r.get("trajectories") or ():
-                versions.extend(v for v in t.get("weight_versions") or () if isinstance(v, int))
+            if r.weight_version is not None:
+                versions.append(r.weight_version)
+            for t in r.trajectories:
+                versions.extend(t.weight_versions)
         return min(versions) if versions else self.submit_version
 
     @property
     def trajectories(self) -> list[dict]:
         """Every trajectory of every sample (``prompt_ids``, ``response_ids``, ``response_logprobs``,
-        ``loss_mask``, ...), with the sample's ``reward`` added."""
+        ``loss_mask``, ...: :class:`prorl_server.types.Trajectory` as a dict), with the sample's ``reward``
+        and ``job_id`` added."""
         out = []
         for r in self.results:
-            for t in r.get("trajectories") or ():
-                out.append({**t, "reward": float(r.get("reward", 0.0)), "job_id": r.get("job_id")})
+            for t in r.trajectories:
+                out.append({**t.model_dump(), "reward": float(r.reward), "job_id": r.job_id})
         return out
 
 
@@ -324,7 +331,10 @@ class RolloutClient:
         window: Windowed FIFO width W in groups (None: greedy; 1: strict FIFO).
         max_staleness: K, the largest weight-version lag of a consumed group (None: unbounded, then
             ``max_outstanding_groups`` or ``2 * B`` bounds submission).
-        staleness_policy: ``"drop"`` or ``"wait"`` (dropless), see the module docstring.
+        staleness_policy: a :class:`trainer_plugins.admission.StalenessPolicy`, or its name: ``"drop"`` or
+            ``"wait"`` (dropless), see the module docstring.
+        server_chooser: a :class:`trainer_plugins.admission.ServerChooser`, or its name
+            (``"least_in_flight"``, ``"rendezvous"``).
         oversubscribe: groups submitted beyond the staleness budget, to make up for DAPO drops; those that
             cannot be used in time are cancelled.
         dynamic_sampling: drop all-equal-reward groups (DAPO). carry_over: keep unfinished groups across
@@ -345,7 +355,8 @@ class RolloutClient:
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
                  groups_per_step: int, n_samples: int = 1, window: Optional[int] = None,
-                 max_staleness: Optional[int] = 1, staleness_policy: str = "drop", oversubscribe: int = 0,
+                 max_staleness: Optional[int] = 1, staleness_policy: Union[str, StalenessPolicy] = "drop",
+                 server_chooser: Union[str, ServerChooser] = "least_in_flight", oversubscribe: int = 0,
                  dynamic_sampling: bool = True, carry_over: bool = True, max_epochs: Optional[int] = None,
                  shuffle: bool = False, seed: int = 0, sampling_params: Optional[dict] = None,
                  timeout_s: Optional[float] = None, headers: Optional[Mapping[str, str]] = None,
@@ -358,8 +369,6 @@ class RolloutClient:
             raise ValueError("groups_per_step and n_samples must be >= 1")
         if max_sample_retries < 0:
             raise ValueError("max_sample_retries must be >= 0")
-        if staleness_policy not in ("drop", "wait"):
-            raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {staleness_policy!r}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
         self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
@@ -370,7 +379,8 @@ class RolloutClient:
         self.B = groups_per_step
         self.n = n_samples
         self.max_staleness = max_staleness
-        self.staleness_policy = staleness_policy
+        self.staleness_policy = as_staleness_policy(staleness_policy)  # ValueError for an unknown name
+        self.chooser = as_server_chooser(server_chooser)
         self.oversubscribe = oversubscribe
         self.dynamic_sampling = dynamic_sampling
         self.carry_over = carry_over
@@ -508,16 +518,15 @@ class RolloutClient:
         cap = (versions + self.max_staleness + 1) * self.B + self.oversubscribe - self._consumed
         return min(cap, self.max_outstanding_groups) if self.max_outstanding_groups else cap
 
-    def _pick_server(self, group: Optional[Group] = None) -> str:
-        """The rollout server for a job of ``group``: the group's server once it has one (its samples share
-        the prompt, and that server keeps them on one backend through ``group_id``: prefix-cache reuse);
-        else the server with the fewest of our jobs in flight, ties to the earliest in order (with equal
-        servers this is round-robin that starts on the same node, and a slow server gets fewer new groups),
-        which becomes the group's."""
-        if group is not None and group.server in self._in_flight:
-            return group.server
-        server = min(self.urls, key=lambda u: self._in_flight[u])
-        if group is not None:
+    def _group_id(self, group: Group) -> str:
+        return f"{self.job_prefix}-{group.uid}"
+
+    def _pick_server(self, group: Group) -> str:
+        """The rollout server for a job of ``group``, as the server chooser picks it (least-in-flight keeps a
+        group's samples on its first sample's server: they share the prompt, and that server keeps them on one
+        backend through ``group_id``: prefix-cache reuse); the first pick becomes ``group.server``."""
+        server = self.chooser.choose(self.urls, self._group_id(group))
+        if group.server is None:
             group.server = server
         return server
 
@@ -537,10 +546,13 @@ class RolloutClient:
         for i in range(self.n):
             group.samples.append(self._start_sample(group, i, 0, self._pick_server(group)))
 
-    def _start_sample(self, group: Group, slot: int, retries: int, server: str) -> Sample:
+    def _start_sample(self, group: Group, slot: int, retries: int, server: str,
+                      failed_on: Optional[set[str]] = None) -> Sample:
         self._in_flight[server] += 1
+        self.chooser.started(server, self._group_id(group))
         jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
-        sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic(), slot=slot, retries=retries)
+        sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic(), slot=slot, retries=retries,
+                        failed_on=set(failed_on or ()))
         sample.task = asyncio.create_task(self._run_sample(group, sample))
         self._tasks.add(sample.task)
         sample.task.add_done_callback(self._tasks.discard)
@@ -548,17 +560,15 @@ class RolloutClient:
         return sample
 
     async def _run_sample(self, group: Group, sample: Sample) -> None:
-        body: dict[str, Any] = {"instance": group.instance, "sampling_params": self.sampling_params,
-                                "job_id": sample.job_id, "group_id": f"{self.job_prefix}-{group.uid}"}
-        if self.timeout_s is not None:
-            body["timeout_s"] = self.timeout_s
-        # The shared submit rules (trainer_plugins.jobs): 503 offered again for unavailable_retry_s; a server
+        request = process_request(group.instance, self.sampling_params, job_id=sample.job_id,
+                                  group_id=self._group_id(group), timeout_s=self.timeout_s)
+        # The job client's rules (trainer_plugins.jobs): 503 offered again for unavailable_retry_s; a server
         # that fails or vanishes gives a filtered result (no outcome of the model: regenerated like one the
-        # server filtered); a refused instance or token is an error for the trainer, raised by next_batch.
+        # server filtered); a cancelled job is never sent if it was not yet; a refused instance or token is an
+        # error for the trainer, raised by next_batch.
         try:
-            result = await self._jobs.submit(sample.server, body, what=f"dataset item {group.index} of epoch "
-                                             f"{group.epoch} ({_describe(group.instance)})",
-                                             cancelled=lambda: sample.cancel_requested)
+            result = await self._jobs.submit(sample.server, request, what=f"dataset item {group.index} of "
+                                             f"epoch {group.epoch} ({_describe(group.instance)})")
         except (InvalidInstanceError, RolloutAuthError) as e:
             self._error = self._error or e
             sample.result = filtered_result(sample.job_id, "invalid_instance", str(e))
@@ -567,9 +577,10 @@ class RolloutClient:
             return
         finally:
             self._in_flight[sample.server] -= 1
+            self.chooser.finished(sample.server, self._group_id(group))
         sample.result = result
         sample.finished_at = time.monotonic()
-        if result.get("critical_error") and result.get("critical_error") != "cancelled":
+        if result.critical_error and result.critical_error != "cancelled":
             self._counters["failed_jobs"] += 1
         self._on_sample_done(group, sample)
 
@@ -594,19 +605,18 @@ class RolloutClient:
         server when there is one) or, past ``max_sample_retries``, drop the group and cancel its other jobs."""
         assert sample.result is not None
         self._counters["filtered_jobs"] += 1
-        self._failure_kinds[sample.result.get("failure_kind") or sample.result.get("critical_error")
-                            or "unspecified"] += 1
+        self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
         if sample.retries < self.max_sample_retries and not self._closed:
             self._wasted_s += sample.counted_s
-            others = [u for u in self.urls if u != sample.server] or self.urls
-            server = min(others, key=lambda u: self._in_flight[u])
+            failed_on = sample.failed_on | {sample.server}
+            server = self._jobs.retry_server(self.urls, self._group_id(group), failed_on, self.chooser)
             group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
-                                                                            sample.retries + 1, server)
+                                                                            sample.retries + 1, server, failed_on)
             self._counters["samples_regenerated"] += 1
             return
         self._counters["groups_dropped_filtered"] += 1
         log.info("group %s dropped: sample %d still filtered after %d regeneration(s) (%s)", group.uid,
-                 sample.slot, sample.retries, sample.result.get("failure_kind"))
+                 sample.slot, sample.retries, sample.result.failure_kind)
         self._wasted_s += sum(s.counted_s for s in group.samples if s.done)
         self._discard(group)
         if not self._closed and any(not s.done for s in group.samples):
@@ -637,8 +647,8 @@ class RolloutClient:
             await asyncio.gather(*calls)
 
     async def _cancel_job(self, sample: Sample) -> None:
-        # /process may not have reached the server yet (404): retried until the job is known or has ended.
-        if await self._jobs.cancel(sample.server, sample.job_id, done=lambda: sample.done):
+        # the job client's cancel: also when /process has not reached the server yet (see trainer_plugins.jobs)
+        if await self._jobs.cancel(sample.server, sample.job_id):
             self._counters["cancelled_jobs"] += 1
 
     # ------------------------------------------------------------------ staleness
@@ -649,18 +659,19 @@ class RolloutClient:
         return self.max_staleness is not None and self.lag(group, version) > self.max_staleness
 
     def _due(self) -> set[int]:
-        """With ``staleness_policy="wait"``: ``seq`` of the queued groups that would be over the bound at the
-        next version, so this step must take them (verl's ``max_off_policy_strategy=wait``: dropless)."""
-        if self.staleness_policy != "wait" or self.max_staleness is None:
+        """``seq`` of the queued groups this step must take first, as the staleness policy says (``"wait"``:
+        those that would be over the bound at the next version; verl's ``max_off_policy_strategy=wait``)."""
+        if self.max_staleness is None:
             return set()
-        return {s for s, g in self.queue if self._over_bound(g, self.weight_version + 1)}
+        return {s for s, g in self.queue
+                if self.staleness_policy.due(self.lag(g, self.weight_version + 1), self.max_staleness)}
 
     async def _handle_stale(self, groups: list[Group]) -> None:
         if not groups:
             return
         self._counters["stale_groups"] += len(groups)
         await self._cancel_groups(groups, "stale")
-        if self.staleness_policy == "wait":
+        if self.staleness_policy.regenerate():
             self._regen.extend(groups)
             self._counters["regenerated_groups"] += len(groups)
         self._wake.set()

@@ -1,14 +1,17 @@
-"""Submit, cancel and retry jobs on rollout servers: the one behaviour every trainer plugin shares.
+"""The one rollout client: submit, cancel and retry jobs on rollout servers, typed by the wire models.
 
-:class:`JobSubmitter` is the one implementation of submit, cancel and retry:
-:class:`trainer_plugins.client.RolloutClient`, the TRL plugin (:mod:`trainer_plugins.trl`) and the verl
-plugin's agent loop (:mod:`trainer_plugins.verl.agent_loop`) all go through it. What it does with each answer:
+:class:`JobSubmitter` is the only code in the project that talks ``/process`` and ``/cancel``: ``prorl-run``
+(:mod:`trainer_plugins.run_job`), :class:`trainer_plugins.client.RolloutClient`, the TRL plugin
+(:mod:`trainer_plugins.trl`) and the verl plugin's agent loop (:mod:`trainer_plugins.verl.agent_loop`) all go
+through it. Requests are :class:`prorl_server.types.ProcessRequest` (built with :func:`process_request`),
+answers are parsed into :class:`prorl_server.types.JobResult`. What it does with each answer:
 
 ======================================  ==================================================================
 the rollout server answers              outcome
 ======================================  ==================================================================
 200 with a job result                   the result (``filter: true`` in it: not to be trained on; see below)
 200, ``failure_kind: invalid_instance``  :class:`InvalidInstanceError` naming the instance (retrying cannot help)
+200 with a body that is no job result   a filtered ``rollout_server`` result
 503 (no LLM backend yet, stopped)       offered again on the same server every 0.25 s for
                                         ``unavailable_retry_s``, then a filtered ``rollout_server`` result
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
@@ -16,17 +19,31 @@ any other 4xx but 408 / 429             :class:`InvalidInstanceError` naming the
 408, 429, other 5xx                     a filtered ``rollout_server`` result (another attempt, elsewhere)
 no answer (refused, reset, died)        a filtered ``rollout_server`` result
 no result within ``request_timeout_s``  the job is cancelled on the server; a filtered ``timeout`` result
+the job was cancelled (:meth:`cancel`)  the server's result (``critical_error: cancelled``), or, when the
+                                        request was not sent yet, a filtered ``cancelled`` result
 the caller is cancelled                 the job is cancelled on the server (shielded), then CancelledError
 ======================================  ==================================================================
 
-A *filtered result* is the server's own shape (``job_id, reward 0.0, critical_error, error, failure_kind,
+A *filtered result* made here has the server's shape (``reward 0.0, critical_error, error, failure_kind,
 filter: true, trajectories: []``), so callers treat a dead server exactly like a job the server failed.
-:meth:`JobSubmitter.run` retries filtered results up to ``max_sample_retries`` times, each attempt a new job
-id, the next one on another server when the previous server did not answer; RolloutClient regenerates them
-itself (group-aware) with :meth:`JobSubmitter.submit` and the same rules.
 
-Cancel (:meth:`JobSubmitter.cancel`): ``POST /cancel {job_id}``; a 404 (the ``/process`` request has not
-reached the server yet) is retried every 50 ms for ``patience_s``.
+Retry and failover (one rule for every caller). A filtered result is re-submitted as a new job (a new job
+id) up to ``max_sample_retries`` times; each re-submission goes to the server the caller's
+:class:`trainer_plugins.admission.ServerChooser` picks with every server on which this sample was already
+filtered excluded, while another server is left. :meth:`JobSubmitter.run` is that loop;
+``RolloutClient`` applies the same rule itself (:meth:`JobSubmitter.retry_server`) because it regenerates
+samples inside groups.
+
+Cancel (:meth:`JobSubmitter.cancel`), robust against the race with the job's own submission:
+
+1. the job id is remembered as cancelled first: a request of this client that has not been sent yet (or
+   waits between 503 retries) is never sent, and its caller gets a filtered ``cancelled`` result;
+2. ``POST /cancel {job_id}``: a 200 means the server stopped the job;
+3. a 404 means the ``/process`` request has not reached the server yet: while this client's request for the
+   job is still open, the cancel is sent again (every 50 ms, backing off to 1 s) until the server knows the
+   job or the request ended; for a job not open here (submitted elsewhere, or a request this client already
+   gave up on) 404s are retried for ``cancel_patience_s``;
+4. any other answer, or no answer, ends the cancel (logged, never raised: the server is gone or refused).
 """
 from __future__ import annotations
 
@@ -34,12 +51,23 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import aiohttp
+import pydantic
+
+from prorl_server.types import CancelRequest, JobResult, ProcessRequest
+from trainer_plugins.admission import LeastInFlight, ServerChooser
 
 log = logging.getLogger(__name__)
+
+#: ``failure_kind`` of a result made here because the rollout server gave none (no answer, 5xx, 503 for too
+#: long, a body that is not a job result). The server's own kinds are ``prorl_server.failures.FAILURE_KINDS``.
+ROLLOUT_SERVER = "rollout_server"
+#: how many cancelled job ids a client remembers (each is a short string; the oldest is forgotten first)
+_TOMBSTONES = 65536
 
 
 class InvalidInstanceError(ValueError):
@@ -52,10 +80,24 @@ class RolloutAuthError(RuntimeError):
     """A rollout server refused the bearer token (401/403)."""
 
 
-def filtered_result(job_id: str, failure_kind: str, error: str, critical_error: str = "run") -> dict[str, Any]:
-    """A job result in the server's shape for a job that produced nothing to train on (``filter: true``)."""
-    return {"job_id": job_id, "reward": 0.0, "resolved": False, "critical_error": critical_error,
-            "failure_kind": failure_kind, "filter": True, "trajectories": [], "error": error}
+def process_request(instance: Mapping[str, Any], sampling_params: Optional[Mapping[str, Any]] = None, *,
+                    job_id: Optional[str] = None, group_id: Optional[str] = None,
+                    timeout_s: Optional[float] = None) -> ProcessRequest:
+    """The ``POST /process`` body as the wire model, unvalidated: the rollout server is the one validator
+    (its 4xx becomes an :class:`InvalidInstanceError` naming the instance), and validating here would resolve
+    shipped-dataset ids and handler aliases in the trainer's process, where the server's datasets may not be.
+    ``timeout_s`` in seconds of counted time; ``None`` fields are not sent."""
+    return ProcessRequest.model_construct(instance=dict(instance), sampling_params=dict(sampling_params or {}),
+                                          job_id=job_id, group_id=group_id,
+                                          timeout_s=None if timeout_s is None else float(timeout_s))
+
+
+def filtered_result(job_id: str, failure_kind: str, error: str, critical_error: str = "run",
+                    handler: str = "") -> JobResult:
+    """A :class:`JobResult` for a job that produced nothing to train on (``filter: true``), made by the client
+    when the server gave no result (``trajectory_id`` is the job id)."""
+    return JobResult(job_id=job_id, trajectory_id=job_id, handler=handler, reward=0.0, resolved=False,
+                     critical_error=critical_error, failure_kind=failure_kind, filter=True, error=error)
 
 
 @dataclass
@@ -71,16 +113,16 @@ class Attempt:
 
 @dataclass
 class JobOutcome:
-    """What :meth:`JobSubmitter.run` ended with: the last ``result`` (filtered when every attempt was) and
-    every ``attempts`` entry before it that was filtered."""
+    """What :meth:`JobSubmitter.run` ended with: the last ``result`` (filtered when every attempt was), its
+    ``server``, and every filtered attempt before it (``attempts``)."""
 
-    result: dict[str, Any]
+    result: JobResult
     server: str
     attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def filtered(self) -> bool:
-        return bool(self.result.get("filter"))
+        return bool(self.result.filter)
 
 
 class JobSubmitter:
@@ -89,9 +131,9 @@ class JobSubmitter:
     Args:
         headers: sent with every request (the bearer token).
         session: an open session to use (not closed here); default: one opened on first use.
-        unavailable_retry_s: how long a 503 is offered again on the same server (seconds).
+        unavailable_retry_s: how long a 503 is offered again on the same server (seconds; 0: not at all).
         request_timeout_s: wall-clock limit of one attempt, queue waits included (None: none).
-        cancel_patience_s: how long a cancel retries a 404.
+        cancel_patience_s: how long a cancel retries a 404 for a job whose request is not open here.
     """
 
     def __init__(self, headers: Optional[Mapping[str, str]] = None, *,
@@ -103,6 +145,9 @@ class JobSubmitter:
         self.unavailable_retry_s = unavailable_retry_s
         self.request_timeout_s = request_timeout_s
         self.cancel_patience_s = cancel_patience_s
+        self.chooser: ServerChooser = LeastInFlight()  # run()'s default
+        self._open: dict[str, _OpenJob] = {}  # job id -> its /process request while submit() runs
+        self._cancelled: "OrderedDict[str, None]" = OrderedDict()  # tombstones, see the module docstring
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -123,48 +168,73 @@ class JobSubmitter:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def open_jobs(self) -> list[tuple[str, str]]:
+        """``(server, job_id)`` of every job whose ``/process`` request is open in this client."""
+        return [(o.server, job_id) for job_id, o in self._open.items() if not o.ended.is_set()]
+
     # ------------------------------------------------------------------ one attempt
-    async def submit(self, server: str, body: Mapping[str, Any], *, what: str = "",
-                     cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """``POST {server}/process`` with ``body`` (which carries its ``job_id``) -> the job result.
+    async def submit(self, server: str, request: ProcessRequest, *, what: str = "") -> JobResult:
+        """``POST {server}/process`` with ``request`` (which carries its ``job_id``) -> the job result.
 
         Args:
             what: how to name the instance in an :class:`InvalidInstanceError` (e.g. the prompt).
-            cancelled: stops the 503 retries (the caller already cancelled the job).
 
         Returns:
-            the server's result, or a filtered result (``failure_kind`` ``rollout_server`` / ``timeout``).
+            the server's result, or a filtered result (``failure_kind`` ``rollout_server`` / ``timeout`` /
+            ``cancelled``).
         Raises:
-            InvalidInstanceError, RolloutAuthError: see the module docstring. CancelledError: the job was
-            cancelled on the server first.
+            ValueError: the request has no ``job_id``. InvalidInstanceError, RolloutAuthError: see the module
+            docstring. CancelledError: the job was cancelled on the server first.
         """
-        job_id = str(body.get("job_id") or "")
+        job_id = request.job_id
         if not job_id:
-            raise ValueError("body needs a job_id (so the job can be cancelled)")
+            raise ValueError("the request needs a job_id (so the job can be cancelled)")
+        if job_id in self._open:
+            raise ValueError(f"job {job_id} is already open in this client")
+        state = self._open[job_id] = _OpenJob(server)
         try:
-            return await asyncio.wait_for(self._process(server, body, what, cancelled), self.request_timeout_s)
-        except asyncio.CancelledError:
-            await asyncio.shield(self.cancel(server, job_id))
-            raise
-        except asyncio.TimeoutError:
-            await asyncio.shield(self.cancel(server, job_id))
-            return filtered_result(job_id, "timeout", f"no result from {server} within request_timeout_s="
-                                   f"{self.request_timeout_s} s; cancelled", critical_error="timeout")
+            try:
+                return await asyncio.wait_for(self._process(state, request, what), self.request_timeout_s)
+            except asyncio.CancelledError:
+                state.ended.set()  # the request was aborted: a 404 now is waited for only cancel_patience_s
+                await asyncio.shield(self._cancel_on_server(server, job_id))
+                raise
+            except asyncio.TimeoutError:
+                state.ended.set()
+                await asyncio.shield(self._cancel_on_server(server, job_id))
+                return filtered_result(job_id, "timeout", f"no result from {server} within request_timeout_s="
+                                       f"{self.request_timeout_s} s; cancelled", critical_error="timeout",
+                                       handler=_handler(request))
+        finally:
+            state.ended.set()
+            self._open.pop(job_id, None)
 
-    async def _process(self, server: str, body: Mapping[str, Any], what: str,
-                       cancelled: Callable[[], bool]) -> dict[str, Any]:
-        job_id = str(body["job_id"])
+    def was_cancelled(self, job_id: str) -> bool:
+        """True when :meth:`cancel` was called for ``job_id`` (remembered for the last 65536 cancels; a
+        cancel this client sends itself, for a timeout or a cancelled caller, does not count)."""
+        return job_id in self._cancelled
+
+    async def _process(self, state: "_OpenJob", request: ProcessRequest, what: str) -> JobResult:
+        job_id, server = str(request.job_id), state.server
+        body = request.model_dump(mode="json", exclude_none=True)
         deadline = time.monotonic() + self.unavailable_retry_s
         while True:
+            if job_id in self._cancelled:  # cancelled before it was sent: never sent
+                return filtered_result(job_id, "cancelled", "cancelled by the client before it was sent to "
+                                       f"{server}", critical_error="cancelled", handler=_handler(request))
             try:
+                state.sent = True
                 async with self.session.post(f"{server}/process", json=body) as r:
                     status = r.status
                     data = await r.json(content_type=None)
+                state.answered = True
             except (aiohttp.ClientError, OSError, ValueError) as e:  # refused, reset, died, not JSON
                 log.warning("job %s on %s: no answer (%r)", job_id, server, e)
-                return filtered_result(job_id, "rollout_server", f"rollout server {server} did not answer: {e!r}")
+                return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} did not answer: {e!r}",
+                                       handler=_handler(request))
             # 503: no LLM backend registered yet (or a swap), or the server is stopped: offered again.
-            if status == 503 and not cancelled() and time.monotonic() < deadline:
+            if status == 503 and time.monotonic() < deadline:
+                state.sent = state.answered = False  # the server did not take the job
                 await asyncio.sleep(0.25)
                 continue
             break
@@ -174,22 +244,54 @@ class JobSubmitter:
         if 400 <= status < 500 and status not in (408, 429):
             raise InvalidInstanceError(f"rollout server {server} refused {what or 'the instance'}: HTTP {status} "
                                        f"{message}")
-        if status != 200 or not isinstance(data, dict):
-            return filtered_result(job_id, "rollout_server", f"rollout server {server} answered HTTP {status}: "
-                                   f"{message}")
-        if data.get("failure_kind") == "invalid_instance":
-            raise InvalidInstanceError(f"the {_handler(body)!r} handler refused {what or 'the instance'} "
-                                       f"(instance fields: {sorted(body.get('instance') or {})}): {data.get('error')}")
-        return data
+        if status != 200:
+            return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} answered HTTP {status}: "
+                                   f"{message}", handler=_handler(request))
+        try:
+            result = JobResult.model_validate(data)
+        except pydantic.ValidationError as e:
+            return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} answered 200 with no job "
+                                   f"result ({e.error_count()} error(s): {e.errors()[0]['msg']}): {message}",
+                                   handler=_handler(request))
+        if result.failure_kind == "invalid_instance":
+            raise InvalidInstanceError(f"the {_handler(request)!r} handler refused {what or 'the instance'} "
+                                       f"(instance fields: {sorted(request.instance)}): {result.error}")
+        return result
 
     # ------------------------------------------------------------------ cancel
-    async def cancel(self, server: str, job_id: str, done: Callable[[], bool] = lambda: False) -> bool:
-        """``POST {server}/cancel``; True when the server took it. A 404 is retried for ``cancel_patience_s``
-        (until ``done()``); other failures are logged, never raised (cancelling is best effort)."""
+    async def cancel(self, server: str, job_id: str) -> bool:
+        """Cancel the job ``job_id`` on ``server`` (the rule is in the module docstring).
+
+        Returns:
+            True when the server stopped the job, or the request was never sent; False when the job had
+            already ended, the server is gone, or it refused (logged, never raised: cancelling is best effort).
+        """
+        self._cancelled[job_id] = None
+        self._cancelled.move_to_end(job_id)
+        while len(self._cancelled) > _TOMBSTONES:
+            self._cancelled.popitem(last=False)
+        return await self._cancel_on_server(server, job_id)
+
+    async def _cancel_on_server(self, server: str, job_id: str) -> bool:
+        """Steps 2-4 of the cancel rule (the module docstring); :meth:`cancel` without the tombstone."""
+        state = self._open.get(job_id)
         deadline = time.monotonic() + self.cancel_patience_s
-        while not done():
+        pause = 0.05
+        body = CancelRequest(job_id=job_id).model_dump(mode="json")
+        while True:
+            if state is None:  # a submit that had not started when the cancel came may have started since
+                state = self._open.get(job_id)
+            if state is not None and state.ended.is_set():
+                if not state.sent:
+                    return True  # the tombstone kept the request from being sent
+                if state.answered:
+                    return False  # the server answered the request: the job ended before the cancel took
+            elif state is not None and not state.sent:
+                # not sent (yet, or between 503 retries): the tombstone stops it before it is sent
+                await _wait(state.ended, pause)
+                continue
             try:
-                async with self.session.post(f"{server}/cancel", json={"job_id": job_id},
+                async with self.session.post(f"{server}/cancel", json=body,
                                              timeout=aiohttp.ClientTimeout(total=10)) as r:
                     if r.status == 200:
                         return True
@@ -199,53 +301,87 @@ class JobSubmitter:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
                 log.warning("cancel %s on %s: %r", job_id, server, e)
                 return False
+            if state is not None and not state.ended.is_set():
+                # 404 while our request is open: it has not reached the server yet; ask again until it has
+                await _wait(state.ended, pause)
+                pause = min(1.0, pause * 2)
+                continue
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.05)
-        return False
+
+    async def cancel_open(self) -> int:
+        """Cancel every job whose request is open in this client (see :meth:`cancel`); their callers get the
+        cancelled results. Returns how many the servers stopped."""
+        done = await asyncio.gather(*(self.cancel(server, job_id) for server, job_id in self.open_jobs()))
+        return sum(done)
 
     # ------------------------------------------------------------------ attempts with retries
-    async def run(self, servers: Sequence[str], body: Mapping[str, Any], *, max_sample_retries: int = 2,
-                  pick: Optional[Callable[[Sequence[str], set[str]], str]] = None, what: str = "",
-                  job_prefix: str = "job") -> JobOutcome:
+    def retry_server(self, servers: Sequence[str], group_id: Optional[str], failed_on: set[str],
+                     chooser: Optional[ServerChooser] = None) -> str:
+        """The server of a sample's next attempt: the chooser's pick with every server in ``failed_on`` (where
+        the sample's earlier attempts were filtered) excluded while another is left."""
+        return (chooser or self.chooser).choose(servers, group_id, frozenset(failed_on))
+
+    async def run(self, servers: Sequence[str], request: ProcessRequest, *, max_sample_retries: int = 2,
+                  chooser: Optional[ServerChooser] = None, what: str = "", job_prefix: str = "job") -> JobOutcome:
         """Run one sample to a result worth training on, or give up after ``max_sample_retries``
-        re-submissions of filtered results.
+        re-submissions of filtered results (the retry and failover rule of the module docstring).
 
         Args:
-            servers: rollout server URLs. body: ``/process`` body without ``job_id`` (each attempt gets
-                ``{job_prefix}-{random}``).
-            pick: ``pick(servers, unreachable) -> url``; default: the first server not found unreachable by
-                this sample (servers that did not answer are skipped while another is left).
+            servers: rollout server URLs. request: the ``/process`` body; each attempt gets the job id
+                ``{job_prefix}-{random}``. chooser: picks each attempt's server (default: this client's
+                :class:`~trainer_plugins.admission.LeastInFlight`); told when each job starts and ends.
         Raises:
-            InvalidInstanceError, RolloutAuthError, CancelledError: as :meth:`submit`.
+            ValueError: no server, or ``max_sample_retries`` < 0. InvalidInstanceError, RolloutAuthError,
+            CancelledError: as :meth:`submit`.
         """
         if max_sample_retries < 0:
             raise ValueError("max_sample_retries must be >= 0")
         if not servers:
             raise ValueError("no rollout server given")
-        unreachable: set[str] = set()
+        chooser = chooser or self.chooser
+        failed_on: set[str] = set()
         attempts: list[Attempt] = []
         while True:
-            server = (pick or _first_reachable)(servers, unreachable)
+            server = self.retry_server(servers, request.group_id, failed_on, chooser)
             job_id = f"{job_prefix}-{uuid.uuid4().hex[:16]}"
-            result = await self.submit(server, {**body, "job_id": job_id}, what=what)
-            if not result.get("filter") or len(attempts) >= max_sample_retries:
+            chooser.started(server, request.group_id)
+            try:
+                result = await self.submit(server, request.model_copy(update={"job_id": job_id}), what=what)
+            finally:
+                chooser.finished(server, request.group_id)
+            if not result.filter or len(attempts) >= max_sample_retries or self.was_cancelled(job_id):
                 return JobOutcome(result=result, server=server, attempts=attempts)
-            attempts.append(Attempt(job_id=job_id, server=server, failure_kind=result.get("failure_kind"),
-                                    error=result.get("error")))
-            if result.get("failure_kind") == "rollout_server":
-                unreachable.add(server)
+            attempts.append(Attempt(job_id=job_id, server=server, failure_kind=result.failure_kind,
+                                    error=result.error))
+            failed_on.add(server)
             log.warning("job %s (%s) on %s must not be trained on (failure_kind=%s: %s); re-submitting", job_id,
-                        what or "instance", server, result.get("failure_kind"), result.get("error"))
+                        what or "instance", server, result.failure_kind, result.error)
 
 
-def _first_reachable(servers: Sequence[str], unreachable: set[str]) -> str:
-    return next((s for s in servers if s not in unreachable), servers[0])
+@dataclass
+class _OpenJob:
+    """A ``/process`` request of :meth:`JobSubmitter.submit`: ``sent`` once it went out (reset when the server
+    answered 503: it did not take the job), ``answered`` once the server answered, ``ended`` when submit is
+    done with it (answered, aborted, timed out, or stopped unsent)."""
+
+    server: str
+    sent: bool = False
+    answered: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _handler(body: Mapping[str, Any]) -> Any:
-    inst = body.get("instance")
-    return inst.get("data_source") if isinstance(inst, Mapping) else None
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _handler(request: ProcessRequest) -> str:
+    ds = request.instance.get("data_source") if isinstance(request.instance, Mapping) else None
+    return ds if isinstance(ds, str) else ""
 
 
 def _error_message(data: Any) -> str:

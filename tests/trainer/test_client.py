@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prorl_server.plugin.handler import AgentHandler
-from trainer_plugins.admission import WindowedFIFO
+from trainer_plugins.admission import DropStale, WaitForStale, WindowedFIFO
 from trainer_plugins.client import RolloutClient
 from trainer_plugins.servers import ServerEntry, write_servers
 
@@ -88,7 +88,7 @@ async def test_carry_over_keeps_finished_siblings_of_incomplete_groups(start_ser
         second = await asyncio.wait_for(client.next_batch(), 10)
     (g,) = second.groups
     assert g.uid == "e0-i0" and sorted(g.rewards) == [0.0, 1.0]
-    assert finished_before[0] in [r["job_id"] for r in g.results]  # the sibling was kept, not rerun
+    assert finished_before[0] in [r.job_id for r in g.results]  # the sibling was kept, not rerun
     assert varied.started["p0"] == 2
     assert second.metrics.lag == [1]
 
@@ -166,8 +166,10 @@ async def test_staleness_bound_holds_when_versions_advance_mid_step(start_server
         assert sum(b.metrics.regenerated_groups for b in batches) == stale
 
 
-@pytest.mark.parametrize("policy", ["drop", "wait"])
+# a policy is given by its configuration name or as the object itself
+@pytest.mark.parametrize("policy", ["drop", "wait", DropStale(), WaitForStale()], ids=str)
 async def test_a_slow_group_at_the_bound_is_dropped_or_waited_for(start_server, varied, policy):
+    policy_name = getattr(policy, "name", policy)
     url = await start_server()
     data = [item(0, sleeps=(0, 1.0))] + [item(i) for i in range(1, 6)]
     async with RolloutClient([url], data, groups_per_step=1, n_samples=2, max_staleness=1,
@@ -176,7 +178,7 @@ async def test_a_slow_group_at_the_bound_is_dropped_or_waited_for(start_server, 
         assert first.groups[0].uid != "e0-i0"
         await client.update_weights(register=False)
         second = await asyncio.wait_for(client.next_batch(), 10)
-    if policy == "wait":  # the step waited for the slow group rather than take a fresh one
+    if policy_name == "wait":  # the step waited for the slow group rather than take a fresh one
         assert [g.uid for g in second.groups] == ["e0-i0"] and second.metrics.lag == [1]
         assert second.metrics.waited_groups == 1 and second.metrics.stale_groups == 0
     else:  # a fresh group was taken; the slow one could not be used next step, so it was cancelled
@@ -242,10 +244,10 @@ async def test_weight_versions_come_from_the_backends_the_client_registered(star
         second = await asyncio.wait_for(client.next_batch(), 120)
     for g in first.groups + second.groups:
         for r in g.results:
-            assert r["critical_error"] is None, r["error"]
-            assert r["weight_version"] in (5, 6)
-            assert all(t["weight_versions"] == [r["weight_version"]] for t in r["trajectories"])
-            assert r["trajectories"][0]["response_ids"]
+            assert r.critical_error is None, r.error
+            assert r.weight_version in (5, 6)
+            assert all(t.weight_versions == [r.weight_version] for t in r.trajectories)
+            assert r.trajectories[0].response_ids
     assert first.metrics.lag == [0]
     # submitted while version 5 was registered: the server generated it with 5 and the lag says so
     assert second.groups[0].version == 5 and second.metrics.lag == [1]
@@ -312,10 +314,10 @@ async def test_a_filtered_sample_is_regenerated_and_never_trained_on(start_dying
         batch = await asyncio.wait_for(client.next_batch(), 30)
     (g,) = batch.groups
     assert sorted(g.rewards) == [0.0, 1.0]
-    assert all(r["filter"] is False and r["failure_kind"] is None for r in g.results)
-    failed = [j for j in dying.seen if j not in [r["job_id"] for r in g.results]]
+    assert all(r.filter is False and r.failure_kind is None for r in g.results)
+    failed = [j for j in dying.seen if j not in [r.job_id for r in g.results]]
     assert len(failed) == 1 and len(dying.seen) == 3  # the failed job's result is not in the group
-    assert any(r["job_id"].endswith("-r1") for r in g.results)  # its regeneration is
+    assert any(r.job_id.endswith("-r1") for r in g.results)  # its regeneration is
     m = batch.metrics
     assert (m.filtered_jobs, m.samples_regenerated, m.groups_dropped_filtered) == (1, 1, 0)
     assert m.failure_kinds == {"sandbox": 1} and m.submitted_jobs == 3

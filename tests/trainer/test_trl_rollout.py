@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError
+from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError, process_request
 from trainer_plugins.trl import ProRLRollout, UnknownPromptError, server_reward
 
 EOS = 7
@@ -157,9 +157,9 @@ async def test_temperature_and_max_tokens_follow_the_trainer(start_llm_server, f
     sent = []
     orig = JobSubmitter.submit
 
-    async def spy(self, server, body, **kw):
-        sent.append(body["sampling_params"])
-        return await orig(self, server, body, **kw)
+    async def spy(self, server, request, **kw):
+        sent.append(request.sampling_params)
+        return await orig(self, server, request, **kw)
 
     monkeypatch.setattr(JobSubmitter, "submit", spy)
     rollout = ProRLRollout([url], [fixed_instance("a")], max_tokens=5)
@@ -247,20 +247,20 @@ async def test_a_server_that_dies_with_no_other_left_ends_the_step_with_filtered
 # ------------------------------------------------------------------ the shared submit rules
 async def test_submit_rules_refused_token_timeout_and_caller_cancel(start_llm_server, fixed, job_state):
     url = await start_llm_server(token="s3cret")
-    body = {"instance": fixed_instance("a", sleep=30), "job_id": "t-1"}
+    body = process_request(fixed_instance("a", sleep=30), job_id="t-1")
     async with JobSubmitter({"Authorization": "Bearer wrong"}) as jobs:
         with pytest.raises(RolloutAuthError, match="401"):
             await jobs.submit(url, body)
     headers = {"Authorization": "Bearer s3cret"}
     async with JobSubmitter(headers, request_timeout_s=0.5) as jobs:
         r = await jobs.submit(url, body)
-        assert r["filter"] is True and r["failure_kind"] == "timeout"
+        assert r.filter is True and r.failure_kind == "timeout"
     async with aiohttp.ClientSession(headers=headers) as s:
         async with s.get(f"{url}/jobs/t-1") as resp:
             state = await resp.json()
     assert state["state"] == "done" and state["result"]["critical_error"] == "cancelled"  # cancelled, not left running
     async with JobSubmitter(headers) as jobs:
-        task = asyncio.ensure_future(jobs.submit(url, {**body, "job_id": "t-2"}))
+        task = asyncio.ensure_future(jobs.submit(url, body.model_copy(update={"job_id": "t-2"})))
         await asyncio.sleep(0.3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

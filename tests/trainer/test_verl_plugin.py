@@ -68,9 +68,9 @@ def spy_on_submissions(monkeypatch, record):
 
     real = JobSubmitter.submit
 
-    async def submit(self, server, body, **kw):
-        record(server, body)
-        return await real(self, server, body, **kw)
+    async def submit(self, server, request, **kw):
+        record(server, request.model_dump(exclude_none=True))
+        return await real(self, server, request, **kw)
 
     monkeypatch.setattr(JobSubmitter, "submit", submit)
 

@@ -1,4 +1,4 @@
-"""The trainer's own inference servers serve the rollouts, with exact weight versions (issue #12 items 1, 5):
+"""The trainer's own inference servers serve the rollouts, with exact weight versions:
 the verl plugin's per-worker relay (``trainer_plugins/verl/relay.py``) on top of verl's REAL
 ``FullyAsyncLLMServerClient`` and ``GlobalRequestLoadBalancer`` (the client ``colocate_async`` gives its agent
 loops), registered with REAL rollout servers (the project's aiohttp app on loopback), driven through the
@@ -398,13 +398,13 @@ async def test_a_missing_weight_version_is_an_error_not_a_fallback(cfg, tokenize
         async with s.post(f"{loop.relay.address}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}) as r:
             assert r.status == 500 and "no weight version" in (await r.json())["error"]["message"]
     # and the row of a job whose tokens carry no version is refused rather than tagged with global_steps
-    result = {"job_id": "j", "reward": 1.0, "trajectories": [
+    result = {"job_id": "j", "trajectory_id": "j", "handler": "fixed", "reward": 1.0, "trajectories": [
         {"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": [1, 1], "response_logprobs": [-1.0, -1.0]}]}
     with pytest.raises(ValueError, match="no weight version"):
         await loop.to_outputs(result, row())
     # a failed job generated nothing: its zero-loss row carries the weights current when it ended
-    (out,) = await loop.to_outputs({"job_id": "f", "reward": 0.0, "critical_error": "run", "trajectories": []},
-                                   row())
+    (out,) = await loop.to_outputs({"job_id": "f", "trajectory_id": "f", "handler": "fixed", "reward": 0.0,
+                                    "critical_error": "run", "trajectories": []}, row())
     assert not any(out.response_mask) and out.extra_fields["min_global_steps"] == 3
 
 

@@ -10,12 +10,13 @@ Per call, :meth:`ProRLRollout.__call__`:
 
 1. maps each prompt to a rollout-server instance (:meth:`ProRLRollout.instance_for`: a table built from the
    instances, or a function); a prompt it cannot map is an :class:`UnknownPromptError` naming the prompt;
-2. runs each entry as one job (``POST /process``) through the shared submit/cancel/retry rules of
-   :mod:`trainer_plugins.jobs`; the ``num_generations`` jobs of one prompt share a ``group_id`` and a rollout
-   server (the least loaded, by this function's own count), so the server keeps them on one LLM backend (the
-   prompt's prefix cache). A result with ``filter: true`` (sandbox died, backend unreachable, timeout, a dead
-   rollout server) is re-submitted up to ``max_sample_retries`` times, on another server when the server did
-   not answer; a prompt the handler refuses is an :class:`~trainer_plugins.jobs.InvalidInstanceError`
+2. runs each entry as one job (``POST /process``) through the rollout client of :mod:`trainer_plugins.jobs`
+   (its submit, cancel, retry and failover rules); the ``num_generations`` jobs of one prompt share a
+   ``group_id`` and a rollout server (the ``server_chooser``, default ``"least_in_flight"``: the least loaded
+   by this function's own count), so the server keeps them on one LLM backend (the prompt's prefix cache). A
+   result with ``filter: true`` (sandbox died, backend unreachable, timeout, a dead rollout server) is
+   re-submitted up to ``max_sample_retries`` times, on a server where the sample has not failed yet while
+   there is one; a prompt the handler refuses is an :class:`~trainer_plugins.jobs.InvalidInstanceError`
    naming the prompt;
 3. returns the job's trajectory as TRL's row: ``prompt_ids`` / ``completion_ids`` = the server's exact
    ``prompt_ids`` / ``response_ids`` (model turns *and* the environment's messages between them),
@@ -50,8 +51,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from trainer_plugins.admission import ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
-from trainer_plugins.jobs import JobOutcome, JobSubmitter
+from trainer_plugins.jobs import JobOutcome, JobSubmitter, process_request
 from trainer_plugins.servers import ServersFile
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,8 @@ class ProRLRollout:
         measure_ratio: also run the trainer's model over each batch before it is trained on and record
             ``ratio_dev`` (costs one forward pass per batch).
         unavailable_retry_s: how long a job the server answers 503 is offered again (seconds).
+        server_chooser: a :class:`trainer_plugins.admission.ServerChooser` or its name (``"least_in_flight"``,
+            the default; ``"rendezvous"``).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -168,7 +172,8 @@ class ProRLRollout:
                  sampling_params: Optional[Mapping[str, Any]] = None, job_timeout_s: Optional[float] = None,
                  request_timeout_s: Optional[float] = None, max_sample_retries: int = 2,
                  token: Optional[str] = None, local_node: Optional[str] = None, measure_ratio: bool = False,
-                 unavailable_retry_s: float = 120.0, run_id: Optional[str] = None) -> None:
+                 unavailable_retry_s: float = 120.0, run_id: Optional[str] = None,
+                 server_chooser: Union[str, ServerChooser] = "least_in_flight") -> None:
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
         if token:
             headers = {**headers, "Authorization": f"Bearer {token}"}
@@ -197,7 +202,7 @@ class ProRLRollout:
         self.weight_version = 0  # advanced by WeightPushCallback after each push
         self.history: list[RolloutStats] = []
         self._calls = 0
-        self._in_flight: Counter = Counter({u: 0 for u in self.urls})
+        self.chooser = as_server_chooser(server_chooser)
         self._loop: Optional[_LoopThread] = None
         self._submitter_args = dict(unavailable_retry_s=unavailable_retry_s, request_timeout_s=request_timeout_s)
         self._jobs: Optional[JobSubmitter] = None
@@ -306,35 +311,15 @@ class ProRLRollout:
     async def _run_batch(self, prompts: list, instances: list[dict], sp: dict, n: int,
                          step: int) -> list[JobOutcome]:
         jobs = self._submitter()
-        groups: list[tuple[str, str]] = []  # per row: (group_id, server)
-        group_server: dict[int, str] = {}
-        for i in range(len(prompts)):
-            g = i // n  # TRL's RepeatSampler puts the n samples of a prompt in a row
-            if g not in group_server:
-                group_server[g] = min(self.urls, key=lambda u: self._in_flight[u])
-            server = group_server[g]
-            self._in_flight[server] += 1
-            groups.append((f"trl-{self.run_id}-s{step}-c{self._calls}-g{g}", server))
 
         async def one(i: int) -> JobOutcome:
-            gid, server = groups[i]
-            body: dict[str, Any] = {"instance": instances[i], "sampling_params": sp, "group_id": gid}
-            if self.job_timeout_s is not None:
-                body["timeout_s"] = float(self.job_timeout_s)
+            gid = f"trl-{self.run_id}-s{step}-c{self._calls}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
+            request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s)
+            return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
+                                  chooser=self.chooser, what=f"prompt {_short(prompts[i])} (row {i})",
+                                  job_prefix=gid)
 
-            def pick(urls: Sequence[str], unreachable: set[str]) -> str:
-                # the group's server first; after it failed to answer, the least loaded of the others
-                if server not in unreachable:
-                    return server
-                others = [u for u in urls if u not in unreachable] or list(urls)
-                return min(others, key=lambda u: self._in_flight[u])
-
-            try:
-                return await jobs.run(self.urls, body, max_sample_retries=self.max_sample_retries, pick=pick,
-                                      what=f"prompt {_short(prompts[i])} (row {i})", job_prefix=gid)
-            finally:
-                self._in_flight[server] -= 1
-
+        # each task picks its server before its first await, in row order: a group's rows share its server
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
         try:
             return list(await asyncio.gather(*tasks))
@@ -357,37 +342,37 @@ class ProRLRollout:
             stats.retries += len(oc.attempts)
             kinds.update(a.failure_kind or "unspecified" for a in oc.attempts)
             r = oc.result
-            segments = [t for t in r.get("trajectories") or [] if t.get("prompt_ids")]
+            segments = [t for t in r.trajectories if t.prompt_ids]
             if oc.filtered or not segments:
                 if oc.filtered:
-                    kinds[r.get("failure_kind") or "unspecified"] += 1
+                    kinds[r.failure_kind or "unspecified"] += 1
                 stats.filtered_rows += 1
                 pending.append(i)
                 for k in out:
                     out[k].append(None)
-                out["prorl_job_id"][i] = r.get("job_id")
+                out["prorl_job_id"][i] = r.job_id
                 out["prorl_filtered"][i] = True
-                out["prorl_failure_kind"][i] = r.get("failure_kind") or "no_trajectory"
+                out["prorl_failure_kind"][i] = r.failure_kind or "no_trajectory"
                 out["prorl_weight_versions"][i] = []
                 continue
             seg = segments[-1]
-            stats.tokens_discarded += sum(sum(int(m) for m in s.get("loss_mask") or []) for s in segments[:-1])
-            ids = [int(t) for t in seg["response_ids"]]
-            mask = [int(m) for m in seg.get("loss_mask") or [1] * len(ids)]
-            lps = [float(x) for x in seg.get("response_logprobs") or []]
+            stats.tokens_discarded += sum(sum(s.loss_mask) for s in segments[:-1])
+            ids = list(seg.response_ids)
+            mask = list(seg.loss_mask) or [1] * len(ids)
+            lps = list(seg.response_logprobs)
             if len(mask) != len(ids) or len(lps) != len(ids):
-                raise ValueError(f"job {r.get('job_id')}: {len(ids)} response tokens, {len(mask)} mask entries, "
+                raise ValueError(f"job {r.job_id}: {len(ids)} response tokens, {len(mask)} mask entries, "
                                  f"{len(lps)} logprobs")
-            versions = [v for v in seg.get("weight_versions") or () if isinstance(v, int)]
-            if not versions and isinstance(r.get("weight_version"), int):
-                versions = [r["weight_version"]]
-            out["prompt_ids"].append([int(t) for t in seg["prompt_ids"]])
+            versions = list(seg.weight_versions)
+            if not versions and r.weight_version is not None:
+                versions = [r.weight_version]
+            out["prompt_ids"].append(list(seg.prompt_ids))
             out["completion_ids"].append(ids)
             out["logprobs"].append(lps)
             out["env_mask"].append(mask)
-            out["prorl_reward"].append(float(r.get("reward") or 0.0))
+            out["prorl_reward"].append(float(r.reward))
             out["prorl_weight_versions"].append(versions)
-            out["prorl_job_id"].append(r.get("job_id"))
+            out["prorl_job_id"].append(r.job_id)
             out["prorl_filtered"].append(False)
             out["prorl_failure_kind"].append(None)
             fallback_prompt.setdefault(prompt_key(prompts[i]), out["prompt_ids"][-1])

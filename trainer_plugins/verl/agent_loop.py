@@ -12,19 +12,20 @@ Per row, :meth:`ProRLAgentLoop.run`:
    which the shipped ``math`` and ``code`` handlers accept; a row that maps to no valid instance is an
    :class:`InvalidRowError` naming the row;
 2. submits it with ``POST /process``, a job id of its own and ``group_id`` = the row's ``uid`` (the n samples
-   of one prompt share it in verl), to the rollout server that rendezvous hashing picks for the group
-   (:func:`trainer_plugins.servers.server_for_group`): every sample of a group goes to one server, which keeps
-   them on one LLM backend (the prompt's prefix cache); rows without a ``uid`` go round-robin;
+   of one prompt share it in verl), to the rollout server the ``server_chooser`` picks for the group (default
+   ``"rendezvous"``, :class:`trainer_plugins.admission.RendezvousByGroup`: rendezvous hashing, so verl's
+   workers agree with no shared state): every sample of a group goes to one server, which keeps them on one
+   LLM backend (the prompt's prefix cache); rows without a ``uid`` go round-robin;
 3. cancels the job on the server (``POST /cancel``) if the loop is cancelled (verl aborts a rollout) or the
    request outlives ``request_timeout_s``;
 4. re-submits a sample that must not be trained on: a result with ``filter: true`` (the server's
    infrastructure faults: dead sandbox, unreachable backend, harness fault, job timeout, cancel), a request
    past ``request_timeout_s``, or a rollout server that is unreachable or answers 5xx (the next attempt goes
-   to another server). At most ``max_sample_retries`` times; then the row is a *filtered row* (below);
+   to a server where the sample has not failed yet, while there is one). At most ``max_sample_retries`` times; then the row is a *filtered row* (below);
    a 503 (no LLM backend registered yet, a swap) is first offered again on the same server for 120 s.
 
-Steps 2-4 are :meth:`trainer_plugins.jobs.JobSubmitter.run`, the submit/cancel/retry client the TRL plugin
-and ``RolloutClient`` use too (one behaviour for every trainer; its module docstring has the full table). A
+Steps 2-4 are :meth:`trainer_plugins.jobs.JobSubmitter.run`, the one rollout client (``prorl-run``, the TRL
+plugin and ``RolloutClient`` use it too; its module docstring has the full table and the cancel rule). A
 401/403 is a :class:`trainer_plugins.jobs.RolloutAuthError`; a 4xx or ``failure_kind="invalid_instance"`` an
 :class:`InvalidRowError`.
 5. returns every segment of the job's trajectory (a rollout split by a template or context rewrite has
@@ -62,7 +63,6 @@ rows; verl only computes one for rows whose ``reward_score`` is None.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import weakref
 from typing import Any, Optional, Sequence, Union
@@ -70,9 +70,10 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
+from prorl_server.types import JobResult
+from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
-from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError
-from trainer_plugins.servers import server_for_group
+from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError, process_request
 from trainer_plugins.verl.relay import relay_for_loop
 
 log = logging.getLogger(__name__)
@@ -143,9 +144,12 @@ class ProRLAgentLoop(AgentLoopBase):
         max_tokens: per-turn ``max_tokens`` sent to the server (default: ``rollout.response_length``).
         max_sample_retries: how many times a sample that must not be trained on (``filter: true``, timed
             out, server unreachable) is re-submitted before it becomes a filtered row (default 2).
+        server_chooser: how a row's rollout server is picked (:data:`trainer_plugins.admission.SERVER_CHOOSERS`:
+            ``"rendezvous"``, the default, or ``"least_in_flight"``, which counts this worker's jobs only).
     """
 
-    _rr = itertools.count()  # round-robin over the servers, shared by every loop of this process
+    # server_chooser name -> the chooser every loop of this process shares (its round-robin and counts)
+    _choosers: dict[str, ServerChooser] = {}
     _resolved: dict[str, tuple[list[str], dict[str, str]]] = {}  # servers setting -> (urls, headers)
     # event loop -> (servers, token, request_timeout_s) -> the submitter (one HTTP session) its loops share
     _submitters: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, JobSubmitter]]" = \
@@ -156,7 +160,7 @@ class ProRLAgentLoop(AgentLoopBase):
                  request_timeout_s: Optional[float] = None, max_tokens: Optional[int] = None,
                  backends: str = "relay", relay_host: Optional[str] = None,
                  relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
-                 **kwargs: Any) -> None:
+                 server_chooser: str = "rendezvous", **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
         super().__init__(*args, **kwargs)
@@ -173,6 +177,9 @@ class ProRLAgentLoop(AgentLoopBase):
         if int(max_sample_retries) < 0:
             raise ValueError(f"max_sample_retries must be >= 0, got {max_sample_retries!r}")
         self.max_sample_retries = int(max_sample_retries)
+        if server_chooser not in SERVER_CHOOSERS:
+            raise ValueError(f"server_chooser must be one of {sorted(SERVER_CHOOSERS)}, got {server_chooser!r}")
+        self.chooser = self._choosers.setdefault(server_chooser, as_server_chooser(server_chooser))
         if backends not in ("relay", "external"):
             raise ValueError(f"backends must be 'relay' or 'external', got {backends!r}")
         # relay: verl's replicas serve the jobs through this worker's relay (trainer_plugins/verl/relay.py)
@@ -285,17 +292,11 @@ class ProRLAgentLoop(AgentLoopBase):
         urls, headers = await self._servers()
         if self.managed:  # registers the trainer's replicas (through the relay) before the first job
             self.relay = await relay_for_loop(self, urls, headers)
-        body: dict[str, Any] = {"instance": self.build_instance(kwargs),
-                                "sampling_params": self.sampling_params_for_server(sampling_params)}
-        group_id = self.group_id(kwargs)
-        if group_id is not None:
-            body["group_id"] = group_id
-        if self.job_timeout_s is not None:
-            body["timeout_s"] = float(self.job_timeout_s)
+        request = process_request(self.build_instance(kwargs), self.sampling_params_for_server(sampling_params),
+                                  group_id=self.group_id(kwargs), timeout_s=self.job_timeout_s)
         try:
-            outcome = await self._jobs(headers).run(
-                urls, body, max_sample_retries=self.max_sample_retries, what="the row", job_prefix="verl",
-                pick=lambda u, unreachable: self.pick_server(u, group_id, unreachable))
+            outcome = await self._jobs(headers).run(urls, request, max_sample_retries=self.max_sample_retries,
+                                                    chooser=self.chooser, what="the row", job_prefix="verl")
         except InvalidInstanceError as e:
             raise InvalidRowError(f"row ({row_name(kwargs)}): {e}") from e
         except RolloutAuthError as e:
@@ -303,8 +304,8 @@ class ProRLAgentLoop(AgentLoopBase):
         result = outcome.result
         attempts = [vars(a) for a in outcome.attempts]  # job_id, server, failure_kind, error
         if outcome.filtered:  # the last attempt is listed too: every job the row cost, for the metadata
-            attempts.append({"job_id": result.get("job_id"), "server": outcome.server,
-                             "failure_kind": result.get("failure_kind"), "error": result.get("error")})
+            attempts.append({"job_id": result.job_id, "server": outcome.server,
+                             "failure_kind": result.failure_kind, "error": result.error})
             log.warning("row (%s): giving up after %d attempts: a filtered row", row_name(kwargs),
                         len(attempts) + 1)
         outputs = await self.to_outputs(result, kwargs, attempts)
@@ -318,31 +319,27 @@ class ProRLAgentLoop(AgentLoopBase):
         uid = _jsonable(row.get("uid"))
         return f"verl-{uid}"[:200] if uid not in (None, "") else None
 
-    def pick_server(self, urls: Sequence[str], group_id: Optional[str], exclude: set[str] = frozenset()) -> str:
-        """The rollout server for a job of ``group_id``: rendezvous hashing over ``urls`` (every worker of
-        verl computes the same server for a group with no shared state), skipping ``exclude`` (servers this row
-        found unreachable) while another is left; round-robin for a row with no group."""
-        candidates = [u for u in urls if u not in exclude] or list(urls)
-        if group_id is None:
-            return candidates[next(self._rr) % len(candidates)]
-        return server_for_group(candidates, group_id)
-
     # ------------------------------------------------------------------ result -> AgentLoopOutput
-    async def to_outputs(self, result: dict[str, Any], row: dict[str, Any],
+    async def to_outputs(self, result: Union[JobResult, dict[str, Any]], row: dict[str, Any],
                          attempts: Sequence[dict[str, Any]] = ()) -> list[AgentLoopOutput]:
         """Job result -> one ``AgentLoopOutput`` per trajectory segment, in order (see the module docstring;
         lengths capped to the rollout config). A job with no trajectory, or one that must not be trained on
         (``filter``), yields one zero-loss row: the row's prompt, one EOS response token with mask 0.
 
+        ``result``: the job result (a dict in the wire shape is parsed into :class:`JobResult`).
+
         Raises:
             ValueError: a segment's ``loss_mask`` or logprobs do not match its response tokens, or (relay
-                backends) tokens were generated without a weight version.
+                backends) tokens were generated without a weight version; pydantic.ValidationError: a dict
+                that is no job result.
         """
-        filtered = bool(result.get("filter"))
-        segments = [] if filtered else [t for t in result.get("trajectories") or [] if t.get("prompt_ids")]
-        reward = 0.0 if filtered else float(result.get("reward") or 0.0)
-        acc = 1.0 if result.get("resolved") and not filtered else 0.0
-        timing = result.get("timing") or {}
+        if not isinstance(result, JobResult):
+            result = JobResult.model_validate(result)
+        filtered = bool(result.filter)
+        segments = [] if filtered else [t.model_dump() for t in result.trajectories if t.prompt_ids]
+        reward = 0.0 if filtered else float(result.reward)
+        acc = 1.0 if result.resolved and not filtered else 0.0
+        timing = result.timing.model_dump()
         if not segments:
             messages = self.build_instance(row).get("messages") or []
             prompt_ids = await self.ct_build_initial_tokens(messages) if messages else []
@@ -353,10 +350,10 @@ class ProRLAgentLoop(AgentLoopBase):
             response_mask = [int(m) for m in traj.get("loss_mask") or []]
             logprobs = [float(x) for x in traj.get("response_logprobs") or []] or [0.0] * len(response_ids)
             if len(response_mask) != len(response_ids):
-                raise ValueError(f"job {result.get('job_id')} segment {i}: loss_mask has {len(response_mask)} "
+                raise ValueError(f"job {result.job_id} segment {i}: loss_mask has {len(response_mask)} "
                                  f"entries for {len(response_ids)} response tokens")
             if len(logprobs) != len(response_ids):
-                raise ValueError(f"job {result.get('job_id')} segment {i}: {len(logprobs)} logprobs for "
+                raise ValueError(f"job {result.job_id} segment {i}: {len(logprobs)} logprobs for "
                                  f"{len(response_ids)} tokens")
             truncated = len(response_ids) > self.response_length
             response_ids, response_mask, logprobs = (x[:self.response_length] for x in
@@ -370,7 +367,7 @@ class ProRLAgentLoop(AgentLoopBase):
                 response_mask=response_mask,
                 response_logprobs=logprobs,
                 reward_score=reward,
-                num_turns=int(traj.get("num_turns") or 0) or len(result.get("messages") or []) or 2,
+                num_turns=int(traj.get("num_turns") or 0) or len(result.messages) or 2,
                 metrics=AgentLoopMetrics(generate_sequences=float(timing.get("run_s") or 0.0),
                                          compute_score=float(timing.get("eval_s") or 0.0)),
                 extra_fields={
@@ -379,10 +376,10 @@ class ProRLAgentLoop(AgentLoopBase):
                     "max_global_steps": int(max(versions)),
                     "turn_scores": [],
                     "tool_rewards": [],
-                    "prorl": {"job_id": result.get("job_id"), "backend": result.get("backend"),
-                              "critical_error": result.get("critical_error"),
-                              "failure_kind": result.get("failure_kind"), "filter": filtered,
-                              "error": result.get("error") if filtered else None, "attempts": list(attempts),
+                    "prorl": {"job_id": result.job_id, "backend": result.backend,
+                              "critical_error": result.critical_error,
+                              "failure_kind": result.failure_kind, "filter": filtered,
+                              "error": result.error if filtered else None, "attempts": list(attempts),
                               "segment": i, "segments": len(segments),
                               "finish_reason": traj.get("finish_reason"), "truncated": truncated,
                               "timing": timing},
@@ -390,7 +387,7 @@ class ProRLAgentLoop(AgentLoopBase):
             ))
         return outputs
 
-    async def to_output(self, result: dict[str, Any], row: dict[str, Any]) -> AgentLoopOutput:
+    async def to_output(self, result: Union[JobResult, dict[str, Any]], row: dict[str, Any]) -> AgentLoopOutput:
         """The last segment of :meth:`to_outputs` (what verl's legacy worker takes)."""
         return (await self.to_outputs(result, row))[-1]
 
@@ -400,16 +397,16 @@ class ProRLAgentLoop(AgentLoopBase):
                 return tid
         return 0
 
-    def _versions(self, traj: dict[str, Any], result: dict[str, Any], row: dict[str, Any],
+    def _versions(self, traj: dict[str, Any], result: JobResult, row: dict[str, Any],
                   generated: bool) -> list[int]:
         """The weight versions a segment was generated with (its turns' ``weight_versions``, else the job's
         ``weight_version``); for a segment with none, see the cases below."""
         versions = [v for v in traj.get("weight_versions") or () if isinstance(v, int)]
-        if not versions and isinstance(result.get("weight_version"), int):
-            versions = [result["weight_version"]]
+        if not versions and result.weight_version is not None:
+            versions = [result.weight_version]
         if not versions and self.managed:  # the relay versions every turn: none is an error, not a guess
             if generated:
-                raise ValueError(f"job {result.get('job_id')}: generated tokens with no weight version")
+                raise ValueError(f"job {result.job_id}: generated tokens with no weight version")
             if self.relay is not None:
                 versions = [self.relay.version]  # nothing generated: the weights current when the row ended
         if not versions:  # backends=external and the server knows no version: the row's trainer step

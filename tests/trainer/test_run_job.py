@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from prorl_server.datasets import DatasetError, load_dataset
-from prorl_server.run_job import build_parser, run
+from trainer_plugins.run_job import build_parser, run
 
 
 async def test_main_job_writes_results_and_summary(tmp_path, capsys):
@@ -38,23 +38,28 @@ def test_jsonl_dataset_and_clear_errors(tmp_path):
         load_dataset("no-such-dataset")
 
 
-@pytest.mark.real
-async def test_ctrl_c_cancels_outstanding_jobs_on_server_and_keeps_finished(aiohttp_server, registry, tmp_path):
-    from prorl_server.app import PIPELINE, create_app
-    from prorl_server.config import ServerSettings
+async def status(url: str) -> dict:
+    import aiohttp
 
-    server = await aiohttp_server(create_app(ServerSettings(health_interval_s=3600), registry=registry))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/status") as r:
+            return await r.json()
+
+
+@pytest.mark.real
+async def test_ctrl_c_cancels_outstanding_jobs_on_server_and_keeps_finished(serve_handlers, varied, tmp_path):
+    url = await serve_handlers(varied)  # "varied": a stand-in handler that sleeps in run as the instance says
     data = tmp_path / "slow.jsonl"
     with data.open("w") as f:
-        f.write(json.dumps({"data_source": "scripted", "instance_id": "fast"}) + "\n")
+        f.write(json.dumps({"data_source": "varied", "instance_id": "fast", "id": "fast"}) + "\n")
         for i in range(3):
-            f.write(json.dumps({"data_source": "scripted", "instance_id": f"slow{i}", "sleep": {"run": 60}}) + "\n")
+            f.write(json.dumps({"data_source": "varied", "instance_id": f"slow{i}", "id": f"slow{i}",
+                                "sleeps": [60]}) + "\n")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prorl_server.run_job", "--dataset", str(data), "--server",
-        str(server.make_url("/")), "--concurrency", "4", "--out", str(tmp_path / "out"))
-    pipeline = server.app[PIPELINE]
-    for _ in range(500):
-        if sum(1 for j in pipeline.jobs.values() if j.status.value == "run") == 3:
+        sys.executable, "-m", "trainer_plugins.run_job", "--dataset", str(data), "--server", url,
+        "--concurrency", "4", "--out", str(tmp_path / "out"))
+    for _ in range(1500):
+        if (await status(url))["stages"]["run"]["active"] == 3:
             break
         await asyncio.sleep(0.02)
     proc.send_signal(signal.SIGINT)
@@ -64,4 +69,4 @@ async def test_ctrl_c_cancels_outstanding_jobs_on_server_and_keeps_finished(aioh
     assert by_id["fast"]["reward"] == 1.0
     assert all(by_id[f"slow{i}"]["critical_error"] == "cancelled" for i in range(3))
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["interrupted"] is True
-    assert pipeline.in_flight == 0
+    assert (await status(url))["jobs_in_flight"] == 0

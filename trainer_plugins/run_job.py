@@ -5,6 +5,12 @@ by ``--server URL``), registers LLM backends (``--backend URL``), submits N inst
 concurrency, shows a progress bar with live throughput and mean reward, and writes ``trajectories.jsonl`` (one
 job result per line, token ids included) and ``summary.json`` to ``--out``, then prints a summary table.
 Ctrl-C (SIGINT) or SIGTERM cancels the outstanding jobs on the server and still writes what finished.
+
+Every job goes through the one rollout client, :class:`trainer_plugins.jobs.JobSubmitter` (its cancel also
+stops a job whose request has not reached the server yet). Here a job is not re-submitted, a 503 is not waited
+out, and a server that gives no result (no answer, 5xx, 503) ends the run with an error, as a refused job does.
+It lives in ``trainer_plugins`` (the top layer) because it is a client of the server; it starts the server in
+process through :mod:`prorl_server.app`.
 """
 from __future__ import annotations
 
@@ -19,7 +25,6 @@ import signal
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -27,6 +32,8 @@ import aiohttp
 from tqdm import tqdm
 
 from prorl_server.datasets import DatasetError, load_dataset
+from prorl_server.types import JobResult
+from trainer_plugins.jobs import ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, process_request
 
 log = logging.getLogger("prorl_run")
 DEFAULT_MODEL_DIR = Path(os.environ.get("PRORL_CACHE", Path(__file__).resolve().parent.parent / ".cache")) / "tiny-model"
@@ -64,27 +71,27 @@ class Summary:
     """Aggregates job results into the printed table and summary.json."""
 
     def __init__(self) -> None:
-        self.results: list[dict[str, Any]] = []
+        self.results: list[JobResult] = []
 
-    def add(self, r: dict[str, Any]) -> None:
+    def add(self, r: JobResult) -> None:
         self.results.append(r)
 
     @property
     def mean_reward(self) -> float:
-        return statistics.fmean(r["reward"] for r in self.results) if self.results else 0.0
+        return statistics.fmean(r.reward for r in self.results) if self.results else 0.0
 
     def to_dict(self, wall_s: float, submitted: int) -> dict[str, Any]:
         rs = self.results
         failures: dict[str, int] = {}
         for r in rs:
-            if r.get("critical_error"):
-                failures[r["critical_error"]] = failures.get(r["critical_error"], 0) + 1
+            if r.critical_error:
+                failures[r.critical_error] = failures.get(r.critical_error, 0) + 1
         phases = {}
         for ph in ("queue_s", "init_s", "run_s", "eval_s", "counted_s"):
-            xs = sorted(r["timing"][ph] for r in rs)
+            xs = sorted(getattr(r.timing, ph) for r in rs)
             phases[ph] = {"p50": _pct(xs, 0.5), "p95": _pct(xs, 0.95)}
         return {"jobs_submitted": submitted, "jobs_finished": len(rs), "mean_reward": self.mean_reward,
-                "resolved_rate": (sum(bool(r["resolved"]) for r in rs) / len(rs)) if rs else 0.0,
+                "resolved_rate": (sum(bool(r.resolved) for r in rs) / len(rs)) if rs else 0.0,
                 "failures_by_phase": failures, "phase_seconds": phases, "wall_s": wall_s,
                 "rollouts_per_s": len(rs) / wall_s if wall_s > 0 else 0.0}
 
@@ -157,7 +164,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         DatasetError: the dataset spec is unknown or malformed.
-        RuntimeError: the server refused a job (e.g. unknown handler, no backend).
+        trainer_plugins.jobs.InvalidInstanceError: the server or its handler refused an instance (e.g. an
+            unknown handler). RuntimeError: the server gave no result (no backend: 503, 5xx, no answer), or
+            refused the token (:class:`~trainer_plugins.jobs.RolloutAuthError`).
     """
     instances = load_dataset(args.dataset, limit=args.limit, seed=args.seed)
     out = Path(args.out)
@@ -165,7 +174,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     jobs = [(inst, k) for inst in instances for k in range(args.samples)]
     summary = Summary()
-    outstanding: set[str] = set()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -180,6 +188,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         url = args.server.rstrip("/") if args.server else await _start_local_server(stack, args, backends)
         http = await stack.enter_async_context(
             aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)))
+        client = JobSubmitter(session=http, unavailable_retry_s=0.0)
         if args.server:
             for b in backends:
                 async with http.post(f"{url}/add_llm_server", json={"address": b}) as r:
@@ -194,35 +203,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for inst, k in queue:
                 if stop.is_set():
                     return
-                job_id = f"{inst.get('instance_id', 'job')}-s{k}-{uuid.uuid4().hex[:8]}"
-                body = {"instance": inst, "sampling_params": sampling, "job_id": job_id}
-                if args.timeout_s:
-                    body["timeout_s"] = args.timeout_s
-                outstanding.add(job_id)
-                try:
-                    async with http.post(f"{url}/process", json=body) as r:
-                        result = await r.json()
-                        if r.status != 200:
-                            raise RuntimeError(f"server refused job {job_id}: {result}")
-                finally:
-                    outstanding.discard(job_id)
+                # no await between the stop check and the request's registration in the client: a Ctrl-C
+                # either stops this job here or finds it open and cancels it
+                request = process_request(inst, sampling, timeout_s=args.timeout_s or None)
+                name = inst.get("instance_id", "job")
+                outcome = await client.run([url], request, max_sample_retries=0, job_prefix=f"{name}-s{k}",
+                                           what=f"instance {name!r}")
+                result = outcome.result
+                if result.failure_kind == ROLLOUT_SERVER:
+                    raise RuntimeError(f"job {result.job_id}: {result.error}")
                 summary.add(result)
-                sink.write(json.dumps(result) + "\n")
+                sink.write(result.model_dump_json() + "\n")
                 bar.update(1)
                 bar.set_postfix(mean_reward=f"{summary.mean_reward:.3f}",
                                 rps=f"{len(summary.results) / (time.monotonic() - t0):.2f}")
-
-        async def cancel(job_id: str) -> None:
-            async with http.post(f"{url}/cancel", json={"job_id": job_id}):
-                pass
 
         workers = [asyncio.create_task(worker()) for _ in range(max(1, args.concurrency))]
         stopper = asyncio.create_task(stop.wait())
         all_done = asyncio.gather(*workers)
         await asyncio.wait([stopper, all_done], return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
-            print(f"\ninterrupted: cancelling {len(outstanding)} outstanding job(s)", file=sys.stderr)
-            await asyncio.gather(*(cancel(j) for j in list(outstanding)), return_exceptions=True)
+            print(f"\ninterrupted: cancelling {len(client.open_jobs())} outstanding job(s)", file=sys.stderr)
+            await client.cancel_open()
             await asyncio.wait(workers, timeout=30)  # their /process calls return the cancelled results
             for w in workers:
                 w.cancel()
@@ -247,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DatasetError as e:
         print(f"prorl-run: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, aiohttp.ClientError, OSError) as e:
+    except (RuntimeError, InvalidInstanceError, aiohttp.ClientError, OSError) as e:
         print(f"prorl-run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 130 if s["interrupted"] else 0
