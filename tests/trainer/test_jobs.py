@@ -166,3 +166,18 @@ def test_configuration_names_map_to_the_policy_objects():
     wait, drop = WaitForStale(), DropStale()
     assert wait.due(2, 1) and not wait.due(1, 1) and wait.regenerate()
     assert not drop.due(5, 1) and not drop.regenerate()
+
+
+def test_rollout_client_and_trl_pick_policies_by_name():
+    from trainer_plugins.client import RolloutClient
+    from trainer_plugins.trl import ProRLRollout
+
+    client = RolloutClient(["http://127.0.0.1:1"], [], groups_per_step=1, server_chooser="rendezvous",
+                           staleness_policy="wait")
+    assert isinstance(client.chooser, RendezvousByGroup) and isinstance(client.staleness_policy, WaitForStale)
+    assert isinstance(RolloutClient(["http://127.0.0.1:1"], [], groups_per_step=1).chooser, LeastInFlight)
+    with pytest.raises(ValueError, match="staleness_policy"):
+        RolloutClient(["http://127.0.0.1:1"], [], groups_per_step=1, staleness_policy="fifo")
+    rollout = ProRLRollout(["http://127.0.0.1:1"], {"p": {"data_source": "arithmetic"}}, server_chooser="rendezvous")
+    assert isinstance(rollout.chooser, RendezvousByGroup)
+    assert isinstance(ProRLRollout(["http://127.0.0.1:1"], {}).chooser, LeastInFlight)

@@ -91,6 +91,13 @@ def test_yaml_entry_instantiates_through_hydra(cfg, worker, tokenizer, monkeypat
     assert isinstance(loop, ProRLAgentLoop)
     assert loop.servers == "http://127.0.0.1:1,http://127.0.0.1:2"
     assert (loop.prompt_length, loop.response_length) == (PROMPT_LEN, RESPONSE_LEN)
+    from trainer_plugins.admission import LeastInFlight, RendezvousByGroup
+
+    assert isinstance(loop.chooser, RendezvousByGroup)  # the YAML's server_chooser
+    other = make_loop(cfg, tokenizer, server_chooser="least_in_flight")
+    assert isinstance(other.chooser, LeastInFlight) and make_loop(cfg, tokenizer).chooser is loop.chooser
+    with pytest.raises(Exception, match="server_chooser must be one of"):  # hydra wraps the ValueError
+        make_loop(cfg, tokenizer, server_chooser="fastest")
     monkeypatch.delenv("PRORL_SERVERS")
     with pytest.raises(Exception, match="servers"):
         make_loop(cfg, tokenizer)
