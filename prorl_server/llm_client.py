@@ -8,6 +8,8 @@ server side.
 Failure handling (one :meth:`LLMClient.complete` call never appends partial output, so a retry can neither
 duplicate nor lose tokens):
 
+- a pooled keep-alive connection the backend closed as the request went out (``ServerDisconnectedError``):
+  sent once more at once on a fresh connection, not counted as a failure.
 - connection refused/reset, server disconnect, 5xx, per-call timeout: the backend is excluded for this call
   (and, after repeated connection failures, taken out of the pool until its health probe answers); the next
   backend comes from the call's :class:`BackendSource` (``acquire(exclude)``); after ``max_attempts``
@@ -394,9 +396,14 @@ class LLMClient:
 
     async def _post(self, address: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
         try:
-            async with self.session.post(f"{address}/v1/completions", json=body, timeout=timeout) as r:
-                raw = await r.read()
-                status = r.status
+            try:
+                raw, status = await self._exchange(address, body, timeout)
+            except aiohttp.ServerDisconnectedError:
+                # The backend closed the pooled keep-alive connection as the request went out: idle past its
+                # keep-alive by the server's clock while a loaded event loop released it late. Once more, at
+                # once, on a fresh connection; a backend that is really gone fails that one too.
+                log.debug("%s closed a keep-alive connection as a request went out; sending it again", address)
+                raw, status = await self._exchange(address, body, timeout)
         except asyncio.TimeoutError:
             raise _BackendFailed(f"timed out after {timeout.total} s", connection=False) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
@@ -417,6 +424,11 @@ class LLMClient:
         except (ValueError, AttributeError):
             message = text
         raise LLMRequestError(status, str(message))
+
+    async def _exchange(self, address: str, body: dict[str, Any],
+                        timeout: aiohttp.ClientTimeout) -> tuple[bytes, int]:
+        async with self.session.post(f"{address}/v1/completions", json=body, timeout=timeout) as r:
+            return await r.read(), r.status
 
     @staticmethod
     def _completion(data: dict[str, Any], choice: dict[str, Any], b: Backend, version_sent: Optional[int],

@@ -123,6 +123,51 @@ async def test_only_backend_down_is_unavailable(unused_tcp_port):
             await llm.complete([1], backend=f"http://127.0.0.1:{unused_tcp_port}", max_tokens=1)
 
 
+async def test_a_keep_alive_connection_the_backend_closes_is_sent_again_not_counted_as_a_failure(aiohttp_server):
+    # The backend closes the pooled connection as the request arrives (a keep-alive that expired by its clock
+    # while a loaded client released the connection late): here the handler drops its connection, once.
+    seen = []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
+
+    async def completions(request):
+        seen.append(await request.json())
+        if len(seen) == 1:
+            request.transport.close()
+            return web.Response()
+        return web.json_response(choice([3, 4], finish="stop"))
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    pool = BackendPool()
+    pool.add(str(server.make_url("")), weight_version=1)
+    async with LLMClient(pool=pool) as llm:
+        c = await llm.complete([1], backend=PoolBackends(pool, "j"), max_tokens=2)
+    assert c.token_ids == [3, 4] and (c.attempts, c.failovers) == (1, 0) and len(seen) == 2
+    assert llm.counters["backend_failures"] == 0 and pool.backends[0].consecutive_failures == 0
+
+
+async def test_a_backend_that_keeps_disconnecting_still_fails_over(aiohttp_server):
+    async def completions(request):
+        request.transport.close()
+        return web.Response()
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    async with LLMClient(max_attempts=2) as llm:
+        with pytest.raises(LLMUnavailableError, match="failed 2 times.*ServerDisconnected"):
+            await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
+    assert llm.counters["backend_failures"] == 2
+
+
 async def test_one_session_is_shared_across_calls(aiohttp_server):
     app, _ = fake_vllm([(200, choice([1]))] * 3)
     server = await aiohttp_server(app)
