@@ -133,3 +133,36 @@ async def test_finished_jobs_are_kept_up_to_the_limit_then_forgotten_oldest_firs
     ids = [(await (await client.post("/process", json=scripted_job())).json())["job_id"] for _ in range(5)]
     states = [(await client.get(f"/jobs/{j}")).status for j in ids]
     assert states == [404, 404, 200, 200, 200]
+
+
+async def test_stopping_the_server_closes_every_component_in_one_order(make_client, scripted):
+    # Spies on the real components record when each is closed; nothing is replaced.
+    from prorl_server.app import COMPONENTS
+
+    client = await make_client()
+    c = client.app[COMPONENTS]
+    assert c.services.gateway is c.gateway and c.pipeline.services is c.services  # one of each, wired
+    session = await (await client.post("/sessions", json={})).json()
+    job_id = (await (await client.post("/jobs", json=scripted_job(sleep={"run": 30}))).json())["job_id"]
+    while (await (await client.get(f"/jobs/{job_id}")).json())["state"] != "run":
+        await asyncio.sleep(0.01)
+    job = c.pipeline.get(job_id)
+    assert job.services is c.services and job.llm is c.llm
+    order = []
+    for name, obj, method in (("gateway", c.gateway, "close"), ("pipeline", c.pipeline, "shutdown"),
+                              ("llm", c.llm, "close"), ("cpu_pool", c.cpu_pool, "close"),
+                              ("runtime", c, "_close_sandboxes"), ("loop_monitor", c.loop_monitor, "stop")):
+        def spy(real=getattr(obj, method), name=name):
+            async def call(*a, **kw):
+                order.append(name)
+                return await real(*a, **kw)
+            return call
+        setattr(obj, method, spy())
+    janitor, health = c.gateway._janitor, c._health
+    await client.close()
+    # on_shutdown cancels the jobs first (a blocking /process answers at once); then the written close order
+    assert order == ["pipeline", "gateway", "pipeline", "llm", "cpu_pool", "runtime", "loop_monitor"]
+    assert job.result.critical_error == "cancelled" and scripted.closed == [job_id]
+    s = c.gateway.lookup(session["session_id"])
+    assert (s.state, s.end_reason) == ("expired", "server_shutdown")
+    assert janitor.done() and health.done() and c._health_session.closed
