@@ -213,6 +213,13 @@ def backend_source(backends: Backends) -> BackendSource:
     raise TypeError(f"cannot get backends from {type(backends).__name__}")
 
 
+def _exchange_failed(e: BaseException, timeout: aiohttp.ClientTimeout, before: str = "") -> "_BackendFailed":
+    """The backend failure an HTTP exchange's exception means (``before``: what happened first)."""
+    if isinstance(e, asyncio.TimeoutError):
+        return _BackendFailed(f"{before}timed out after {timeout.total} s", connection=False)
+    return _BackendFailed(f"{before}{e!r}", connection=True)
+
+
 def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else []
 
@@ -396,18 +403,18 @@ class LLMClient:
 
     async def _post(self, address: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
         try:
+            raw, status = await self._exchange(address, body, timeout)
+        except aiohttp.ServerDisconnectedError as first:
+            # The backend closed the pooled keep-alive connection as the request went out: idle past its
+            # keep-alive by the server's clock while a loaded event loop released it late. Once more, at once, on
+            # a fresh connection; a backend that is really gone fails that one too (both errors are reported).
+            log.debug("%s closed a keep-alive connection as a request went out; sending it again", address)
             try:
                 raw, status = await self._exchange(address, body, timeout)
-            except aiohttp.ServerDisconnectedError:
-                # The backend closed the pooled keep-alive connection as the request went out: idle past its
-                # keep-alive by the server's clock while a loaded event loop released it late. Once more, at
-                # once, on a fresh connection; a backend that is really gone fails that one too.
-                log.debug("%s closed a keep-alive connection as a request went out; sending it again", address)
-                raw, status = await self._exchange(address, body, timeout)
-        except asyncio.TimeoutError:
-            raise _BackendFailed(f"timed out after {timeout.total} s", connection=False) from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
-            raise _BackendFailed(repr(e), connection=True) from None
+            except (asyncio.TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+                raise _exchange_failed(e, timeout, f"{first!r}, then on a fresh connection: ") from None
+        except (asyncio.TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+            raise _exchange_failed(e, timeout) from None
         if status == 200:
             try:
                 return json.loads(raw)
