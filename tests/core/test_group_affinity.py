@@ -142,8 +142,9 @@ def recording_server():
         bodies.append(body)
         await asyncio.sleep(0.01)
         k = int(body["job_id"].rsplit("-s", 1)[1])
-        return web.json_response({"job_id": body["job_id"], "reward": float(k % 2), "critical_error": None,
-                                  "trajectories": [], "weight_version": 0})
+        return web.json_response({"job_id": body["job_id"], "trajectory_id": body["job_id"], "handler": "varied",
+                                  "reward": float(k % 2), "critical_error": None, "trajectories": [],
+                                  "weight_version": 0})
 
     async def cancel(request):
         body = await request.json()

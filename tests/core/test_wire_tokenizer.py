@@ -76,7 +76,7 @@ def test_tokenizer_flag_sets_the_setting(tmp_path):
 
 
 def test_prorl_run_token_falls_back_to_prorl_token(monkeypatch):
-    from prorl_server.run_job import build_parser
+    from trainer_plugins.run_job import build_parser
 
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
     assert build_parser().parse_args(["--dataset", "arithmetic"]).token == "from-env"
