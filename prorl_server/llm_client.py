@@ -125,6 +125,9 @@ class Completion:
     request was sent; ``[]`` when none is known.
     ``http_s``: seconds spent in HTTP exchanges for this turn, failed and aborted attempts included (so a
     caller can tell its own overhead from the server's time).
+    ``top_logprobs``: with ``sampling_params["top_logprobs"] = k``, one list per generated token of the
+    ``(token id, logprob)`` alternatives vLLM reports there (its top k, and the sampled token), most likely
+    first; else None.
     """
 
     token_ids: list[int]
@@ -138,6 +141,7 @@ class Completion:
     pause_retries: int = 0
     http_s: float = 0.0
     text: str = ""
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 @dataclass
@@ -313,8 +317,10 @@ class LLMClient:
                 Backend, a base URL, or an ``async (exclude) -> Backend`` getter.
             max_tokens: generation budget of this turn (tokens, >= 1); the caller keeps
                 ``len(prompt_ids) + max_tokens`` within the model's context.
-            sampling_params: passed through to vLLM (temperature, top_p, top_k, seed, stop_token_ids, ...);
-                the keys the client owns (prompt, logprobs, n, stream, ...) are ignored.
+            sampling_params: passed through to vLLM (temperature, top_p, top_k, seed, stop_token_ids,
+                logit_bias, structured_outputs, ...); the keys the client owns (prompt, logprobs, n, stream,
+                ...) are ignored. ``top_logprobs: k`` (0..20) asks vLLM for the top ``k`` alternatives of each
+                generated token (its ``logprobs=k``; :attr:`Completion.top_logprobs`).
             timeout_s: this call's timeout per attempt (default ``request_timeout_s``).
 
         Raises:
@@ -325,7 +331,8 @@ class LLMClient:
             raise ValueError("max_tokens must be >= 1")
         source = backend_source(backend)
         body: dict[str, Any] = {k: v for k, v in (sampling_params or {}).items() if k not in _RESERVED}
-        body.update(prompt=prompt_ids, max_tokens=max_tokens, logprobs=0, return_tokens_as_token_ids=True,
+        top = body.pop("top_logprobs", None) or 0
+        body.update(prompt=prompt_ids, max_tokens=max_tokens, logprobs=top, return_tokens_as_token_ids=True,
                     n=1, stream=False, echo=False, add_special_tokens=False)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s, connect=self.connect_timeout_s)
 
@@ -396,7 +403,7 @@ class LLMClient:
             if self.pool is not None:
                 self.pool.report_success(b.address)
             completion = self._completion(data, choice, b, version_sent, http_s, failures + pause_retries + 1,
-                                          failovers, pause_retries)
+                                          failovers, pause_retries, top_logprobs=bool(top))
             source.record_turn(completion.backend,
                                completion.weight_versions[-1] if completion.weight_versions else None)
             return completion
@@ -439,7 +446,8 @@ class LLMClient:
 
     @staticmethod
     def _completion(data: dict[str, Any], choice: dict[str, Any], b: Backend, version_sent: Optional[int],
-                    http_s: float, attempts: int, failovers: int, pause_retries: int) -> Completion:
+                    http_s: float, attempts: int, failovers: int, pause_retries: int,
+                    top_logprobs: bool = False) -> Completion:
         lp = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
         if ids is None:
@@ -454,7 +462,12 @@ class LLMClient:
             versions = list(dict.fromkeys(reported))
         else:
             versions = [] if version_sent is None else [version_sent]
+        top = None
+        if top_logprobs and lp.get("top_logprobs"):
+            n = len(_TOKEN_PREFIX)
+            top = [sorted(((int(t[n:]) if t.startswith(_TOKEN_PREFIX) else -1, v) for t, v in (d or {}).items()),
+                          key=lambda a: -a[1]) for d in lp["top_logprobs"]]
         return Completion(token_ids=ids, logprobs=logprobs, finish_reason=choice.get("finish_reason") or "stop",
                           stop_reason=choice.get("stop_reason"), backend=b.address, weight_versions=versions,
                           attempts=attempts, failovers=failovers, pause_retries=pause_retries, http_s=http_s,
-                          text=choice.get("text", ""))
+                          text=choice.get("text", ""), top_logprobs=top)

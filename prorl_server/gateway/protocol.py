@@ -25,7 +25,20 @@ _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalt
 #: Accepted and ignored: they change nothing the gateway records.
 _IGNORED = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier")
 _KNOWN = frozenset({"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "n",
-                    "stream", "stream_options", "logprobs", "top_logprobs", "response_format", *_PASSED, *_IGNORED})
+                    "stream", "stream_options", "logprobs", "top_logprobs", "response_format", "logit_bias",
+                    "reasoning_effort", "chat_template_kwargs", *_PASSED, *_IGNORED})
+#: Most choices one request may ask for (``n``), and most alternatives per token (``top_logprobs``, OpenAI's
+#: limit).
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: Tool-call formats a forced tool call (``tool_choice`` ``"required"`` or named) can be constrained to, by
+#: parser name: the text before the call's JSON object, the key of its arguments, the text after it. The
+#: object is ``{"name": <tool>, "<arguments key>": <the tool's parameters schema>}``, the family's template
+#: form (hermes: Qwen2.5/Qwen3, NousHermes, ``<tool_call>\n{...}\n</tool_call>``).
+CONSTRAINED_TOOL_FORMATS: dict[str, tuple[str, str, str]] = {
+    "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -117,7 +130,17 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
 
 @dataclass
 class ChatRequest:
-    """A validated ``/chat/completions`` body."""
+    """A validated ``/chat/completions`` body.
+
+    ``sampling``: what is passed to vLLM as given (OpenAI sampling names, ``stop``). ``n``: choices to
+    generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; with
+    ``logprobs``). ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool,
+    named). ``response_format``: the structured-output constraint it asks for in vLLM's
+    ``structured_outputs`` form (``{"json": schema}`` or ``{"json_object": True}``), None for text.
+    ``logit_bias``: token id -> bias in [-100, 100] (ids checked against the vocabulary by the session,
+    :func:`check_logit_bias`). ``chat_template_kwargs``: extra variables of the chat template render
+    (``reasoning_effort`` lands here as ``reasoning_effort``).
+    """
 
     messages: list[dict[str, Any]]
     tools: Optional[list[dict[str, Any]]]
@@ -127,10 +150,111 @@ class ChatRequest:
     stream: bool
     logprobs: bool
     include_usage: bool = False
+    n: int = 1
+    top_logprobs: int = 0
+    tool_choice: str = "auto"
+    tool_name: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[int, float]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def structured_outputs(self, parser: str) -> Optional[dict[str, Any]]:
+        """vLLM's ``structured_outputs`` for this request with tool-call parser ``parser`` (None: free text).
+
+        A forced tool call (``tool_choice`` ``"required"``: one call of any offered tool; named: one call of
+        that tool) becomes a ``structural_tag``: the parser's call format (:data:`CONSTRAINED_TOOL_FORMATS`)
+        around a JSON object whose ``name`` is the tool's and whose arguments follow the tool's
+        ``parameters`` schema; generation ends after the one call.
+
+        Raises:
+            GatewayError: 400 ``unsupported_parameter`` (param ``tool_choice``) when ``parser`` is not one of
+                :data:`CONSTRAINED_TOOL_FORMATS`.
+        """
+        if self.tool_choice != "required":
+            return self.response_format
+        if parser not in CONSTRAINED_TOOL_FORMATS:
+            raise GatewayError(400, f"tool_choice 'required' or a named tool needs a tool-call format the gateway "
+                               f"can constrain generation to (parsers {sorted(CONSTRAINED_TOOL_FORMATS)}); this "
+                               f"server parses {parser!r} calls", "unsupported_parameter", "tool_choice")
+        before, args_key, after = CONSTRAINED_TOOL_FORMATS[parser]
+        options = []
+        for t in self.tools or ():
+            fn = t["function"]
+            if self.tool_name is not None and fn["name"] != self.tool_name:
+                continue
+            params = fn.get("parameters") or {"type": "object"}
+            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+                            "required": ["name", args_key], "additionalProperties": False})
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": before}, {"type": "json_schema", "json_schema": schema},
+            {"type": "const_string", "value": after}]}}
+        return {"structural_tag": json.dumps(tag)}
+
+
+def check_logit_bias(bias: Optional[dict[int, float]], vocab_size: int) -> Optional[dict[str, float]]:
+    """``bias`` in vLLM's form (``{"<token id>": bias}``), every id checked to be below ``vocab_size``.
+
+    Raises:
+        GatewayError: 400 ``invalid_parameter`` (param ``logit_bias``) naming the first id out of range.
+    """
+    if not bias:
+        return None
+    for tid in bias:
+        if tid >= vocab_size:
+            raise GatewayError(400, f"logit_bias: token id {tid} is not in the model's vocabulary "
+                               f"(0..{vocab_size - 1})", "invalid_parameter", "logit_bias")
+    return {str(k): v for k, v in bias.items()}
+
+
+def _bad(param: str, message: str) -> GatewayError:
+    return GatewayError(400, f"{param} {message}", "invalid_parameter", param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _response_format(rf: Any) -> Optional[dict[str, Any]]:
+    """``response_format`` as vLLM ``structured_outputs`` (None for text)."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format", 'json_schema needs {"json_schema": {"name", "schema": {...}}}')
+        return {"json": schema}
+    raise GatewayError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                       "unsupported_parameter", "response_format")
+
+
+def _tool_choice(choice: Any, tools: Optional[list[dict[str, Any]]]) -> tuple[str, Optional[str]]:
+    """(``"auto"`` | ``"none"`` | ``"required"``, the named tool or None)."""
+    if choice in (None, "auto", "none"):
+        return choice or "auto", None
+    names = [t["function"]["name"] for t in tools or ()]
+    if choice == "required":
+        if not names:
+            raise _bad("tool_choice", "'required' needs tools")
+        return "required", None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": '
+                   '{"name"}}')
+    if fn["name"] not in names:
+        raise _bad("tool_choice", f"names {fn['name']!r}, which is not among the tools ({names})")
+    return "required", fn["name"]
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a Chat Completions body (OpenAI API reference, "Create chat completion").
+    """Validate a Chat Completions body (OpenAI API reference, "Create chat completion"; vLLM's
+    ``chat_template_kwargs`` and sampling extensions).
 
     Raises:
         GatewayError: 400 ``invalid_messages`` / ``unsupported_parameter`` / ``invalid_parameter``.
@@ -149,15 +273,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise GatewayError(400, "the last message is an assistant message: continuing a partial assistant "
                            "turn is not supported", "invalid_messages", f"messages[{len(messages) - 1}]")
     n = body.get("n")
-    if n not in (None, 1):
-        raise GatewayError(400, f"n={n!r} is not supported: one choice per request (n=1)",
-                           "unsupported_parameter", "n")
-    if body.get("top_logprobs") not in (None, 0):
-        raise GatewayError(400, "top_logprobs > 0 is not supported", "unsupported_parameter", "top_logprobs")
-    rf = body.get("response_format")
-    if rf not in (None, {"type": "text"}):
-        raise GatewayError(400, "response_format other than text is not supported", "unsupported_parameter",
-                           "response_format")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise _bad("n", f"must be an integer from 1 to {MAX_N}")
+    top = body.get("top_logprobs") or 0
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _bad("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if top and not body.get("logprobs"):
+        raise _bad("top_logprobs", "needs logprobs=true")
+    response_format = _response_format(body.get("response_format"))
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(
@@ -166,13 +290,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}',
                                "invalid_parameter", "tools")
         tools = tools or None
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise GatewayError(400, f"tool_choice={choice!r} is not supported (auto or none): the gateway does not "
-                           "constrain generation", "unsupported_parameter", "tool_choice")
+    choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    if choice == "required" and response_format is not None:
+        raise GatewayError(400, "a forced tool call (tool_choice) and a response_format cannot constrain the "
+                           "same answer", "unsupported_parameter", "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 1):
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise GatewayError(400, "max_tokens must be a positive integer", "invalid_parameter", "max_tokens")
     sampling = {k: body[k] for k in _PASSED if body.get(k) is not None}
     for k, v in sampling.items():
@@ -185,6 +308,26 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise GatewayError(400, "stop must be a string or a list of up to 4 strings", "invalid_parameter",
                                "stop")
         sampling["stop"] = stop
+    bias = body.get("logit_bias")
+    logit_bias: Optional[dict[int, float]] = None
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", "must be an object {token id: bias}")
+        logit_bias = {}
+        for k, v in bias.items():
+            tid = int(k) if isinstance(k, str) and k.isdigit() else None
+            if tid is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise _bad("logit_bias", f"entry {k!r}: {v!r}: keys are token ids (non-negative integers), "
+                           "values numbers from -100 to 100")
+            logit_bias[tid] = float(v)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise _bad("reasoning_effort", f"must be one of {list(_EFFORTS)}")
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise GatewayError(400, "stream must be a boolean", "invalid_parameter", "stream")
@@ -195,7 +338,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(messages=messages, tools=tools, parse_tools=bool(tools) and choice != "none",
                        max_tokens=max_tokens, sampling=sampling, stream=stream,
                        logprobs=bool(body.get("logprobs")),
-                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+                       n=n, top_logprobs=top, tool_choice=choice, tool_name=tool_name,
+                       response_format=response_format, logit_bias=logit_bias,
+                       chat_template_kwargs=kwargs or None)
 
 
 # ------------------------------------------------------------------------------------------ answer
@@ -223,42 +369,58 @@ def assistant_message(text: str, parsed: Optional[ParsedTurn], finish_reason: st
              "tool_calls": [c.to_openai() for c in parsed.calls]}, "tool_calls")
 
 
-def token_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    """The choice's ``logprobs`` object: one entry per generated token (its text form and logprob; no
-    alternatives: ``top_logprobs`` is not supported)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+def token_logprobs(tokens: list[str], logprobs: list[float],
+                   top: Optional[list[list[tuple[str, float]]]] = None) -> dict[str, Any]:
+    """The choice's ``logprobs`` object: one entry per generated token (its text form and logprob) with its
+    ``top_logprobs``: ``top[i]``, the ``(token, logprob)`` alternatives at position ``i``, most likely first
+    (``[]`` when ``top`` is None)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": None,
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": None} for a, alp in top[i]]
+                         if top is not None else []}
+                        for i, (t, lp) in enumerate(zip(tokens, logprobs))]}
 
 
-def chat_completion(message: dict[str, Any], finish_reason: str, *, model: str, prompt_tokens: int,
-                    completion_tokens: int, logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice; ``usage`` counts tokens."""
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+def answer_choice(index: int, message: dict[str, Any], finish_reason: str, *,
+                  logprobs: Optional[dict[str, Any]] = None, stop_reason: Any = None) -> dict[str, Any]:
+    """One ``choices[i]`` of a ``chat.completion``; ``stop_reason``: vLLM's, the stop string or stop token id
+    that ended the turn (None: end of sequence or length), as vLLM's own chat answers carry it."""
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs,
+            "stop_reason": stop_reason}
+
+
+def chat_completion(choices: list[dict[str, Any]], *, model: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A ``chat.completion`` object with ``choices`` (:func:`answer_choice`); ``usage`` counts tokens
+    (``completion_tokens``: of all choices)."""
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
+            "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def stream_chunks(answer: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A whole ``chat.completion`` as ``chat.completion.chunk`` objects (OpenAI streaming format): the role,
-    the content, one chunk per tool call, the finish reason, and the usage if asked for. The turn is generated
-    whole (token-in/token-out), so the chunks come together once it is done."""
-    choice = answer["choices"][0]
-    msg = choice["message"]
+    """A whole ``chat.completion`` as ``chat.completion.chunk`` objects (OpenAI streaming format), per choice
+    in order: the role, the content, one chunk per tool call, the finish reason; then the usage if asked for.
+    The turn is generated whole (token-in/token-out), so the chunks come together once it is done."""
     head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
             "model": answer["model"]}
+    out = []
+    for choice in answer["choices"]:
+        msg = choice["message"]
 
-    def chunk(delta: dict[str, Any], finish: Optional[str] = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                     "logprobs": choice["logprobs"] if finish else None}]}
+        def chunk(delta: dict[str, Any], finish: Optional[str] = None) -> dict[str, Any]:
+            c = {"index": choice["index"], "delta": delta, "finish_reason": finish,
+                 "logprobs": choice["logprobs"] if finish else None}
+            if finish:
+                c["stop_reason"] = choice.get("stop_reason")
+            return {**head, "choices": [c]}
 
-    out = [chunk({"role": "assistant", "content": ""})]
-    if msg.get("content"):
-        out.append(chunk({"content": msg["content"]}))
-    for k, call in enumerate(msg.get("tool_calls") or ()):
-        out.append(chunk({"tool_calls": [{"index": k, **call}]}))
-    out.append(chunk({}, choice["finish_reason"]))
+        out.append(chunk({"role": "assistant", "content": ""}))
+        if msg.get("content"):
+            out.append(chunk({"content": msg["content"]}))
+        for k, call in enumerate(msg.get("tool_calls") or ()):
+            out.append(chunk({"tool_calls": [{"index": k, **call}]}))
+        out.append(chunk({}, choice["finish_reason"]))
     if include_usage:
         out.append({**head, "choices": [], "usage": answer["usage"]})
     return out

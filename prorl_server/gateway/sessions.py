@@ -28,13 +28,14 @@ from aiohttp import web
 
 from prorl_server.balancer import NoBackendError
 from prorl_server.conversation import ContextLengthError, Conversation
-from prorl_server.gateway.protocol import (ChatRequest, GatewayError, assistant_message, chat_completion,
-                                           normalize_message, token_logprobs)
+from prorl_server.gateway.protocol import (ChatRequest, GatewayError, answer_choice, assistant_message,
+                                           chat_completion, check_logit_bias, normalize_message, token_logprobs)
 from prorl_server.gateway.routes import agent_app
 from prorl_server.llm_client import (BackendSource, Completion, LLMRequestError, LLMUnavailableError, ModelInfo,
                                      PoolBackends)
-from prorl_server.turn import ContextFullError, ContextUnknownError, TurnEngine
-from prorl_server.types import Trajectory
+from prorl_server.tool_parser import ParsedTurn
+from prorl_server.turn import AUTO, ContextFullError, ContextUnknownError, TurnEngine
+from prorl_server.types import TokenStats, Trajectory
 
 if TYPE_CHECKING:
     from prorl_server.balancer import BackendPool
@@ -71,6 +72,18 @@ def describe_divergence(history: list[dict], messages: list[dict]) -> Optional[s
     return None
 
 
+def _decoded(conv: Conversation, comp: Completion) -> str:
+    """The text of ``comp`` as :meth:`Conversation.add_completion` puts it in the message: a final stop token
+    that the template writes after an assistant turn anyway is left out."""
+    ids, tok = comp.token_ids, conv.tok
+    if comp.finish_reason == "stop" and ids and not isinstance(comp.stop_reason, str):
+        last = tok.decode(ids[-1:])
+        terminator = tok.assistant_terminator()
+        if terminator is None or (last and terminator.startswith(last)):
+            return tok.decode(ids[:-1])
+    return tok.decode(ids)
+
+
 # ------------------------------------------------------------------------------------------ sessions
 
 
@@ -95,7 +108,10 @@ class Session:
     conv: Optional[Conversation] = None
     history: list[dict[str, Any]] = field(default_factory=list)  # conv.messages as served / as received
     tools: Optional[list[dict[str, Any]]] = None
+    template_kwargs: Optional[dict[str, Any]] = None  # the conversation's chat_template_kwargs
     awaiting: bool = False  # conv ends with new messages, not yet answered
+    # an n > 1 answer not yet continued: (message as served, normalised; its completion) per choice
+    choices: Optional[list[tuple[dict[str, Any], Completion]]] = None
     done: list[Trajectory] = field(default_factory=list)  # trajectories closed by splits
     split_reasons: list[str] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: {
@@ -105,6 +121,8 @@ class Session:
     completed: asyncio.Event = field(default_factory=asyncio.Event)
     backend_key: Optional[str] = None  # pool assignment of a session without a job
     last_finish: Optional[str] = None
+    # drift report of the conversations that gateway splits closed, and those splits by reason code
+    past_stats: TokenStats = field(default_factory=TokenStats)
 
     @property
     def ref(self) -> str:
@@ -123,12 +141,22 @@ class Session:
             out += self.conv.trajectories()
         return out
 
+    def token_stats(self) -> TokenStats:
+        """The session's drift report (:class:`~prorl_server.types.TokenStats`): its conversations'
+        :meth:`~prorl_server.conversation.Conversation.token_stats` summed, plus the gateway's own splits (a
+        request that did not extend the served history) by reason code. ``n > 1`` branches are not splits."""
+        if self.conv is None:
+            return self.past_stats
+        return self.past_stats + TokenStats(**self.conv.token_stats())
+
     def summary(self) -> dict[str, Any]:
+        """The session's state, ``split_reasons``, ``counters`` and ``token_stats`` (the drift report, a
+        :class:`~prorl_server.types.TokenStats` dict)."""
         return {"session_id": self.session_id, "state": self.state, "end_reason": self.end_reason,
                 "job_id": self.job.job_id if self.job is not None else None, "metadata": self.metadata,
                 "num_trajectories": len(self.done) + (1 if self.conv is not None else 0),
                 "split_reasons": list(self.split_reasons), "reward_info": self.reward_info,
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "token_stats": self.token_stats().model_dump()}
 
     def result(self) -> dict[str, Any]:
         """``summary()`` plus ``trajectories`` (wire :class:`Trajectory` dicts) and ``messages`` (the open
@@ -146,15 +174,21 @@ class Gateway:
         max_sessions: open sessions at most (``POST /sessions`` answers 429 beyond).
         idle_timeout_s: an open session unused this long (seconds) expires (its tokens are kept for finalize).
         keep_finished: ended sessions kept for ``finalize`` / status (oldest dropped first).
-        parser: tool-call parser name (:mod:`prorl_server.tool_parser`).
+        parser: tool-call parser name (:mod:`prorl_server.tool_parser`); ``"auto"``: the served model
+            family's (:attr:`~prorl_server.chat_templates.FamilySpec.tool_parser`).
+        on_token_stats: called with the drift report (:meth:`Session.token_stats`) of each session without a
+            job that ends with its tokens kept (not aborted); a job's sessions add theirs to the job's
+            ``token_stats`` instead, reported with the job. The server counts them on ``/metrics``.
 
     :meth:`start` (on a running loop) starts the janitor that expires idle sessions; :meth:`close` stops it and
     ends every open session.
     """
 
     def __init__(self, llm: "LLMContext", pool: "BackendPool", *, max_sessions: int = 1024,
-                 idle_timeout_s: float = 900.0, keep_finished: int = 1024, parser: str = "hermes") -> None:
+                 idle_timeout_s: float = 900.0, keep_finished: int = 1024, parser: str = AUTO,
+                 on_token_stats: Optional[Callable[[TokenStats], None]] = None) -> None:
         self.llm = llm
+        self.on_token_stats = on_token_stats
         self.pool = pool
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -232,10 +266,17 @@ class Gateway:
         if not s.is_open:
             return
         s.state, s.end_reason = state, reason
+        self._resolve_choices(s, None)
         if s.conv is not None and s.last_finish is not None:
             s.conv.finish(s.last_finish)
         if state == "aborted":
             s.conv, s.done, s.history = None, [], []
+        else:  # the drift report goes with the tokens: into the job's result, or to on_token_stats
+            stats = s.token_stats()
+            if s.job is not None:
+                s.job.token_stats = stats if s.job.token_stats is None else s.job.token_stats + stats
+            elif self.on_token_stats is not None:
+                self.on_token_stats(stats)
         self.open.pop(s.session_id, None)
         self.finished[s.session_id] = s
         while len(self.finished) > self.keep_finished:
@@ -305,12 +346,21 @@ class Gateway:
     async def chat(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
         """Answer one Chat Completions request of session ``s`` (serialised per session).
 
+        ``n > 1``: the ``n`` choices are ``n`` completions of the same prompt (``n`` concurrent requests to
+        the session's backend; with a ``seed``, choice ``i`` is sampled with ``seed + i``). The session's
+        conversation continues with the choice whose message the agent's next request carries after the
+        history (the first choice when it carries none of them, or when the session ends first); every other
+        choice is recorded then as a complete one-turn branch: a trajectory of the same prompt tokens and that
+        choice's generated tokens, ``split_reason`` ``"branch: ..."``.
+
         Returns:
             ``(answer, backend_http_s)``: the ``chat.completion`` object and the seconds this turn spent in
-            HTTP exchanges with the backend (all attempts).
+            HTTP exchanges with the backend (all attempts, all choices).
 
         Raises:
-            GatewayError: 409 session ended; 400 context full or backend refusal; 503 no backend.
+            GatewayError: 409 session ended; 400 context full, backend refusal, a forced tool call this
+                server's tool-call parser cannot be constrained to, a ``logit_bias`` id outside the vocabulary;
+                503 no backend.
         """
         async with s.lock:
             if not s.is_open:
@@ -327,19 +377,25 @@ class Gateway:
                 info = await self.llm.client.model_info(backend.address)
             except (NoBackendError, LLMUnavailableError) as e:
                 raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
+            sampling = self._sampling(req, tok)
             await self._advance(s, req, tok, info.max_model_len)
             conv = s.conv
             assert conv is not None
 
-            def still_open(_: Completion) -> None:
+            def still_open(_: Optional[Completion] = None) -> None:
                 if not s.is_open:  # aborted or finalized while generating: the turn is not recorded
                     raise GatewayError(409, f"session {s.session_id} ended while this turn was generated "
                                        f"({s.state})", "session_finished")
 
             t_llm = time.perf_counter()
             try:
-                turn = await self.engine.turn(conv, source, max_tokens=req.max_tokens, sampling_params=req.sampling,
-                                              parse=req.parse_tools, accept=still_open)
+                if req.n == 1:
+                    turn = await self.engine.turn(conv, source, max_tokens=req.max_tokens, sampling_params=sampling,
+                                                  parse=req.parse_tools, accept=still_open)
+                    generated = [(turn.completion, turn.message["content"], turn.parsed)]
+                else:
+                    generated = await self._sample(conv, source, req, sampling)
+                    still_open()
             except ContextFullError as e:
                 raise GatewayError(400, str(e), "context_length_exceeded") from None
             except LLMUnavailableError as e:
@@ -349,31 +405,122 @@ class Gateway:
             finally:
                 if not s.is_open and s.backend_key is not None:  # ended meanwhile: a retry may have re-acquired
                     self.pool.release(s.backend_key)
-            comp = turn.completion
             llm_s = time.perf_counter() - t_llm
             s.awaiting = False
-            s.last_finish = comp.finish_reason
-            message, finish = assistant_message(turn.message["content"], turn.parsed, comp.finish_reason)
-            s.history.append(normalize_message(message, len(s.history)))
-            s.counters["generated_tokens"] += len(comp.token_ids)
+            choices, served = [], []
+            for i, (comp, text, parsed) in enumerate(generated):
+                message, finish = assistant_message(text, parsed, comp.finish_reason)
+                served.append((normalize_message(message, len(s.history)), comp))
+                logprobs = None
+                if req.logprobs:
+                    top = None
+                    if req.top_logprobs and comp.top_logprobs is not None:
+                        top = [list(zip(tok.convert_ids_to_tokens([a for a, _ in alts[:req.top_logprobs]]),
+                                        [lp for _, lp in alts[:req.top_logprobs]])) for alts in comp.top_logprobs]
+                    logprobs = token_logprobs(tok.convert_ids_to_tokens(comp.token_ids), comp.logprobs, top)
+                choices.append(answer_choice(i, message, finish, logprobs=logprobs, stop_reason=comp.stop_reason))
+            if req.n == 1:
+                s.history.append(served[0][0])
+                s.last_finish = generated[0][0].finish_reason
+            else:  # recorded once the agent's next request says which choice it continues
+                s.choices = served
+            completion_tokens = sum(len(c.token_ids) for c, _, _ in generated)
+            s.counters["generated_tokens"] += completion_tokens
             s.counters["llm_s"] += llm_s
-            s.counters["backend_http_s"] += comp.http_s
+            http_s = sum(c.http_s for c, _, _ in generated)
+            s.counters["backend_http_s"] += http_s
             s.counters["gateway_s"] += time.perf_counter() - t0 - llm_s
             s.last_used = time.monotonic()
-            logprobs = (token_logprobs(tok.convert_ids_to_tokens(comp.token_ids), comp.logprobs)
-                        if req.logprobs else None)
-            answer = chat_completion(message, finish, model=info.id,
-                                     prompt_tokens=conv.num_tokens - len(comp.token_ids),
-                                     completion_tokens=len(comp.token_ids), logprobs=logprobs)
-            return answer, comp.http_s
+            prompt_tokens = conv.num_tokens - (len(generated[0][0].token_ids) if req.n == 1 else 0)
+            answer = chat_completion(choices, model=info.id, prompt_tokens=prompt_tokens,
+                                     completion_tokens=completion_tokens)
+            return answer, http_s
+
+    def _sampling(self, req: ChatRequest, tok: Any) -> dict[str, Any]:
+        """The request's vLLM parameters: sampling, ``logit_bias`` (ids checked against ``tok``'s
+        vocabulary), ``structured_outputs`` (response format or forced tool call), ``top_logprobs``.
+
+        Raises:
+            GatewayError: 400 (see :meth:`ChatRequest.structured_outputs`, :func:`check_logit_bias`).
+        """
+        sampling = dict(req.sampling)
+        bias = check_logit_bias(req.logit_bias, len(tok))
+        if bias:
+            sampling["logit_bias"] = bias
+        constraint = req.structured_outputs(self.engine.parser_name(tok))
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
+        if req.logprobs and req.top_logprobs:
+            sampling["top_logprobs"] = req.top_logprobs
+        return sampling
+
+    async def _sample(self, conv: Conversation, source: BackendSource, req: ChatRequest,
+                      sampling: dict[str, Any]) -> list[tuple[Completion, str, Optional[ParsedTurn]]]:
+        """``req.n`` completions of ``conv``'s prompt, none appended: ``(completion, text, parsed calls)`` per
+        choice (``text`` as :meth:`Conversation.add_completion` would decode it).
+
+        Raises:
+            ContextFullError, LLMUnavailableError, LLMRequestError: as :meth:`TurnEngine.turn`.
+        """
+        room = conv.room
+        if room < 1:
+            raise ContextFullError(conv.num_tokens)
+        budget = min(req.max_tokens, room) if req.max_tokens else room
+        prompt = list(conv.token_ids)
+
+        def params(i: int) -> dict[str, Any]:
+            return {**sampling, "seed": sampling["seed"] + i} if "seed" in sampling else sampling
+
+        results = await asyncio.gather(*(self.llm.client.complete(prompt, backend=source, max_tokens=budget,
+                                                                  sampling_params=params(i))
+                                         for i in range(req.n)), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        out = []
+        for comp in results:
+            text = _decoded(conv, comp)
+            out.append((comp, text, await self.engine.parse(conv, text) if req.parse_tools else None))
+        return out
+
+    def _resolve_choices(self, s: Session, messages: Optional[list[dict[str, Any]]]) -> None:
+        """Record a pending ``n > 1`` answer: the choice ``messages`` continues with (the message after the
+        history; the first choice if none matches or ``messages`` is None) joins the conversation, the others
+        become one-turn branch trajectories."""
+        pending, s.choices = s.choices, None
+        if not pending or s.conv is None:
+            return
+        k, at = 0, len(s.history)
+        if messages is not None and len(messages) > at and describe_divergence(s.history, messages[:at]) is None:
+            nxt = _comparable(messages[at])
+            k = next((i for i, (m, _) in enumerate(pending) if _comparable(m) == nxt), 0)
+        base = s.conv.trajectories()[-1]
+        for i, (_, c) in enumerate(pending):
+            if i == k:
+                continue
+            s.done.append(Trajectory(
+                prompt_ids=base.prompt_ids, response_ids=base.response_ids + c.token_ids,
+                response_logprobs=base.response_logprobs + c.logprobs,
+                loss_mask=base.loss_mask + [1] * len(c.token_ids), num_turns=base.num_turns + 1,
+                weight_versions=list(dict.fromkeys([*base.weight_versions, *c.weight_versions])),
+                finish_reason=c.finish_reason,
+                split_reason=f"branch: choice {i} of {len(pending)}, not continued (the agent went on with "
+                             f"choice {k})"))
+        message, comp = pending[k]
+        s.conv.add_completion(comp)
+        s.history.append(message)
+        s.last_finish = comp.finish_reason
 
     async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
         """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split."""
         messages = req.messages
         reason: Optional[str] = None
+        self._resolve_choices(s, messages)
         if s.conv is not None:
             if req.tools != s.tools:
                 reason = "tools_changed: the request's tools differ from the session's"
+            elif req.chat_template_kwargs != s.template_kwargs:
+                reason = "chat_template_kwargs_changed: the request's chat_template_kwargs differ from the session's"
             else:
                 reason = describe_divergence(s.history, messages)
             if reason is None:
@@ -401,11 +548,13 @@ class Gateway:
                 trajs[-1].split_reason = reason
                 s.done.extend(trajs)
             s.split_reasons.append(reason)
+            s.past_stats += TokenStats(**s.conv.token_stats()) + TokenStats(splits={reason.split(":", 1)[0]: 1})
             s.counters["splits"] += 1
             self.counters["splits"] += 1
             s.conv = None
         try:
-            s.conv = await self.engine.start(tok, messages, caps=(max_model_len,), tools=req.tools)
+            s.conv = await self.engine.start(tok, messages, caps=(max_model_len,), tools=req.tools,
+                                             chat_template_kwargs=req.chat_template_kwargs)
         except ContextUnknownError as e:
             raise GatewayError(500, str(e), "no_context_length", type_="server_error") from None
         except ContextLengthError as e:
@@ -415,6 +564,7 @@ class Gateway:
                                f"{type(e).__name__}: {e}", "invalid_messages", "messages") from None
         s.history = list(messages)
         s.tools = req.tools
+        s.template_kwargs = req.chat_template_kwargs
         s.awaiting = True
         s.counters["prompt_tokens_added"] += s.conv.num_tokens
 
