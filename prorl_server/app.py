@@ -289,7 +289,7 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     m.export_counts(LLM_CLIENT_COUNTS, lambda: llm.client.counters)
     gateway = Gateway(llm, pool, max_sessions=settings.gateway_max_sessions,
                       idle_timeout_s=settings.gateway_idle_timeout_s, keep_finished=settings.gateway_keep_finished,
-                      parser=settings.gateway_tool_parser)
+                      parser=settings.gateway_tool_parser, on_token_stats=m.count_token_stats)
     m.export_counts(GATEWAY_COUNTS, lambda: gateway.counters)
     services = JobServices(pool=pool, backend_wait_s=settings.backend_wait_s,
                            sandbox_opener=sandbox_opener(runtime, settings.sandbox_image) if runtime is not None

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.plugin.registry import default_registry
-from prorl_server.tool_parser import PARSERS
+from prorl_server.turn import AUTO, check_parser_name
 
 
 class ServerSettings(BaseModel):
@@ -59,8 +59,9 @@ class ServerSettings(BaseModel):
                                           "job, unused this long, expires (its tokens stay for finalize)")
     gateway_keep_finished: int = Field(default=1024, ge=0, description="ended gateway sessions kept for "
                                        "finalize and GET /sessions/{id}")
-    gateway_tool_parser: str = Field(default="hermes", description="how the gateway parses tool calls out of "
-                                     "generated text (prorl_server.tool_parser.PARSERS)")
+    gateway_tool_parser: str = Field(default=AUTO, description="how the gateway parses tool calls out of "
+                                     "generated text: auto (the served model family's parser, from its chat "
+                                     "template) or a name of prorl_server.tool_parser.PARSERS")
     cpu_workers: Optional[int] = Field(default=None, ge=1, description="processes of the pool that runs "
                                        "CPU-bound scoring off the event loop; default min(4, CPU count)")
     handlers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="each handler's own "
@@ -74,9 +75,7 @@ class ServerSettings(BaseModel):
     @field_validator("gateway_tool_parser")
     @classmethod
     def _known_parser(cls, v: str) -> str:
-        if v not in PARSERS:
-            raise ValueError(f"unknown tool parser {v!r}; registered: {sorted(PARSERS)}")
-        return v
+        return check_parser_name(v)
 
     @field_validator("log_level", mode="before")
     @classmethod

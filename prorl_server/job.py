@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
-from prorl_server.types import CriticalError, JobResult, JobState, Timing, Trajectory
+from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
 
 if TYPE_CHECKING:
     from prorl_server.plugin.handler import AgentHandler
@@ -143,6 +143,8 @@ class Job:
         self.failure_kind: Optional[str] = None
         self.messages: list[dict[str, Any]] = []
         self.trajectories: list[Trajectory] = []
+        # the drift report of the job's conversations, summed (AgentResult.apply_to, a gateway session's end)
+        self.token_stats: Optional[TokenStats] = None
         self.extra: dict[str, Any] = {}
 
         # pipeline-owned outcome
@@ -301,5 +303,5 @@ class Job:
             filter=bool(self.filter) or self.failure_kind is not None, failure_kind=self.failure_kind,
             messages=self.messages, trajectories=self.trajectories,
             timing=self.timing, backend=self._backend_address, weight_version=self._weight_version,
-            extra=self.extra,
+            token_stats=self.token_stats, extra=self.extra,
         )

@@ -1,12 +1,20 @@
 """Prometheus metrics of one server (prometheus-client, one registry per app: no process globals)."""
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+import re
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from prorl_server.types import TokenStats
+
+#: What a split reason code or a family label may look like; anything else is counted as ``other`` (label
+#: values stay a small fixed set: the codes and families are the server's own names).
+_LABEL = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -87,6 +95,17 @@ class Metrics:
                                                  1, 2.5, 5, 10), registry=r)
         self.event_loop_lag_max = Gauge("prorl_event_loop_lag_max_seconds",
                                         "Largest event-loop lag of the last 10 s", registry=r)
+        self.trajectory_splits = Counter("prorl_trajectory_splits_total", "Trajectories split, by reason code "
+                                         "(template_drops_generated_text, template_not_append_only: the chat "
+                                         "template rewrote history; message_changed, history_truncated, "
+                                         "tools_changed, unanswered_messages: a gateway agent's request did not "
+                                         "extend the served history) and model family, counted when a job "
+                                         "or a job-less gateway session ends", ["reason", "family"], registry=r)
+        self.turns = Counter("prorl_turns_total", "Generated turns of finished jobs and gateway sessions, by model "
+                             "family", ["family"], registry=r)
+        self.continued_turns = Counter("prorl_continued_turns_total", "Generated turns the chat template would "
+                                       "render differently (reformatting only), kept as generated, by model "
+                                       "family", ["family"], registry=r)
         self.cpu_tasks = Counter("prorl_cpu_tasks_total", "Calls run in the CPU process pool (scoring), by "
                                  "outcome: ok, error (the function raised), timeout (worker killed), crashed",
                                  ["outcome"], registry=r)
@@ -121,8 +140,25 @@ class Metrics:
         already registered."""
         self.registry.register(_Counts(families, read))
 
+    def count_token_stats(self, stats: "TokenStats") -> None:
+        """Add one finished rollout's drift report (a job's, or a gateway session's without a job) to
+        ``prorl_turns_total``, ``prorl_continued_turns_total`` and ``prorl_trajectory_splits_total``. A reason
+        code or family that is not a plain lower-case name is counted as ``other``."""
+        family = _label(stats.family or "unknown")
+        if stats.turns:
+            self.turns.labels(family).inc(stats.turns)
+        if stats.continued:
+            self.continued_turns.labels(family).inc(stats.continued)
+        for code, n in stats.splits.items():
+            if n > 0:
+                self.trajectory_splits.labels(_label(code), family).inc(n)
+
     def affinity_decided(self, outcome: str) -> None:
         self.backend_affinity.labels(outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label(value: str) -> str:
+    return value if _LABEL.fullmatch(value) else "other"

@@ -397,6 +397,8 @@ class Pipeline:
         malformed = (job.extra.get("agent") or {}).get("malformed_tool_calls")  # see AgentResult.apply_to
         if malformed:
             self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)
+        if result.token_stats is not None:  # the drift report: splits by reason, turns, by model family
+            self.metrics.count_token_stats(result.token_stats)
         job.done.set_result(result)
         self._retain(job)
 

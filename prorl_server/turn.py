@@ -8,22 +8,112 @@ token-in/token-out through the shared :class:`~prorl_server.llm_client.LLMClient
 weight versions are its business), the generated tokens are appended as generated, and tool calls are parsed
 from the generated text (:mod:`prorl_server.tool_parser`). What the caller does with a turn (run tools, answer
 an HTTP request) is the caller's.
+
+The parser is named once per engine (``"auto"``: the one of the conversation's model family,
+:attr:`~prorl_server.chat_templates.FamilySpec.tool_parser`) and built per tokenizer, since vLLM's parsers need
+it: :func:`parser_for` builds each (name, tokenizer) pair once per process and keeps it; a vLLM-backed parser is
+built in a worker thread (its first build imports vLLM: seconds), never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from prorl_server.conversation import Conversation
+from prorl_server.conversation import ChatTokenizer, Conversation
 from prorl_server.llm_client import Backends, Completion, LLMClient, backend_source
-from prorl_server.tool_parser import ParsedTurn, ToolParser, get_parser
+from prorl_server.tool_parser import PARSERS, ParsedTurn, ToolParser, VllmToolParser, get_parser
 
 log = logging.getLogger(__name__)
 
 #: A tokenizer's ``model_max_length`` at or above this is transformers' "no limit" placeholder (1e30), not a
 #: context length.
 _NO_LIMIT = 10**8
+
+
+#: The parser setting that picks the model family's parser (:attr:`FamilySpec.tool_parser`).
+AUTO = "auto"
+
+
+class ToolParserUnavailableError(ValueError):
+    """The tool-call parser a conversation needs cannot be built: the family's parser is vLLM's and vLLM is
+    not installed, or vLLM's parser refuses the tokenizer (its vocabulary lacks the family's markers)."""
+
+
+def check_parser_name(name: str) -> str:
+    """``name`` if it is ``"auto"`` or a :data:`~prorl_server.tool_parser.PARSERS` name (cheap: vLLM is not
+    imported). Raises ValueError naming the registered ones."""
+    if name != AUTO and name not in PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}; registered: {sorted(PARSERS)}, or 'auto' (the model "
+                         f"family's)")
+    return name
+
+
+def parser_name_for(setting: str, tokenizer: Any) -> str:
+    """The parser name a setting means for ``tokenizer`` (a transformers tokenizer or a
+    :class:`~prorl_server.conversation.ChatTokenizer`): ``"auto"`` -> its family's
+    :attr:`~prorl_server.chat_templates.FamilySpec.tool_parser` (from the chat template), else ``setting``."""
+    if setting != AUTO:
+        return setting
+    tok = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
+    return tok.family.tool_parser
+
+
+#: Parsers of this package's own (no tokenizer, no vLLM): built inline.
+_OWN_PARSERS: frozenset[str] = frozenset(getattr(PARSERS, "own", ()))
+# tokenizer -> {parser name: parser}; weak, so a tokenizer the server drops takes its parsers with it.
+_PARSERS_BY_TOKENIZER: "weakref.WeakKeyDictionary[Any, dict[str, ToolParser]]" = weakref.WeakKeyDictionary()
+_BUILD_LOCK = threading.Lock()
+
+
+def _cached(name: str, tokenizer: Any) -> Optional[ToolParser]:
+    try:
+        return _PARSERS_BY_TOKENIZER.get(tokenizer, {}).get(name)
+    except TypeError:  # a tokenizer that cannot be weakly referenced: never cached
+        return None
+
+
+def _build(name: str, tokenizer: Any) -> ToolParser:
+    """Build (or find) the parser ``name`` for ``tokenizer``; runs in a worker thread for vLLM's parsers."""
+    with _BUILD_LOCK:  # two first turns at once build it once
+        parser = _cached(name, tokenizer)
+        if parser is not None:
+            return parser
+        if name not in PARSERS:
+            raise ToolParserUnavailableError(
+                f"tool parser {name!r} is not available (it is vLLM's and vLLM is not installed: install the "
+                f"llm extra, or set the tool parser to one that needs no vLLM, e.g. 'hermes')")
+        try:
+            parser = get_parser(name, tokenizer)
+        except ValueError as e:
+            raise ToolParserUnavailableError(str(e)) from e
+        try:
+            _PARSERS_BY_TOKENIZER.setdefault(tokenizer, {})[name] = parser
+        except TypeError:
+            pass
+        return parser
+
+
+async def parser_for(setting: "str | ToolParser", tokenizer: Any) -> ToolParser:
+    """The parser that ``setting`` (a name, ``"auto"``, or a parser, returned as is) means for ``tokenizer``,
+    built once per (name, tokenizer) and cached; vLLM's parsers are built in a worker thread.
+
+    Raises:
+        ToolParserUnavailableError: the parser needs vLLM and it is not installed, or refuses the tokenizer.
+    """
+    if not isinstance(setting, str):
+        return setting
+    tok = tokenizer.tokenizer if isinstance(tokenizer, ChatTokenizer) else tokenizer
+    name = parser_name_for(setting, tokenizer)
+    parser = _cached(name, tok)
+    if parser is not None:
+        return parser
+    if name in _OWN_PARSERS:
+        return _build(name, tok)  # hand-written (hermes): microseconds, no vLLM
+    return await asyncio.to_thread(_build, name, tok)
 
 
 class ContextUnknownError(ValueError):
@@ -77,12 +167,40 @@ class TurnEngine:
 
     Args:
         client: the shared token-in/token-out client.
-        parser: a :class:`~prorl_server.tool_parser.ToolParser` or its name (``"hermes"``).
+        parser: a :class:`~prorl_server.tool_parser.ToolParser`, or its name (``"hermes"``, ``"llama3_json"``,
+            ...) or ``"auto"`` (each conversation's model family's, :attr:`FamilySpec.tool_parser`): a name is
+            built for each conversation's tokenizer on its first parsed turn (:func:`parser_for`).
+
+    Raises:
+        ValueError: ``parser`` names no parser.
     """
 
-    def __init__(self, client: LLMClient, parser: "str | ToolParser" = "hermes") -> None:
+    def __init__(self, client: LLMClient, parser: "str | ToolParser" = AUTO) -> None:
         self.client = client
-        self.parser = get_parser(parser) if isinstance(parser, str) else parser
+        self.parser: "str | ToolParser" = check_parser_name(parser) if isinstance(parser, str) else parser
+
+    async def parser_for(self, conv: Conversation) -> ToolParser:
+        """The parser of ``conv``'s turns (see :func:`parser_for`).
+
+        Raises:
+            ToolParserUnavailableError: it needs vLLM and vLLM is not installed, or refuses the tokenizer.
+        """
+        return await parser_for(self.parser, conv.tok)
+
+    def parser_name(self, tokenizer: Any) -> str:
+        """The name of the parser this engine reads ``tokenizer``'s turns with (nothing is built): ``"auto"``
+        resolved to the family's (see :func:`parser_name_for`), a parser object's ``name``."""
+        p = self.parser
+        return parser_name_for(p, tokenizer) if isinstance(p, str) else getattr(p, "name", type(p).__name__)
+
+    async def parse(self, conv: Conversation, text: str) -> ParsedTurn:
+        """Tool calls in ``text``, a turn generated for ``conv`` (not necessarily appended to it), read by
+        :meth:`parser_for` ``conv``.
+
+        Raises:
+            ToolParserUnavailableError: as :meth:`parser_for`.
+        """
+        return _parse(await self.parser_for(conv), conv, text)
 
     async def served_max_len(self, backends: Backends) -> Optional[int]:
         """The ``max_model_len`` (tokens) the caller's backend reports, None when it does not answer (the
@@ -128,7 +246,9 @@ class TurnEngine:
             ContextFullError: no room is left for a generated token (nothing was sent).
             prorl_server.llm_client.LLMUnavailableError: no backend could generate the turn.
             prorl_server.llm_client.LLMRequestError: the backend refused the request (4xx).
+            ToolParserUnavailableError: ``parse`` and the parser cannot be built (checked before generating).
         """
+        parser = await self.parser_for(conv) if parse else None
         room = conv.room
         if room < 1:
             raise ContextFullError(conv.num_tokens)
@@ -138,4 +258,11 @@ class TurnEngine:
         if accept is not None:
             accept(comp)
         msg = conv.add_completion(comp)
-        return Turn(completion=comp, message=msg, parsed=self.parser.parse(msg["content"]) if parse else None)
+        return Turn(completion=comp, message=msg,
+                    parsed=_parse(parser, conv, msg["content"]) if parser is not None else None)
+
+
+def _parse(parser: ToolParser, conv: Conversation, text: str) -> ParsedTurn:
+    if isinstance(parser, VllmToolParser):  # some type arguments from the conversation's tool schemas
+        return parser.parse(text, tools=conv.tok.tools)
+    return parser.parse(text)

@@ -257,6 +257,39 @@ class Timing(BaseModel):
     timeout_triggered: bool = False
 
 
+class TokenStats(BaseModel):
+    """The drift report of one rollout: how true its token stream stayed to the model's chat template
+    (:meth:`prorl_server.conversation.Conversation.token_stats`, summed over a job's or a session's
+    conversations with ``+``).
+
+    ``family``: the chat-template family (``prorl_server.chat_templates.FAMILIES``; ``"mixed"`` when summed
+    stats disagree; null before any conversation). ``turns``: generated turns. ``splits``: trajectories
+    closed because the template rewrote history (``template_drops_generated_text``,
+    ``template_not_append_only``) or, in a gateway session, the agent's request did not extend the served
+    history (``message_changed``, ``history_truncated``, ``tools_changed``, ``unanswered_messages``), by
+    reason code (the ``split_reason`` text before ``":"``). ``continued``: turns the template would render
+    differently (reformatting only) that were kept as generated. ``rerendered_chars``: generated characters in
+    those turns. A healthy template shows ``splits == {}``.
+    """
+
+    family: Optional[str] = None
+    turns: int = Field(default=0, ge=0)
+    splits: dict[str, int] = Field(default_factory=dict)
+    continued: int = Field(default=0, ge=0)
+    rerendered_chars: int = Field(default=0, ge=0)
+
+    def __add__(self, other: "TokenStats") -> "TokenStats":
+        if not isinstance(other, TokenStats):
+            return NotImplemented
+        families = {f for f in (self.family, other.family) if f is not None}
+        splits = dict(self.splits)
+        for code, n in other.splits.items():
+            splits[code] = splits.get(code, 0) + n
+        return TokenStats(family=families.pop() if len(families) == 1 else ("mixed" if families else None),
+                          turns=self.turns + other.turns, splits=splits, continued=self.continued + other.continued,
+                          rerendered_chars=self.rerendered_chars + other.rerendered_chars)
+
+
 class JobResult(BaseModel):
     """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure).
 
@@ -266,6 +299,8 @@ class JobResult(BaseModel):
     for a normal outcome, including every model-caused one (a wrong answer, a bad tool call, its own command
     timing out). ``filter``: true whenever ``failure_kind`` is set (or the handler asked for it): the sample
     must not be trained on; a trainer regenerates it.
+    ``token_stats``: the drift report of the job's conversations (:class:`TokenStats`, summed when it had
+    several); null for a job that generated nothing through a conversation.
     """
 
     job_id: str
@@ -284,6 +319,7 @@ class JobResult(BaseModel):
     timing: Timing = Field(default_factory=Timing)
     backend: Optional[str] = None
     weight_version: Optional[int] = None
+    token_stats: Optional[TokenStats] = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -69,6 +69,10 @@ class FamilySpec:
         tool_role: the role tool observations are sent as (Gemma has no tool role: ``"user"``).
         rewrites_history: what the template rewrites (splits), for the README and reports; None: nothing.
         templates: bundled template files of this family (first: the default for test models).
+        tool_parser: the :mod:`prorl_server.tool_parser` name that reads this family's tool calls (what the
+            ``auto`` parser setting picks). Gemma 3 has no tool-call format of its own (its template renders
+            neither tools nor calls): ``hermes``, the format agents fine-tuned on it are usually taught, and
+            the one parser that needs no vLLM; ``generic`` (an unknown template) gets ``hermes`` too.
     """
 
     name: str
@@ -80,6 +84,7 @@ class FamilySpec:
     tool_role: str = "tool"
     rewrites_history: Optional[str] = None
     templates: tuple[str, ...] = field(default_factory=tuple)
+    tool_parser: str = "hermes"
 
 
 _CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -95,13 +100,13 @@ FAMILIES: dict[str, FamilySpec] = {
                          markers=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                   "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
                          extra_stop=("<|eom_id|>", "<|end_of_text|>"),
-                         templates=("llama3_1.jinja", "llama3_2.jinja")),
+                         templates=("llama3_1.jinja", "llama3_2.jinja"), tool_parser="llama3_json"),
     "mistral": FamilySpec("mistral", "default", eos="</s>", bos="<s>",
                           markers=("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CONTENT]", "[TOOL_CALLS]",
                                    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
                           rewrites_history="moves [AVAILABLE_TOOLS] before the last user message",
-                          templates=("mistral_v7_tekken.jinja", "mistral_v3_tekken.jinja")),
+                          templates=("mistral_v7_tekken.jinja", "mistral_v3_tekken.jinja"), tool_parser="mistral"),
     "gemma": FamilySpec("gemma", "default", eos="<end_of_turn>", bos="<bos>",
                         markers=("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), extra_stop=("<eos>",),
                         tool_role="user", templates=("gemma3.jinja",)),
@@ -113,7 +118,7 @@ FAMILIES: dict[str, FamilySpec] = {
                                     "<think>", "</think>"),
                            rewrites_history="drops reasoning (text up to </think>) of an assistant turn that "
                                             "follows a user message",
-                           templates=("deepseekv3.jinja",)),
+                           templates=("deepseekv3.jinja",), tool_parser="deepseek_v3"),
     "generic": FamilySpec("generic", "default", eos=""),
 }
 

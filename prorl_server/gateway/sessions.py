@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from aiohttp import web
 
@@ -34,7 +34,7 @@ from prorl_server.gateway.routes import agent_app
 from prorl_server.llm_client import (BackendSource, Completion, LLMRequestError, LLMUnavailableError, ModelInfo,
                                      PoolBackends)
 from prorl_server.tool_parser import ParsedTurn
-from prorl_server.turn import AUTO, ContextFullError, ContextUnknownError, TurnEngine
+from prorl_server.turn import AUTO, ContextFullError, ContextUnknownError, ToolParserUnavailableError, TurnEngine
 from prorl_server.types import TokenStats, Trajectory
 
 if TYPE_CHECKING:
@@ -402,6 +402,8 @@ class Gateway:
                 raise GatewayError(503, str(e), "backend_unavailable", type_="server_error") from None
             except LLMRequestError as e:
                 raise GatewayError(400, f"the backend refused the request: {e}", "backend_rejected") from None
+            except ToolParserUnavailableError as e:
+                raise GatewayError(500, str(e), "tool_parser_unavailable", type_="server_error") from None
             finally:
                 if not s.is_open and s.backend_key is not None:  # ended meanwhile: a retry may have re-acquired
                     self.pool.release(s.backend_key)
