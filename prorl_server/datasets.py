@@ -2,7 +2,7 @@
 to a JSONL file with one instance (a JSON object with ``data_source``) per line.
 
 Named datasets are plugins, like handlers: a Python entry point in the group ``prorl_server.datasets``
-(``humaneval = handlers.code.data:load_dataset``) names a loader, called as
+(``my_data = my_package.data:load_dataset``; the shipped ones are in setup.cfg) names a loader, called as
 ``fn(arg, limit=..., seed=...) -> list[dict]`` with ``arg`` the part of the spec after ``:`` (or None). A
 loader raises :class:`DatasetError` for an argument it cannot load. Naming a problem by ``instance_id`` alone
 in a request is the handler's business (``AgentHandler.instance_by_id``), not this module's.
