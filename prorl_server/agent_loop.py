@@ -221,7 +221,7 @@ class AgentLoop:
                                   tools=self.schemas, chat_template_kwargs=cfg.chat_template_kwargs,
                                   window=cfg.window)
         parser = await engine.parser_for(conv)  # built once per tokenizer: the first job's may import vLLM
-        hint = _CALL_FORMAT.get(parser.name.removeprefix("vllm:"), "")
+        hint = _CALL_FORMAT.get(str(getattr(parser, "name", "")).removeprefix("vllm:"), "")
         finish_reason = "max_turns"
         answer: Optional[dict] = None
         backend_address: Optional[str] = None
