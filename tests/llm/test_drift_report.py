@@ -198,6 +198,46 @@ async def test_a_session_reports_its_drift_and_a_job_less_session_is_counted_whe
     assert samples(await (await client.get("/metrics")).text(), "prorl_turns") == {("chatml",): 3.0}
 
 
+class GatewayAgent(AgentHandler):
+    """A handler whose agent talks to a gateway session bound to its job (as ``cli_agent``'s does): two
+    requests, the second resending the first answer changed (a split)."""
+
+    name = "gateway_agent"
+
+    async def run(self, job) -> None:
+        from prorl_server.gateway.protocol import parse_chat_request
+
+        gw = job.services.gateway
+        s = gw.create_session(job=job)
+        start = [{"role": "user", "content": "Hi."}]
+        answer, _ = await gw.chat(s, parse_chat_request({"messages": start}))
+        first = answer["choices"][0]["message"]["content"]
+        await gw.chat(s, parse_chat_request({"messages": start + [
+            {"role": "assistant", "content": first + "!"}, {"role": "user", "content": "Again."}]}))
+        gw.finalize(s)
+        job.trajectories = s.trajectories()
+
+    async def eval(self, job) -> None:
+        job.reward = 1.0
+
+
+async def test_a_jobs_gateway_session_reports_its_drift_in_the_job_result_counted_once(aiohttp_client,
+                                                                                      scripted_policy):
+    registry = HandlerRegistry()
+    registry.register(GatewayAgent)
+    backend = await scripted_policy(lambda prompt, turn: f"answer {turn}")
+    client = await aiohttp_client(create_app(ServerSettings(backends=[backend], health_interval_s=3600),
+                                             registry=registry))
+    r = await client.post("/process", json={"instance": {"data_source": "gateway_agent"}})
+    result = await r.json()
+    assert r.status == 200 and result["critical_error"] is None, result
+    assert result["token_stats"] == {"family": "chatml", "turns": 2, "splits": {"message_changed": 1},
+                                     "continued": 0, "rerendered_chars": 0}
+    text = await (await client.get("/metrics")).text()
+    assert samples(text, "prorl_trajectory_splits") == {("message_changed", "chatml"): 1.0}  # with the job only
+    assert samples(text, "prorl_turns") == {("chatml",): 2.0}
+
+
 # ------------------------------------------------------------------------------------------ parser per family
 
 
