@@ -166,6 +166,9 @@ class AgentLoop:
         llm: the shared :class:`LLMClient`.
         tools: ``name -> (schema, async fn)``, see :data:`ToolSpec`.
         config: :class:`AgentConfig`.
+
+    Raises:
+        ValueError: ``config.parser`` names no parser.
     """
 
     def __init__(self, tokenizer: Any, llm: LLMClient, tools: Optional[Mapping[str, ToolSpec]] = None,
@@ -200,6 +203,8 @@ class AgentLoop:
             ContextLengthError: the initial prompt does not fit.
             prorl_server.turn.ContextUnknownError: no context length is known (set
                 ``AgentConfig.max_context_tokens``).
+            prorl_server.turn.ToolParserUnavailableError: the parser (the family's, with ``"auto"``) is vLLM's
+                and vLLM is not installed, or it refuses the tokenizer.
             sandbox.errors.SandboxError: a tool's sandbox failed (not a ``ToolError``), or a tool gave no
                 answer within ``tool_timeout_s`` (``ToolTimeout``); InfrastructureError: a tool raised one.
                 The rollout is not returned: it must not be trained on.
