@@ -328,20 +328,25 @@ async def test_the_hermes_setting_still_reads_hermes_for_any_family(family_model
 
 @pytest.mark.real
 async def test_a_llama_family_rollout_on_vllm_has_no_split_in_its_result_and_on_metrics(family_model_dir,
-                                                                                       aiohttp_client):
+                                                                                       aiohttp_client, monkeypatch):
     """A Llama 3.1 family model served by vLLM CPU runs the agent loop (the echo tool offered, the ``auto``
     parser: vLLM's llama3_json) through ``/process``: the result's drift report shows every turn and no split,
     and ``/metrics`` counts the turns under the family."""
     pytest.importorskip("vllm")
     from transformers import AutoTokenizer
 
+    import weakref
+
+    import prorl_server.turn as turn_mod
     from prorl_server.vllm_launcher import start_vllm
 
+    monkeypatch.setattr(turn_mod, "_PARSERS_BY_TOKENIZER", weakref.WeakKeyDictionary())  # this test's builds only
     model_dir = family_model_dir("llama3_1")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    # the random model writes ordinary tokens and its end of turn only (a template marker mid-turn is noise)
+    # The random model writes 20 ordinary tokens and its end of turn only (a template marker mid-turn is noise):
+    # each turn ends by itself well within 200 tokens (a turn cut by max_tokens without a call ends the loop).
     added = set(tok.get_added_vocab().values())
-    allowed = [i for i in range(len(tok)) if i not in added] + [tok.convert_tokens_to_ids("<|eot_id|>")]
+    allowed = [i for i in range(len(tok)) if i not in added][200:220] + [tok.convert_tokens_to_ids("<|eot_id|>")]
     vllm = start_vllm(model_dir, max_model_len=2048, max_num_batched_tokens=2048, timeout_s=300,
                       log_path=ROOT / ".cache" / "logs" / f"vllm-drift-llama3_1-{os.getpid()}.log")
     try:
@@ -352,13 +357,15 @@ async def test_a_llama_family_rollout_on_vllm_has_no_split_in_its_result_and_on_
         t0 = time.monotonic()
         r = await client.post("/process", json={
             "instance": {"data_source": "echo_agent", "max_turns": 4},
-            "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": 7, "allowed_token_ids": allowed}})
+            "sampling_params": {"max_tokens": 200, "temperature": 1.0, "seed": 7, "allowed_token_ids": allowed}})
         result = await r.json()
         assert r.status == 200 and result["critical_error"] is None, result
         (traj,) = result["trajectories"]
         stats = result["token_stats"]
         print(f"\ndrift llama3_1 {stats} rollout_s={time.monotonic() - t0:.1f}")
         assert stats["family"] == "llama3" and stats["splits"] == {} and stats["turns"] == traj["num_turns"] == 4
+        # the turns were read by vLLM's llama3_json parser, built for the served tokenizer
+        assert [sorted(d) for d in turn_mod._PARSERS_BY_TOKENIZER.values()] == [["llama3_json"]]
         text = await (await client.get("/metrics")).text()
         assert samples(text, "prorl_turns") == {("llama3",): 4.0}
         assert samples(text, "prorl_trajectory_splits") == {}
