@@ -39,6 +39,19 @@ _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 CONSTRAINED_TOOL_FORMATS: dict[str, tuple[str, str, str]] = {
     "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
 }
+#: Most consecutive whitespace characters between the tokens of constrained JSON (a response format, a forced
+#: tool call's object): room for pretty-printing, but a weak policy cannot spend its whole budget on
+#: whitespace, which vLLM's plain ``json`` constraint lets it do.
+JSON_MAX_WHITESPACE = 16
+
+
+def _structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:
+    """vLLM ``structured_outputs`` holding an xgrammar structural tag whose ``format`` is ``fmt``."""
+    return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
+
+
+def _json_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -136,7 +149,8 @@ class ChatRequest:
     generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; with
     ``logprobs``). ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool,
     named). ``response_format``: the structured-output constraint it asks for in vLLM's
-    ``structured_outputs`` form (``{"json": schema}`` or ``{"json_object": True}``), None for text.
+    ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
+    ``json_object``, with whitespace runs of at most :data:`JSON_MAX_WHITESPACE`), None for text.
     ``logit_bias``: token id -> bias in [-100, 100] (ids checked against the vocabulary by the session,
     :func:`check_logit_bias`). ``chat_template_kwargs``: extra variables of the chat template render
     (``reasoning_effort`` lands here as ``reasoning_effort``).
@@ -186,10 +200,9 @@ class ChatRequest:
             options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
                             "required": ["name", args_key], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-            {"type": "const_string", "value": before}, {"type": "json_schema", "json_schema": schema},
-            {"type": "const_string", "value": after}]}}
-        return {"structural_tag": json.dumps(tag)}
+        return _structural_tag({"type": "sequence", "elements": [
+            {"type": "const_string", "value": before}, _json_format(schema),
+            {"type": "const_string", "value": after}]})
 
 
 def check_logit_bias(bias: Optional[dict[int, float]], vocab_size: int) -> Optional[dict[str, float]]:
@@ -223,13 +236,13 @@ def _response_format(rf: Any) -> Optional[dict[str, Any]]:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"json_object": True}
+        return _structural_tag(_json_format({"type": "object"}))
     if kind == "json_schema":
         js = rf.get("json_schema")
         schema = js.get("schema") if isinstance(js, dict) else None
         if not isinstance(schema, dict):
             raise _bad("response_format", 'json_schema needs {"json_schema": {"name", "schema": {...}}}')
-        return {"json": schema}
+        return _structural_tag(_json_format(schema))
     raise GatewayError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
                        "unsupported_parameter", "response_format")
 

@@ -84,6 +84,18 @@ def _decoded(conv: Conversation, comp: Completion) -> str:
     return tok.decode(ids)
 
 
+def _served_text(text: str, comp: Completion, tok: Any) -> str:
+    """``text`` as the agent is answered: without the special stop token the model ended with (an EOS or a
+    generation-config stop token such as ``<|endoftext|>`` where the template ends turns with ``<|im_end|>``),
+    as vLLM's own answers skip special tokens. The conversation keeps it, so the recorded tokens are still
+    exactly what was generated."""
+    if comp.finish_reason == "stop" and not isinstance(comp.stop_reason, str) and comp.token_ids:
+        last = tok.convert_ids_to_tokens(comp.token_ids[-1])
+        if text.endswith(last) and last in tok.all_special_tokens:
+            return text[:-len(last)]
+    return text
+
+
 # ------------------------------------------------------------------------------------------ sessions
 
 
@@ -392,9 +404,13 @@ class Gateway:
                 if req.n == 1:
                     turn = await self.engine.turn(conv, source, max_tokens=req.max_tokens, sampling_params=sampling,
                                                   parse=req.parse_tools, accept=still_open)
-                    generated = [(turn.completion, turn.message["content"], turn.parsed)]
+                    text = _served_text(turn.message["content"], turn.completion, tok)
+                    parsed = turn.parsed
+                    if parsed is not None and text != turn.message["content"]:
+                        parsed = await self.engine.parse(conv, text)
+                    generated = [(turn.completion, text, parsed)]
                 else:
-                    generated = await self._sample(conv, source, req, sampling)
+                    generated = await self._sample(conv, source, req, sampling, tok)
                     still_open()
             except ContextFullError as e:
                 raise GatewayError(400, str(e), "context_length_exceeded") from None
@@ -456,10 +472,10 @@ class Gateway:
             sampling["top_logprobs"] = req.top_logprobs
         return sampling
 
-    async def _sample(self, conv: Conversation, source: BackendSource, req: ChatRequest,
-                      sampling: dict[str, Any]) -> list[tuple[Completion, str, Optional[ParsedTurn]]]:
+    async def _sample(self, conv: Conversation, source: BackendSource, req: ChatRequest, sampling: dict[str, Any],
+                      tok: Any) -> list[tuple[Completion, str, Optional[ParsedTurn]]]:
         """``req.n`` completions of ``conv``'s prompt, none appended: ``(completion, text, parsed calls)`` per
-        choice (``text`` as :meth:`Conversation.add_completion` would decode it).
+        choice (``text`` as :meth:`Conversation.add_completion` would decode it, then :func:`_served_text`).
 
         Raises:
             ContextFullError, LLMUnavailableError, LLMRequestError: as :meth:`TurnEngine.turn`.
@@ -481,7 +497,7 @@ class Gateway:
                 raise r
         out = []
         for comp in results:
-            text = _decoded(conv, comp)
+            text = _served_text(_decoded(conv, comp), comp, tok)
             out.append((comp, text, await self.engine.parse(conv, text) if req.parse_tools else None))
         return out
 

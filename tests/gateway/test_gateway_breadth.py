@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from prorl_server.gateway import GATEWAY
+from prorl_server.gateway.protocol import JSON_MAX_WHITESPACE
 from prorl_server.types import Trajectory
 
 AUTH = {"Authorization": "Bearer server-secret"}
@@ -100,7 +101,17 @@ def structural_tag_schema(body):
     """The JSON schema inside the hermes structural tag the gateway sent, and the text around it."""
     tag = json.loads(body["structured_outputs"]["structural_tag"])
     before, schema, after = tag["format"]["elements"]
+    assert schema["max_whitespace_cnt"] == JSON_MAX_WHITESPACE
     return before["value"], schema["json_schema"], after["value"]
+
+
+def structural_tag_json(body):
+    """The schema of the structural tag of one JSON value the gateway sent (None: no constraint)."""
+    if "structured_outputs" not in body:
+        return None
+    fmt = json.loads(body["structured_outputs"]["structural_tag"])["format"]
+    assert fmt["type"] == "json_schema" and fmt["max_whitespace_cnt"] == JSON_MAX_WHITESPACE
+    return fmt["json_schema"]
 
 
 async def test_forced_tool_calls_become_a_structural_tag_of_the_hermes_call_format(
@@ -151,8 +162,8 @@ async def test_a_parser_without_a_constrainable_format_refuses_forced_calls_with
 
 @pytest.mark.parametrize("fmt, expected", [
     ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
-        "n": {"type": "integer"}}}}}, {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}),
-    ({"type": "json_object"}, {"json_object": True}),
+        "n": {"type": "integer"}}}}}, {"type": "object", "properties": {"n": {"type": "integer"}}}),
+    ({"type": "json_object"}, {"type": "object"}),
     ({"type": "text"}, None),
 ])
 async def test_response_format_becomes_vllm_structured_outputs(fmt, expected, gateway_server, open_session,
@@ -161,7 +172,7 @@ async def test_response_format_becomes_vllm_structured_outputs(fmt, expected, ga
     s, sdk = await open_session(client)
     r = await sdk.chat.completions.create(model="m", messages=START, response_format=fmt)
     assert r.choices[0].message.content == '{"n": 1}'
-    assert recording_vllm.bodies[-1].get("structured_outputs") == expected
+    assert structural_tag_json(recording_vllm.bodies[-1]) == expected
 
 
 async def test_logit_bias_and_top_logprobs_reach_vllm_and_come_back_in_the_openai_shape(
