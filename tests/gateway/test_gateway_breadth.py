@@ -39,11 +39,12 @@ def recording_vllm(aiohttp_server, tokenizer, tiny_model_dir, tmp_path):
     its first string: ``stop_reason`` names it, as vLLM does), with ``top_logprobs`` in vLLM's
     ``token_id:N`` form when ``logprobs`` > 0. ``.returned``: ``(token_ids, logprobs)`` per answer.
 
-    ``async (text, template=None) -> base URL``; ``template``: the served model's chat template (a copy of the
-    tiny model's tokenizer with it), default the tiny model's own."""
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    async def start(text, template=None) -> str:
+    ``async (text, template=None, end="<|im_end|>") -> base URL``; ``template``: the served model's chat
+    template (a copy of the tiny model's tokenizer with it), default the tiny model's own; ``end``: the stop
+    token (another than ``<|im_end|>`` is reported as vLLM reports a generation-config stop token: its id in
+    ``stop_reason``)."""
+    async def start(text, template=None, end="<|im_end|>") -> str:
+        end_id = tokenizer.convert_tokens_to_ids(end)
         model = str(tiny_model_dir)
         if template is not None:
             from transformers import AutoTokenizer
@@ -65,6 +66,7 @@ def recording_vllm(aiohttp_server, tokenizer, tiny_model_dir, tmp_path):
                 stop_reason = body["stop"][0]
             else:
                 ids = ids + [end_id]
+                stop_reason = None if end == "<|im_end|>" else end_id
             lps = [-0.5 - 0.01 * k for k in range(len(ids))]
             start.returned.append((ids, lps))
             logprobs = {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": lps}
@@ -281,3 +283,19 @@ async def test_vllms_stop_reason_is_in_the_choice_and_the_anthropic_stop_sequenc
         m = await claude.messages.create(model="m", max_tokens=32, stop_sequences=["END"],
                                          messages=[{"role": "user", "content": "hi"}])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "END"
+
+
+async def test_a_special_stop_token_is_kept_in_the_tokens_and_left_out_of_the_answer(
+        gateway_server, open_session, recording_vllm, tokenizer):
+    client, app = await gateway_server([await recording_vllm(lambda b: '{"a": 1}', end="<|endoftext|>")])
+    s, sdk = await open_session(client)
+    r = await sdk.chat.completions.create(model="m", messages=START, response_format={"type": "json_object"})
+    assert r.choices[0].message.content == '{"a": 1}'  # what a JSON client parses
+    messages = START + [r.choices[0].message, {"role": "user", "content": "and?"}]
+    await sdk.chat.completions.create(model="m", messages=messages)
+    result = await finalize(client, s["session_id"])
+    assert len(result["trajectories"]) == 1 and result["split_reasons"] == []  # the resent answer is the same
+    traj = Trajectory(**result["trajectories"][0])
+    first = recording_vllm.returned[0][0]
+    assert first[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert traj.response_ids[:len(first)] == first
