@@ -146,8 +146,8 @@ class ChatRequest:
     """A validated ``/chat/completions`` body.
 
     ``sampling``: what is passed to vLLM as given (OpenAI sampling names, ``stop``). ``n``: choices to
-    generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; with
-    ``logprobs``). ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool,
+    generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; only
+    answered with ``logprobs``, which the Responses route does not send: there it changes nothing). ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool,
     named). ``response_format``: the structured-output constraint it asks for in vLLM's
     ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
     ``json_object``, with whitespace runs of at most :data:`JSON_MAX_WHITESPACE`), None for text.
@@ -292,8 +292,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     top = body.get("top_logprobs") or 0
     if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _bad("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
-    if top and not body.get("logprobs"):
-        raise _bad("top_logprobs", "needs logprobs=true")
     response_format = _response_format(body.get("response_format"))
     tools = body.get("tools")
     if tools is not None:

@@ -299,3 +299,12 @@ async def test_a_special_stop_token_is_kept_in_the_tokens_and_left_out_of_the_an
     first = recording_vllm.returned[0][0]
     assert first[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert traj.response_ids[:len(first)] == first
+
+
+async def test_top_logprobs_without_logprobs_asks_nothing_more_of_vllm(gateway_server, open_session, recording_vllm):
+    """The Responses route passes ``top_logprobs`` on without Chat's ``logprobs`` flag: accepted, nothing more
+    is asked of the backend (its answers carry no logprobs)."""
+    client, app = await gateway_server([await recording_vllm(lambda b: "ok")])
+    s, sdk = await open_session(client)
+    r = await sdk.responses.create(model="m", input="hi", top_logprobs=3, store=False)
+    assert r.output_text == "ok" and recording_vllm.bodies[-1]["logprobs"] == 0
