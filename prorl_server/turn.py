@@ -77,8 +77,8 @@ def _cached(name: str, tokenizer: Any) -> Optional[ToolParser]:
 
 
 def _build(name: str, tokenizer: Any) -> ToolParser:
-    """Build (or find) the parser ``name`` for ``tokenizer``; runs in a worker thread for vLLM's parsers."""
-    with _BUILD_LOCK:  # two first turns at once build it once
+    """Build (or find) vLLM's parser ``name`` for ``tokenizer``, in a worker thread."""
+    with _BUILD_LOCK:  # two first turns at once build it once (and import vLLM once)
         parser = _cached(name, tokenizer)
         if parser is not None:
             return parser
@@ -90,11 +90,15 @@ def _build(name: str, tokenizer: Any) -> ToolParser:
             parser = get_parser(name, tokenizer)
         except ValueError as e:
             raise ToolParserUnavailableError(str(e)) from e
-        try:
-            _PARSERS_BY_TOKENIZER.setdefault(tokenizer, {})[name] = parser
-        except TypeError:
-            pass
+        _keep(name, tokenizer, parser)
         return parser
+
+
+def _keep(name: str, tokenizer: Any, parser: ToolParser) -> None:
+    try:
+        _PARSERS_BY_TOKENIZER.setdefault(tokenizer, {})[name] = parser
+    except TypeError:  # a tokenizer that cannot be weakly referenced: never cached
+        pass
 
 
 async def parser_for(setting: "str | ToolParser", tokenizer: Any) -> ToolParser:
@@ -111,8 +115,10 @@ async def parser_for(setting: "str | ToolParser", tokenizer: Any) -> ToolParser:
     parser = _cached(name, tok)
     if parser is not None:
         return parser
-    if name in _OWN_PARSERS:
-        return _build(name, tok)  # hand-written (hermes): microseconds, no vLLM
+    if name in _OWN_PARSERS:  # hand-written (hermes): microseconds, no vLLM, no lock (a vLLM build may hold it)
+        parser = get_parser(name)
+        _keep(name, tok, parser)
+        return parser
     return await asyncio.to_thread(_build, name, tok)
 
 
