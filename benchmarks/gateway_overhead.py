@@ -31,7 +31,11 @@ Per request:
 - ``server_cpu_ms_per_request``: the rollout server process's CPU time (user + system) per gateway request.
 
 Scenarios: 1 session (8 turns, 4 sessions one after another), 32 concurrent sessions (8 turns), 1 session with
-64 turns.
+64 turns; then the same 1-session scenario with the agent on the gateway's Anthropic Messages route
+(``POST {base}/v1/messages``) and on its OpenAI Responses route (``POST {base}/v1/responses``), each paired with
+the same conversation sent to vLLM's ``/v1/chat/completions``. Those two APIs have no ``seed`` nor
+``min_tokens``, so neither side of their pairs has them: a pair counts only when both sides generated the same
+number of tokens (``pairs_dropped`` says how many did not).
 
     python benchmarks/gateway_overhead.py [--address http://127.0.0.1:PORT] [--model-dir DIR]
         [--event-loop auto|uvloop|asyncio]
@@ -41,7 +45,7 @@ carry ``tools``.)
 
 Without ``--address`` it builds the tiny model (``.cache/tiny-model``) and starts its own vLLM server.
 The last line printed is one JSON object with ``added_p50_ms_c1``, ``added_p50_ms_c32``,
-``added_p50_ms_64turns`` (and p99s, ``outside_backend`` and ``inside`` p50s, the direct and gateway p50s
+``added_p50_ms_64turns``, ``added_p50_ms_messages``, ``added_p50_ms_responses`` (and p99s, ``outside_backend`` and ``inside`` p50s, the direct and gateway p50s
 of each scenario, ``logprobs_cost_p50_ms_c1``, and ``direct_reconnects``: direct requests sent again because
 vLLM closed this client's idle keep-alive connection as they went out, a race of the client's connection pool
 on a loaded machine; the gateway's own client to vLLM does the same).
@@ -77,6 +81,32 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a
                                                           "properties": {"cmd": {"type": "string"}}}}}]
 
 
+def api_request(api: str, base_url: str, messages: list[dict], gen: int) -> tuple[str, dict[str, Any]]:
+    """(URL, body) of the gateway request of ``api`` (``messages`` or ``responses``) carrying the Chat
+    Completions ``messages`` (a system message, then user / plain assistant turns) and :data:`TOOLS`."""
+    system, rest = messages[0]["content"], messages[1:]
+    fn = TOOLS[0]["function"]
+    if api == "messages":
+        return f"{base_url}/messages", {
+            "model": "m", "system": system, "messages": rest, "max_tokens": gen, "temperature": 1.0,
+            "tools": [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]}
+    items = [{"role": m["role"], "content": m["content"]} for m in rest]
+    return f"{base_url}/responses", {
+        "model": "m", "instructions": system, "input": items, "max_output_tokens": gen, "temperature": 1.0,
+        "store": False, "tools": [{"type": "function", **fn}]}
+
+
+def api_answer(api: str, data: dict[str, Any]) -> tuple[str, int]:
+    """(the assistant's text, generated tokens) of a ``chat``, ``messages`` or ``responses`` answer."""
+    if api == "chat":
+        return data["choices"][0]["message"]["content"] or "", data["usage"]["completion_tokens"]
+    if api == "messages":
+        text = "".join(b["text"] for b in data["content"] if b["type"] == "text")
+        return text, data["usage"]["output_tokens"]
+    text = "".join(c["text"] for o in data["output"] if o["type"] == "message" for c in o["content"])
+    return text, data["usage"]["output_tokens"]
+
+
 
 def server_timing(header: str) -> dict[str, float]:
     """``Server-Timing`` (W3C) → ``{name: seconds}``."""
@@ -88,18 +118,24 @@ def server_timing(header: str) -> dict[str, float]:
 
 
 async def agent(http: aiohttp.ClientSession, server: str, vllm: str, model: str, turns: int, gen: int,
-                seed: int, out: dict[str, list[float]], without_logprobs: bool, barrier: asyncio.Barrier) -> None:
+                seed: int, out: dict[str, list[float]], without_logprobs: bool, barrier: asyncio.Barrier,
+                api: str = "chat") -> None:
     """One agent's conversation. Every turn, all agents of the scenario start together (``barrier``) and each
     sends its messages direct and through the gateway at the same moment: the pair lands in the same vLLM
-    batch, so the engine's step-to-step variance cancels out of their difference."""
+    batch, so the engine's step-to-step variance cancels out of their difference. ``api``: the gateway route
+    the agent uses (``chat``, ``messages``, ``responses``)."""
     async with http.post(f"{server}/sessions", json={}) as r:
         s = await r.json()
 
     messages = [{"role": "system", "content": "You are a coding agent."},
                 {"role": "user", "content": f"Fix the bug in file_{seed}.py."}]
     sp = {"max_tokens": gen, "min_tokens": gen, "temperature": 1.0}
+    if api != "chat":  # what the translated APIs can say
+        sp = {"max_tokens": gen, "temperature": 1.0}
     for turn in range(turns):
-        body = {"model": model, "messages": messages, "tools": TOOLS, "seed": seed * 1000 + turn, **sp}
+        body = {"model": model, "messages": messages, "tools": TOOLS, **sp}
+        if api == "chat":
+            body["seed"] = seed * 1000 + turn
         got: dict[str, Any] = {}
 
         async def direct(logprobs: bool = True, key: str = "direct") -> None:
@@ -118,14 +154,17 @@ async def agent(http: aiohttp.ClientSession, server: str, vllm: str, model: str,
                     out["direct_reconnects"].append(1.0)
             got[key] = time.perf_counter() - t0
             assert "choices" in data, data
+            got[key + "_data"] = data
 
         async def gateway() -> None:
+            url, req = (f"{s['base_url']}/chat/completions", body) if api == "chat" else \
+                api_request(api, s["base_url"], messages, gen)
             t0 = time.perf_counter()
-            async with http.post(f"{s['base_url']}/chat/completions", json=body) as r:
+            async with http.post(url, json=req) as r:
                 data = await r.json()
                 timing = server_timing(r.headers["Server-Timing"])
             got["gateway"] = time.perf_counter() - t0
-            assert "choices" in data, data
+            assert r.status == 200, data
             got["data"], got["timing"] = data, timing
 
         await barrier.wait()
@@ -140,12 +179,16 @@ async def agent(http: aiohttp.ClientSession, server: str, vllm: str, model: str,
             out["direct_nolp"].append(got["direct_nolp"])
             out["logprobs_cost"].append(got["direct_lp"] - got["direct_nolp"])
         g, d, timing = got["gateway"], got["direct"], got["timing"]
-        out["direct"].append(d)
-        out["gateway"].append(g)
-        out["added"].append(g - d)
-        out["outside_backend"].append(g - timing["backend"])
-        out["inside"].append(timing["gateway"])
-        msg = got["data"]["choices"][0]["message"]
+        text, generated = api_answer(api, got["data"])
+        if generated == got["direct_data"]["usage"]["completion_tokens"]:
+            out["direct"].append(d)
+            out["gateway"].append(g)
+            out["added"].append(g - d)
+            out["outside_backend"].append(g - timing["backend"])
+            out["inside"].append(timing["gateway"])
+        else:  # one side stopped early (no min_tokens on the translated APIs): not the same work
+            out["pairs_dropped"].append(1.0)
+        msg = got["data"]["choices"][0]["message"] if api == "chat" else {"role": "assistant", "content": text}
         messages = messages + [msg, {"role": "user", "content": f"Now run the tests ({turn})."}]
     async with http.post(f"{server}/sessions/{s['session_id']}/finalize") as r:
         result = await r.json()
@@ -153,17 +196,20 @@ async def agent(http: aiohttp.ClientSession, server: str, vllm: str, model: str,
 
 
 async def scenario(http, server, vllm, model, sessions: int, turns: int, gen: int, repeat: int = 1,
-                   without_logprobs: bool = False, server_proc: Optional[psutil.Process] = None) -> dict:
-    """``sessions`` concurrent agents of ``turns`` turns each, ``repeat`` times in a row."""
+                   without_logprobs: bool = False, server_proc: Optional[psutil.Process] = None,
+                   api: str = "chat") -> dict:
+    """``sessions`` concurrent agents of ``turns`` turns each, ``repeat`` times in a row, on route ``api``."""
     out: dict[str, list[float]] = {k: [] for k in ("direct", "direct_nolp", "logprobs_cost", "gateway", "added",
-                                                   "outside_backend", "inside", "direct_reconnects")}
+                                                   "outside_backend", "inside", "direct_reconnects",
+                                                   "pairs_dropped")}
     cpu0 = sum(server_proc.cpu_times()[:2]) if server_proc else 0.0
     for r in range(repeat):
         barrier = asyncio.Barrier(sessions)
         await asyncio.gather(*(agent(http, server, vllm, model, turns, gen, r * sessions + k, out, without_logprobs,
-                                     barrier) for k in range(sessions)))
+                                     barrier, api) for k in range(sessions)))
     ms = 1e3
-    row = {"sessions": sessions, "turns": turns, "requests": len(out["added"])}
+    row = {"api": api, "sessions": sessions, "turns": turns, "requests": len(out["added"]),
+           "pairs_dropped": len(out.pop("pairs_dropped"))}
     if server_proc:  # the rollout server's CPU time (user + system) per gateway request
         row["server_cpu_ms_per_request"] = (sum(server_proc.cpu_times()[:2]) - cpu0) / len(out["added"]) * ms
     row["direct_reconnects"] = len(out.pop("direct_reconnects"))
@@ -200,7 +246,9 @@ async def run(vllm: str, gen: int, event_loop: str) -> list[dict]:
             return [await scenario(http, server, vllm, model, 1, 8, gen, repeat=4, without_logprobs=True,
                                    server_proc=sp),
                     await scenario(http, server, vllm, model, 32, 8, gen, server_proc=sp),
-                    await scenario(http, server, vllm, model, 1, 64, gen, server_proc=sp)]
+                    await scenario(http, server, vllm, model, 1, 64, gen, server_proc=sp),
+                    await scenario(http, server, vllm, model, 1, 8, gen, repeat=4, server_proc=sp, api="messages"),
+                    await scenario(http, server, vllm, model, 1, 8, gen, repeat=4, server_proc=sp, api="responses")]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -220,20 +268,21 @@ def main() -> int:
                       extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as address:
         rows = asyncio.run(run(address, args.gen_tokens, args.event_loop))
 
-    cols = ["sessions", "turns", "requests", "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
+    cols = ["api", "sessions", "turns", "requests", "pairs_dropped", "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
             "added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "inside_p99_ms",
             "server_cpu_ms_per_request"]
     print_table(rows, cols)
-    c1, c32, t64 = rows
+    c1, c32, t64, messages, responses = rows
     lp_cost = c1["logprobs_cost_p50_ms"]
     print(f"vLLM's own cost of the logprobs the gateway records (direct alone with minus without, 1 session, p50): "
           f"{lp_cost:.2f} ms")
     summary = {}
-    for name, r in (("c1", c1), ("c32", c32), ("64turns", t64)):
+    for name, r in (("c1", c1), ("c32", c32), ("64turns", t64), ("messages", messages), ("responses", responses)):
         for k in ("added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "direct_p50_ms",
                   "gateway_p50_ms", "server_cpu_ms_per_request"):
             summary[f"{k}_{name}"] = round(r[k], 3)
     summary["direct_reconnects"] = sum(r["direct_reconnects"] for r in rows)
+    summary["pairs_dropped"] = sum(r["pairs_dropped"] for r in rows)
     summary["direct_nolp_p50_ms_c1"] = round(c1["direct_nolp_p50_ms"], 3)
     summary["logprobs_cost_p50_ms_c1"] = round(lp_cost, 3)
     print(json.dumps(summary))

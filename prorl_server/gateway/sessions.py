@@ -465,7 +465,8 @@ class Gateway:
         bias = check_logit_bias(req.logit_bias, len(tok))
         if bias:
             sampling["logit_bias"] = bias
-        constraint = req.structured_outputs(self.engine.parser_name(tok))
+        # the parser's name only matters to a forced tool call ("auto" reads the family from the template)
+        constraint = req.structured_outputs(self.engine.parser_name(tok) if req.tool_choice == "required" else "")
         if constraint is not None:
             sampling["structured_outputs"] = constraint
         if req.logprobs and req.top_logprobs:
