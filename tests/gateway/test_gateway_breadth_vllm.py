@@ -171,3 +171,21 @@ async def test_responses_forced_function_call_round_trip_and_structured_output(t
     result = await finalize(client, s["session_id"])
     assert len(result["trajectories"]) == 1
     assert_tokens_are_vllms(Trajectory(**result["trajectories"][0]), calls)
+
+
+async def test_a_stop_string_is_vllms_stop_reason_and_the_anthropic_stop_sequence(tap_llm, gateway_server,
+                                                                                   open_session, vllm_server):
+    client, app = await gateway_server([vllm_server.address])
+    calls = tap_llm(app[GATEWAY])
+    s, sdk = await open_session(client)
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model="m", messages=[SYSTEM, {"role": "user", "content": "Spell."}], max_tokens=300, seed=0, stop=["e"])
+    choice = json.loads(raw.text)["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "e") == \
+        (calls[-1][1].finish_reason, calls[-1][1].stop_reason)
+    s2, _ = await open_session(client)
+    async with anthropic.AsyncAnthropic(base_url=s2["base_url"].removesuffix("/v1"), api_key="x",
+                                        max_retries=0, timeout=120) as claude:
+        m = await claude.messages.create(model="m", max_tokens=300, stop_sequences=["e"],
+                                         messages=[{"role": "user", "content": "Spell."}])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "e")
