@@ -52,6 +52,8 @@ def _structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:
 
 def _json_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+
+
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -146,9 +148,9 @@ class ChatRequest:
     """A validated ``/chat/completions`` body.
 
     ``sampling``: what is passed to vLLM as given (OpenAI sampling names, ``stop``). ``n``: choices to
-    generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; only
-    answered with ``logprobs``, which the Responses route does not send: there it changes nothing). ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool,
-    named). ``response_format``: the structured-output constraint it asks for in vLLM's
+    generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; only answered
+    with ``logprobs``, which the Responses route does not send: there it changes nothing). ``tool_choice``:
+    ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool, named). ``response_format``: the structured-output constraint it asks for in vLLM's
     ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
     ``json_object``, with whitespace runs of at most :data:`JSON_MAX_WHITESPACE`), None for text.
     ``logit_bias``: token id -> bias in [-100, 100] (ids checked against the vocabulary by the session,
