@@ -268,7 +268,8 @@ def main() -> int:
                       extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as address:
         rows = asyncio.run(run(address, args.gen_tokens, args.event_loop))
 
-    cols = ["api", "sessions", "turns", "requests", "pairs_dropped", "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
+    cols = ["api", "sessions", "turns", "requests", "pairs_dropped",
+            "direct_p50_ms", "gateway_p50_ms", "direct_p99_ms", "gateway_p99_ms",
             "added_p50_ms", "added_p99_ms", "outside_backend_p50_ms", "inside_p50_ms", "inside_p99_ms",
             "server_cpu_ms_per_request"]
     print_table(rows, cols)

@@ -150,8 +150,8 @@ class ChatRequest:
     ``sampling``: what is passed to vLLM as given (OpenAI sampling names, ``stop``). ``n``: choices to
     generate (1..:data:`MAX_N`). ``top_logprobs``: alternatives per generated token (0..20; only answered
     with ``logprobs``, which the Responses route does not send: there it changes nothing). ``tool_choice``:
-    ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool, named). ``response_format``: the structured-output constraint it asks for in vLLM's
-    ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
+    ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool, named). ``response_format``: the
+    structured-output constraint it asks for in vLLM's ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
     ``json_object``, with whitespace runs of at most :data:`JSON_MAX_WHITESPACE`), None for text.
     ``logit_bias``: token id -> bias in [-100, 100] (ids checked against the vocabulary by the session,
     :func:`check_logit_bias`). ``chat_template_kwargs``: extra variables of the chat template render
