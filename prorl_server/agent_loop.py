@@ -142,7 +142,7 @@ class AgentResult:
         :attr:`token_stats` to the job's (a job that runs several conversations reports their sum)."""
         job.messages = self.messages
         job.trajectories = self.trajectories
-        job.token_stats = self.token_stats if job.token_stats is None else job.token_stats + self.token_stats
+        job.add_token_stats(self.token_stats)
         job.extra["agent"] = {"finish_reason": self.finish_reason, "num_turns": self.num_turns,
                               "answer": self.answer, "weight_versions": self.weight_versions, **self.metrics}
 

@@ -223,6 +223,11 @@ class Job:
         """:class:`~prorl_server.llm_client.BackendSource`: the same as :meth:`backend`."""
         return self.backend(exclude)
 
+    def add_token_stats(self, stats: TokenStats) -> None:
+        """Add one conversation's drift report (:class:`~prorl_server.types.TokenStats`) to the job's: a job
+        that runs several conversations (agent loops, gateway sessions) reports their sum."""
+        self.token_stats = stats if self.token_stats is None else self.token_stats + stats
+
     def record_turn(self, backend: str, weight_version: Optional[int]) -> None:
         """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
         client recorded for it): the result's ``backend`` / ``weight_version`` are those of the last turn."""

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.conversation import Conversation
 from prorl_server.plugin import AgentHandler
+from prorl_server.types import TokenStats
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -91,6 +92,7 @@ class ShoutHandler(AgentHandler):
         conv.finish(finish)
         job.messages = conv.messages
         job.trajectories = conv.trajectories()
+        job.add_token_stats(TokenStats(**conv.token_stats()))
         job.state["turns"] = conv.num_turns
         job.extra["shout"] = {"turns": conv.num_turns, "finish_reason": finish}
 

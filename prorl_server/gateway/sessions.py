@@ -286,7 +286,7 @@ class Gateway:
         else:  # the drift report goes with the tokens: into the job's result, or to on_token_stats
             stats = s.token_stats()
             if s.job is not None:
-                s.job.token_stats = stats if s.job.token_stats is None else s.job.token_stats + stats
+                s.job.add_token_stats(stats)
             elif self.on_token_stats is not None:
                 self.on_token_stats(stats)
         self.open.pop(s.session_id, None)

@@ -55,6 +55,7 @@ async def test_the_feedback_is_environment_tokens_outside_the_loss(shout_server,
     result = await run(client, {"data_source": "shout", "prompt": "Say something.", "feedback": "Again, louder."})
     (t,) = result["trajectories"]
     assert t["num_turns"] == 2
+    assert result["token_stats"]["turns"] == 2 and result["token_stats"]["splits"] == {}  # the drift report
     (turn1_ids, _), (turn2_ids, _) = scripted_policy.returned
     mask, ids = t["loss_mask"], t["response_ids"]
     n1, n2 = len(turn1_ids), len(turn2_ids)
