@@ -1,5 +1,5 @@
 """CPU-bound scoring off the event loop: the process pool, the event-loop lag monitor, and the built-in
-``arithmetic`` handler's bound on integer size (issue 14, item 4).
+``arithmetic`` handler's bound on integer size.
 
 Everything here is real: worker processes (forkserver), math-verify in them, the server and its /metrics.
 Functions sent to workers are stdlib ones (``os.getpid``, ``time.sleep``, ``os._exit``): a worker can only
