@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import AbstractSet, Generic, Iterator, Optional, Protocol, Sequence, TypeVar, Union, runtime_checkable
+from typing import AbstractSet, Any, Generic, Iterator, Optional, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 from trainer_plugins.servers import server_for_group
 
@@ -225,12 +225,17 @@ def as_server_chooser(spec: Union[str, ServerChooser]) -> ServerChooser:
     Raises:
         ValueError: an unknown name, or an object that is no :class:`ServerChooser`.
     """
+    return _configured(spec, SERVER_CHOOSERS, ServerChooser, "server_chooser")
+
+
+def _configured(spec: Any, table: dict[str, type], protocol: type, setting: str) -> Any:
+    """``table[spec]()`` for a name, ``spec`` itself for an instance of ``protocol``; ValueError otherwise."""
     if isinstance(spec, str):
-        if spec not in SERVER_CHOOSERS:
-            raise ValueError(f"server_chooser must be one of {sorted(SERVER_CHOOSERS)}, got {spec!r}")
-        return SERVER_CHOOSERS[spec]()
-    if not isinstance(spec, ServerChooser):
-        raise ValueError(f"server_chooser must be a name or a ServerChooser, got {spec!r}")
+        if spec not in table:
+            raise ValueError(f"{setting} must be one of {sorted(table)}, got {spec!r}")
+        return table[spec]()
+    if not isinstance(spec, protocol):
+        raise ValueError(f"{setting} must be a name or a {protocol.__name__}, got {spec!r}")
     return spec
 
 
@@ -289,10 +294,4 @@ def as_staleness_policy(spec: Union[str, StalenessPolicy]) -> StalenessPolicy:
     Raises:
         ValueError: an unknown name, or an object that is no :class:`StalenessPolicy`.
     """
-    if isinstance(spec, str):
-        if spec not in STALENESS_POLICIES:
-            raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {spec!r}")
-        return STALENESS_POLICIES[spec]()
-    if not isinstance(spec, StalenessPolicy):
-        raise ValueError(f"staleness_policy must be a name or a StalenessPolicy, got {spec!r}")
-    return spec
+    return _configured(spec, STALENESS_POLICIES, StalenessPolicy, "staleness_policy")
