@@ -244,6 +244,20 @@ class Trajectory(BaseModel):
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
 
+    def spans(self, generated: bool = True) -> list[tuple[int, list[int]]]:
+        """The runs of ``response_ids`` the model generated (``loss_mask`` 1; with ``generated=False``: the
+        runs it did not, i.e. observations and template text), as ``(offset in response_ids, token ids)``
+        in order: one generated span per turn."""
+        out: list[tuple[int, list[int]]] = []
+        want = 1 if generated else 0
+        for i, (t, m) in enumerate(zip(self.response_ids, self.loss_mask)):
+            if m == want:
+                if out and out[-1][0] + len(out[-1][1]) == i:
+                    out[-1][1].append(t)
+                else:
+                    out.append((i, [t]))
+        return out
+
 
 class Timing(BaseModel):
     """Per-phase wall time of a job, in seconds. ``counted_s`` = init + run + eval (what the timeout

@@ -64,14 +64,7 @@ def canonical(tok, messages, **kw) -> list[int]:
 
 
 def generated_spans(traj) -> list[list[int]]:
-    spans, cur = [], []
-    for t, m in zip(traj.response_ids, traj.loss_mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    return spans + ([cur] if cur else [])
+    return [ids for _, ids in traj.spans()]
 
 
 async def rollout(tok, turns: list[str], family: str, **kw) -> tuple[Conversation, list[Completion]]:
@@ -167,8 +160,7 @@ async def test_reformatted_turns_keep_their_tokens_in_one_trajectory(toks, templ
     gen_prompt = tok.apply_chat_template(START, tokenize=False, add_generation_prompt=True, **tkw)[
         len(tok.apply_chat_template(START, tokenize=False, add_generation_prompt=False, **tkw)):]
     rest = {"<|im_end|>": "\n", "<end_of_turn>": "\n"}.get(tok.eos_token, "")
-    runs = generated_spans(type(traj)(prompt_ids=[], response_ids=traj.response_ids, response_logprobs=[],
-                                      loss_mask=[1 - m for m in traj.loss_mask]))
+    runs = [ids for _, ids in traj.spans(generated=False)]
     assert len(runs) == 8
     for i, run in enumerate(runs):
         text = tok.decode(run)

@@ -114,14 +114,7 @@ def test_eight_turn_rollout_is_one_trajectory_of_vllms_tokens_and_logprobs(famil
     template, conv, completions, hf, seconds = family_rollout
     (traj,) = conv.trajectories()
     assert traj.split_reason is None and traj.num_turns == 8 == len(completions)
-    spans, cur = [], []
-    for t, m in zip(traj.response_ids, traj.loss_mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    spans += [cur] if cur else []
+    spans = [ids for _, ids in traj.spans()]
     assert spans == [c.token_ids for c in completions if c.token_ids]
     assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
         [lp for c in completions for lp in c.logprobs]

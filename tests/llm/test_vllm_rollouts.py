@@ -55,16 +55,7 @@ def plain(messages):
 
 def generated_spans(traj):
     """Runs of loss_mask == 1 as lists of token ids."""
-    spans, cur = [], []
-    for t, m in zip(traj.response_ids, traj.loss_mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    if cur:
-        spans.append(cur)
-    return spans
+    return [ids for _, ids in traj.spans()]
 
 
 @pytest.fixture(scope="session")
