@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from prorl_server.datasets import DatasetError, load_dataset
 from prorl_server.types import JobResult
+from prorl_server.stats import percentile
 from trainer_plugins.jobs import ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, process_request
 
 log = logging.getLogger("prorl_run")
@@ -88,8 +89,8 @@ class Summary:
                 failures[r.critical_error] = failures.get(r.critical_error, 0) + 1
         phases = {}
         for ph in ("queue_s", "init_s", "run_s", "eval_s", "counted_s"):
-            xs = sorted(getattr(r.timing, ph) for r in rs)
-            phases[ph] = {"p50": _pct(xs, 0.5), "p95": _pct(xs, 0.95)}
+            xs = [getattr(r.timing, ph) for r in rs]
+            phases[ph] = {"p50": percentile(xs, 50) if xs else 0.0, "p95": percentile(xs, 95) if xs else 0.0}
         return {"jobs_submitted": submitted, "jobs_finished": len(rs), "mean_reward": self.mean_reward,
                 "resolved_rate": (sum(bool(r.resolved) for r in rs) / len(rs)) if rs else 0.0,
                 "failures_by_phase": failures, "phase_seconds": phases, "wall_s": wall_s,
@@ -135,10 +136,6 @@ async def start_embedded_llm(model: Optional[str], max_model_len: int, out: Path
                                     log_path=out / "vllm.log", timeout_s=600)
     print(f"vLLM ready at {server.address}", file=sys.stderr)
     return server
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 async def _start_local_server(stack: contextlib.AsyncExitStack, args: argparse.Namespace,
