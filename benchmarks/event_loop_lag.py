@@ -104,8 +104,10 @@ async def one_round(url: str, session: aiohttp.ClientSession, monitor, handler: 
     t0 = time.perf_counter()
 
     async def post(gold: str, response: str) -> dict:
-        body = {"instance": {"data_source": handler, "answer": gold, "response": response}}
+        body = {"instance": {"data_source": handler, "question": "Simplify.", "answer": gold, "response": response}}
         async with session.post(url + "/process", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{handler}: HTTP {r.status}: {await r.text()}")
             return await r.json()
 
     results = await asyncio.gather(*(post(g, a) for g, a in items))
