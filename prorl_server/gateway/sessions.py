@@ -462,9 +462,8 @@ class Gateway:
             GatewayError: 400 (see :meth:`ChatRequest.structured_outputs`, :func:`check_logit_bias`).
         """
         sampling = dict(req.sampling)
-        bias = check_logit_bias(req.logit_bias, len(tok))
-        if bias:
-            sampling["logit_bias"] = bias
+        if req.logit_bias:  # len(tok) builds the whole vocabulary: only when there is something to check
+            sampling["logit_bias"] = check_logit_bias(req.logit_bias, len(tok))
         # the parser's name only matters to a forced tool call ("auto" reads the family from the template)
         constraint = req.structured_outputs(self.engine.parser_name(tok) if req.tool_choice == "required" else "")
         if constraint is not None:
