@@ -39,8 +39,9 @@ Request rules (:func:`to_chat_request`):
 Answer rules (:func:`to_message`): the text (if any) → one ``text`` block, then one ``tool_use`` block per
 tool call (``input`` = the parsed arguments, ``id`` = the call's id); no text and no call → one empty text
 block. ``stop_reason``: ``tool_calls`` → ``tool_use``, ``length`` → ``max_tokens``, ``stop`` →
-``stop_sequence`` when the choice names the matched string in ``stop_reason`` (vLLM's field; the
-session's chat answers do not carry it today, so a stop sequence ends as ``end_turn``), else ``end_turn``. ``usage``: ``input_tokens`` = prompt tokens, ``output_tokens`` = generated tokens.
+``stop_sequence`` when the choice names the matched string in ``stop_reason`` (vLLM's field, which the
+session's chat answers carry), else ``end_turn``. ``usage``: ``input_tokens`` = prompt tokens,
+``output_tokens`` = generated tokens.
 
 Streaming (:func:`stream_events`, :func:`sse`): the turn is generated whole, so its events come together:
 ``message_start``, per block ``content_block_start`` / ``content_block_delta`` (``text_delta`` or

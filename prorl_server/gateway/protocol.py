@@ -222,6 +222,21 @@ def check_logit_bias(bias: Optional[dict[int, float]], vocab_size: int) -> Optio
     return {str(k): v for k, v in bias.items()}
 
 
+def check_body(body: Any, known: frozenset[str]) -> None:
+    """An OpenAI-API request body: a JSON object whose keys are all in ``known``.
+
+    Raises:
+        GatewayError: 400 ``invalid_request`` (not an object) or ``unsupported_parameter`` naming the first
+            unknown key.
+    """
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object", "invalid_request")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise GatewayError(400, f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter",
+                           unknown[0])
+
+
 def _bad(param: str, message: str) -> GatewayError:
     return GatewayError(400, f"{param} {message}", "invalid_parameter", param)
 
@@ -274,12 +289,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     Raises:
         GatewayError: 400 ``invalid_messages`` / ``unsupported_parameter`` / ``invalid_parameter``.
     """
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object", "invalid_request")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise GatewayError(400, f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter",
-                           unknown[0])
+    check_body(body, _KNOWN)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise GatewayError(400, "messages must be a non-empty list", "invalid_messages", "messages")

@@ -53,7 +53,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from prorl_server.gateway.protocol import GatewayError
+from prorl_server.gateway.protocol import GatewayError, check_body
 
 _IGNORED = ("model", "store", "include", "truncation", "user", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options", "metadata", "reasoning")
@@ -198,12 +198,7 @@ def to_chat_request(body: Any) -> ResponsesRequest:
         GatewayError: 400 ``invalid_input`` (naming the item, e.g. ``input[3].content[0]``),
             ``unsupported_parameter`` or ``invalid_parameter``.
     """
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object", "invalid_request")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise GatewayError(400, f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter",
-                           unknown[0])
+    check_body(body, _KNOWN)
     for k, why in _REFUSED.items():
         if body.get(k) is not None:
             raise GatewayError(400, why, "unsupported_parameter", k)

@@ -69,3 +69,44 @@ def tap_llm():
         gateway.llm.client.complete = complete
         return calls
     return tap
+
+
+class EveryTurnCallsEcho:
+    """Tool parser standing for a model that calls ``echo`` every turn (TEST DOUBLE of the model's tool-calling
+    skill only): the random tiny model does not write hermes syntax. Generation and tokens stay vLLM's."""
+
+    name = "every-turn-echo"
+
+    def parse(self, text: str):
+        from prorl_server.tool_parser import ParsedTurn, ToolCall
+
+        call = ToolCall(name="echo", arguments={"text": text[:24]})
+        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
+
+
+@pytest.fixture
+def echo_every_turn():
+    """``echo_every_turn(gateway)``: the gateway reads an ``echo`` call in every turn (:class:`EveryTurnCallsEcho`)."""
+    def install(gateway):
+        gateway.engine.parser = EveryTurnCallsEcho()
+    return install
+
+
+@pytest.fixture
+def one_trajectory_of_vllms_tokens():
+    """``check(result, calls) -> Trajectory``: a session result is one trajectory, no split; its loss-masked
+    tokens are exactly what vLLM generated (``calls`` from ``tap_llm``), with vLLM's logprobs, and every prompt
+    vLLM got is a prefix of it."""
+    from prorl_server.types import Trajectory
+
+    def check(result, calls):
+        assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
+        traj = Trajectory(**result["trajectories"][0])
+        assert [t for t, m in zip(traj.response_ids, traj.loss_mask) if m] == \
+            [t for _, c in calls for t in c.token_ids]
+        assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
+            [lp for _, c in calls for lp in c.logprobs]
+        ids = traj.prompt_ids + traj.response_ids
+        assert all(ids[:len(prompt)] == prompt for prompt, _ in calls)
+        return traj
+    return check

@@ -16,37 +16,11 @@ from pydantic import TypeAdapter
 from prorl_server.gateway import GATEWAY, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.anthropic import (AnthropicError, from_gateway_error, sse, stream_events,
                                             to_chat_request, to_message)
-from prorl_server.tool_parser import ParsedTurn, ToolCall
-from prorl_server.types import Trajectory
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 TOOL = {"name": "read", "description": "Read a file.",
         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
-
-
-class EveryTurnCallsEcho:
-    """Tool parser standing for a model that calls ``echo`` every turn (TEST DOUBLE of the model's tool-calling
-    skill only): the random tiny model does not write hermes syntax. Generation and tokens stay vLLM's."""
-
-    name = "every-turn-echo"
-
-    def parse(self, text: str) -> ParsedTurn:
-        call = ToolCall(name="echo", arguments={"text": text[:24]})
-        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
-
-
-def assert_one_trajectory_of_vllms_tokens(result, calls) -> Trajectory:
-    """One trajectory, no split; its loss-masked tokens are exactly what vLLM generated, with vLLM's
-    logprobs, and every prompt vLLM got is a prefix of it."""
-    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
-    traj = Trajectory(**result["trajectories"][0])
-    assert [t for t, m in zip(traj.response_ids, traj.loss_mask) if m] == [t for _, c in calls for t in c.token_ids]
-    assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
-        [lp for _, c in calls for lp in c.logprobs]
-    ids = traj.prompt_ids + traj.response_ids
-    assert all(ids[:len(prompt)] == prompt for prompt, _ in calls)
-    return traj
 
 
 def answer(content, calls=(), finish="stop", **choice):
@@ -378,14 +352,15 @@ async def test_errors_on_the_route_are_in_the_anthropic_format(gateway_server, a
 
 
 @pytest.mark.real
-async def test_on_vllm_the_messages_route_records_exactly_vllms_tokens(tap_llm, gateway_server, anthropic_session,
-                                                                       vllm_server, tokenizer):
+async def test_on_vllm_the_messages_route_records_exactly_vllms_tokens(
+        one_trajectory_of_vllms_tokens, echo_every_turn, tap_llm, gateway_server, anthropic_session, vllm_server,
+        tokenizer):
     """Three tool-use turns of the real SDK against a real vLLM CPU server: one trajectory of exactly vLLM's
     tokens, and the first prompt is the model's chat template over the translated messages (the same
     rendering as the Chat Completions route)."""
     client, app = await gateway_server([vllm_server.address])
     gw = app[GATEWAY]
-    gw.engine.parser = EveryTurnCallsEcho()
+    echo_every_turn(gw)
     calls = tap_llm(gw)
     s, sdk = await anthropic_session(client)
     echo = {"name": "echo", "description": "Echo text back.",
@@ -401,7 +376,7 @@ async def test_on_vllm_the_messages_route_records_exactly_vllms_tokens(tap_llm, 
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                    "content": f"echo #{turn}: {use.input['text']}"}]}]
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
-    traj = assert_one_trajectory_of_vllms_tokens(result, calls)
+    traj = one_trajectory_of_vllms_tokens(result, calls)
     first = tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are a test agent."}, {"role": "user", "content": "Echo things."}],
         tools=[{"type": "function", "function": {"name": "echo", "description": "Echo text back.",

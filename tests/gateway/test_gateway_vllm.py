@@ -8,7 +8,6 @@ import json
 import pytest
 
 from prorl_server.gateway import GATEWAY
-from prorl_server.tool_parser import ParsedTurn, ToolCall
 from prorl_server.types import Trajectory
 
 AUTH = {"Authorization": "Bearer server-secret"}
@@ -18,17 +17,6 @@ SYSTEM = {"role": "system", "content": "You are a test agent."}
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text back.",
                                            "parameters": {"type": "object",
                                                           "properties": {"text": {"type": "string"}}}}}]
-
-
-class EveryTurnCallsEcho:
-    """Tool parser standing for a model that calls ``echo`` every turn (TEST DOUBLE of the model's tool-calling
-    skill only): the random tiny model does not write hermes syntax. Generation and tokens stay vLLM's."""
-
-    name = "every-turn-echo"
-
-    def parse(self, text: str) -> ParsedTurn:
-        call = ToolCall(name="echo", arguments={"text": text[:24]})
-        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
 
 
 def generated_spans(traj: Trajectory) -> list[tuple[int, list[int]]]:
@@ -68,11 +56,11 @@ async def finalize(client, session_id):
     return await r.json()
 
 
-async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_tokens(tap_llm,
+async def test_tool_using_sdk_agent_yields_one_trajectory_of_exactly_vllms_tokens(echo_every_turn, tap_llm,
         gateway_server, open_session, vllm_server, tokenizer):
     client, app = await gateway_server([vllm_server.address])
     gw = app[GATEWAY]
-    gw.engine.parser = EveryTurnCallsEcho()
+    echo_every_turn(gw)
     calls = tap_llm(gw)
     s, sdk = await open_session(client)
     messages = [SYSTEM, {"role": "user", "content": "Echo things."}]

@@ -16,37 +16,11 @@ from pydantic import TypeAdapter
 
 from prorl_server.gateway import GATEWAY, GatewayError, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.responses import sse, stream_events, to_chat_request, to_response
-from prorl_server.tool_parser import ParsedTurn, ToolCall
-from prorl_server.types import Trajectory
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "read", "description": "Read a file.", "strict": False,
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
-
-
-class EveryTurnCallsEcho:
-    """Tool parser standing for a model that calls ``echo`` every turn (TEST DOUBLE of the model's tool-calling
-    skill only): the random tiny model does not write hermes syntax. Generation and tokens stay vLLM's."""
-
-    name = "every-turn-echo"
-
-    def parse(self, text: str) -> ParsedTurn:
-        call = ToolCall(name="echo", arguments={"text": text[:24]})
-        return ParsedTurn(content=text, calls=[call], items=[call], raw=text)
-
-
-def assert_one_trajectory_of_vllms_tokens(result, calls) -> Trajectory:
-    """One trajectory, no split; its loss-masked tokens are exactly what vLLM generated, with vLLM's
-    logprobs, and every prompt vLLM got is a prefix of it."""
-    assert result["split_reasons"] == [] and len(result["trajectories"]) == 1
-    traj = Trajectory(**result["trajectories"][0])
-    assert [t for t, m in zip(traj.response_ids, traj.loss_mask) if m] == [t for _, c in calls for t in c.token_ids]
-    assert [lp for lp, m in zip(traj.response_logprobs, traj.loss_mask) if m] == \
-        [lp for _, c in calls for lp in c.logprobs]
-    ids = traj.prompt_ids + traj.response_ids
-    assert all(ids[:len(prompt)] == prompt for prompt, _ in calls)
-    return traj
 
 
 def answer(content, calls=(), finish="stop"):
@@ -328,14 +302,15 @@ async def test_errors_on_the_route_are_in_the_openai_format(gateway_server, open
 
 
 @pytest.mark.real
-async def test_on_vllm_the_responses_route_records_exactly_vllms_tokens(tap_llm, gateway_server, open_session,
-                                                                        vllm_server, tokenizer):
+async def test_on_vllm_the_responses_route_records_exactly_vllms_tokens(
+        one_trajectory_of_vllms_tokens, echo_every_turn, tap_llm, gateway_server, open_session, vllm_server,
+        tokenizer):
     """Three function-calling turns of the real SDK (``store=False``, whole conversation as items) against a
     real vLLM CPU server: one trajectory of exactly vLLM's tokens, and the first prompt is the model's chat
     template over the translated messages (the same rendering as the Chat Completions route)."""
     client, app = await gateway_server([vllm_server.address])
     gw = app[GATEWAY]
-    gw.engine.parser = EveryTurnCallsEcho()
+    echo_every_turn(gw)
     calls = tap_llm(gw)
     s, sdk = await open_session(client)
     echo = {"type": "function", "name": "echo", "description": "Echo text back.",
@@ -351,7 +326,7 @@ async def test_on_vllm_the_responses_route_records_exactly_vllms_tokens(tap_llm,
         items.append({"type": "function_call_output", "call_id": call.call_id,
                       "output": f"echo #{turn}: {json.loads(call.arguments)['text']}"})
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
-    traj = assert_one_trajectory_of_vllms_tokens(result, calls)
+    traj = one_trajectory_of_vllms_tokens(result, calls)
     first = tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are a test agent."}, {"role": "user", "content": "Echo things."}],
         tools=[{"type": "function", "function": {"name": "echo", "description": "Echo text back.",
