@@ -110,3 +110,20 @@ def one_trajectory_of_vllms_tokens():
         assert all(ids[:len(prompt)] == prompt for prompt, _ in calls)
         return traj
     return check
+
+
+@pytest.fixture
+def canned_server(aiohttp_server):
+    """``async (path, body, content_type) -> base URL``: a loopback server answering every ``POST path`` with
+    ``body`` (for checking that a real SDK parses what a translation produces)."""
+    from aiohttp import web
+
+    async def make(path: str, body: bytes, content_type: str) -> str:
+        async def reply(request):
+            return web.Response(body=body, content_type=content_type)
+
+        app = web.Application()
+        app.router.add_post(path, reply)
+        return str((await aiohttp_server(app)).make_url(""))
+
+    return make

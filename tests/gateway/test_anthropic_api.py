@@ -9,13 +9,14 @@ import json
 
 import anthropic
 import pytest
-from aiohttp import web
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from prorl_server.gateway import GATEWAY, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.anthropic import (AnthropicError, from_gateway_error, sse, stream_events,
                                             to_chat_request, to_message)
+from prorl_server.gateway.protocol import answer_choice, assistant_message, chat_completion
+from prorl_server.tool_parser import ParsedTurn, ToolCall
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(RawMessageStreamEvent)
@@ -23,15 +24,12 @@ TOOL = {"name": "read", "description": "Read a file.",
         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
 
 
-def answer(content, calls=(), finish="stop", **choice):
-    """A ``chat.completion`` in the form the gateway's session chat path answers (Gateway.chat)."""
-    msg = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-                             for cid, n, a in calls]
-    return {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny",
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None, **choice}],
-            "usage": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}}
+def answer(content, calls=(), finish="stop", stop_reason=None):
+    """A ``chat.completion`` built by the gateway's own builders (what Gateway.chat answers), id fixed."""
+    parsed = ParsedTurn(content=content, calls=[ToolCall(n, a, cid) for cid, n, a in calls]) if calls else None
+    msg, finish = assistant_message(content, parsed, finish)
+    choice = answer_choice(0, msg, finish, stop_reason=stop_reason)
+    return {**chat_completion([choice], model="tiny", prompt_tokens=40, completion_tokens=7), "id": "chatcmpl-abc123"}
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -217,20 +215,15 @@ def test_stream_events_are_in_order_and_typed():
 
 
 @pytest.fixture
-async def sdk_over(aiohttp_server):
+async def sdk_over(canned_server):
     """``async (body, content_type) -> AsyncAnthropic``: a real ``anthropic`` SDK client on a loopback server
     that answers every request with ``body`` (what is checked is that the SDK parses what the translation
     produces; the gateway's own route is tested with the SDK further down)."""
     clients = []
 
     async def make(body: bytes, content_type: str) -> anthropic.AsyncAnthropic:
-        async def reply(request):
-            return web.Response(body=body, content_type=content_type)
-
-        app = web.Application()
-        app.router.add_post("/v1/messages", reply)
-        server = await aiohttp_server(app)
-        clients.append(anthropic.AsyncAnthropic(api_key="k", base_url=str(server.make_url("")), max_retries=0))
+        url = await canned_server("/v1/messages", body, content_type)
+        clients.append(anthropic.AsyncAnthropic(api_key="k", base_url=url, max_retries=0))
         return clients[-1]
 
     yield make

@@ -9,13 +9,14 @@ import json
 
 import openai
 import pytest
-from aiohttp import web
 from openai.types.responses import Response, ResponseInputParam, ResponseStreamEvent
 from openai.types.shared import ErrorObject
 from pydantic import TypeAdapter
 
 from prorl_server.gateway import GATEWAY, GatewayError, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.responses import sse, stream_events, to_chat_request, to_response
+from prorl_server.gateway.protocol import answer_choice, assistant_message, chat_completion
+from prorl_server.tool_parser import ParsedTurn, ToolCall
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -24,14 +25,13 @@ TOOL = {"type": "function", "name": "read", "description": "Read a file.", "stri
 
 
 def answer(content, calls=(), finish="stop"):
-    """A ``chat.completion`` in the form the gateway's session chat path answers (Gateway.chat)."""
-    msg = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-                             for cid, n, a in calls]
-    return {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny",
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}}
+    """A ``chat.completion`` as Gateway.chat answers it (the gateway's own builders), with a fixed id."""
+    tool_calls = [ToolCall(name, args, call_id) for call_id, name, args in calls]
+    msg, finish = assistant_message(content, ParsedTurn(content=content, calls=tool_calls) if calls else None,
+                                    finish)
+    out = chat_completion([answer_choice(0, msg, finish)], model="tiny", prompt_tokens=40, completion_tokens=7)
+    out["id"] = "chatcmpl-abc123"
+    return out
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -190,20 +190,15 @@ def test_stream_events_are_in_order_and_typed():
 
 
 @pytest.fixture
-async def sdk_over(aiohttp_server):
+async def sdk_over(canned_server):
     """``async (body, content_type) -> AsyncOpenAI``: a real ``openai`` SDK client on a loopback server that
     answers every request with ``body`` (what is checked is that the SDK parses what the translation
     produces)."""
     clients = []
 
     async def make(body: bytes, content_type: str) -> openai.AsyncOpenAI:
-        async def reply(request):
-            return web.Response(body=body, content_type=content_type)
-
-        app = web.Application()
-        app.router.add_post("/v1/responses", reply)
-        server = await aiohttp_server(app)
-        clients.append(openai.AsyncOpenAI(api_key="k", base_url=str(server.make_url("/v1")), max_retries=0))
+        url = await canned_server("/v1/responses", body, content_type)
+        clients.append(openai.AsyncOpenAI(api_key="k", base_url=url.rstrip("/") + "/v1", max_retries=0))
         return clients[-1]
 
     yield make
