@@ -39,9 +39,10 @@ def error_response(status: int, type_: str, message: str, field: Optional[str] =
 
 
 async def parse_body(request: web.Request, model: Type[BaseModel]) -> Any:
-    """Validate the JSON body against ``model``. Raises ApiError 400 (not JSON) or 422 (wrong shape)."""
+    """Validate the JSON body against ``model``; no body at all (0 bytes) reads as ``{}``, while a body of
+    whitespace only is not JSON. Raises ApiError 400 (not JSON) or 422 (wrong shape)."""
     body = await request.read()
-    if not body.strip():
+    if not body:
         body = b"{}"
     try:
         return model.model_validate_json(body)

@@ -37,7 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()
-    if not raw.strip():
+    if not raw:  # no body reads as {}; whitespace only is invalid JSON (json.loads refuses it), as in parse_body
         return {}
     try:
         return json.loads(raw)

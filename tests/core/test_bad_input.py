@@ -29,6 +29,7 @@ CASES = [
     ("POST", "/jobs", b'{"instance": {"data_source": "arithmetic", "instance_id": "arith-1-99999"}}', 422,
      "validation_error", "instance.instance_id"),
     ("POST", "/cancel", b"{}", 422, "validation_error", "job_id"),
+    ("POST", "/cancel", b"\n", 400, "invalid_json", None),  # whitespace is not JSON; only no body reads as {}
     ("POST", "/cancel", b'{"job_id": 7}', 422, "validation_error", "job_id"),
     ("POST", "/add_llm_server", b'{"address": "ftp://host:21"}', 422, "validation_error", "address"),
     ("POST", "/add_llm_server", b'{"address": "127.0.0.1:8000"}', 422, "validation_error", "address"),

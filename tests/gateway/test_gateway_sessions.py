@@ -182,6 +182,16 @@ async def test_finished_and_aborted_sessions_refuse_work(gateway_server, open_se
     assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_session"
 
 
+async def test_a_session_body_of_whitespace_is_invalid_json_and_no_body_is_empty(gateway_server, scripted_policy):
+    """``POST /sessions`` takes ``{metadata?}``: no body at all creates a session, a body that is not JSON (a
+    newline, which the fuzz tier sends as "random bytes") is a 400, as on the core routes."""
+    client, _ = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    r = await client.post("/sessions", data=b"\n", headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+    r = await client.post("/sessions", headers=AUTH)
+    assert r.status == 201, await r.text()
+
+
 async def test_session_state_is_bounded(gateway_server, open_session, scripted_policy):
     client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")], gateway_max_sessions=2)
     gw = app[GATEWAY]
