@@ -7,10 +7,10 @@ from them). The contract is compatible with ProRL Agent Server clients: ``POST /
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
+                      field_validator, model_validator)
 
 CriticalError = Literal["init", "run", "eval", "timeout", "cancelled"]
 Stage = Literal["init", "run", "eval"]
@@ -36,6 +36,40 @@ class JobState(str, enum.Enum):
 #: minutes to an hour; a larger value is a client bug, and ``Infinity``/``1e308`` would overflow the
 #: pipeline's deadline arithmetic.
 MAX_TIMEOUT_S = 86400.0
+
+#: Largest token id a request may name (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias`` keys, the
+#: gateway's ``logit_bias``): 2**31 - 1, above every vocabulary in use. The bound is what keeps sets and dicts
+#: of ids cheap: Python hashes an int ``n`` as ``n mod (2**61 - 1)``, so ids that differ by multiples of
+#: 2**61 - 1 all collide (a megabyte of them is seconds of quadratic inserts, here or in vLLM), while ids
+#: below 2**61 - 1 hash to themselves.
+MAX_TOKEN_ID = 2**31 - 1
+#: Most entries of a list or map sampling parameter (``stop``, ``stop_token_ids``, ``bad_words``,
+#: ``logit_bias``): vLLM checks each of them at every generated token.
+MAX_SAMPLING_ENTRIES = 1024
+#: Most entries of ``allowed_token_ids``: 2**18 = 262144, the largest vocabulary in use (Gemma 3).
+MAX_ALLOWED_TOKEN_IDS = 2**18
+#: Most items (arrays, objects, strings and commas; ``sandbox.bounded_json``) in a body of the rollout API
+#: (``/process``, ``/jobs`` and the management routes); its size is bounded by ``max_body_mb``.
+MAX_BODY_ITEMS = 2**18
+
+#: A token id: 0 ..= :data:`MAX_TOKEN_ID`.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+#: A signed 64-bit integer (what vLLM's integer parameters are; larger JSON numbers are refused).
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
+def _token_id_key(k: str) -> str:
+    if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) <= MAX_TOKEN_ID):
+        raise ValueError(f"logit_bias key {k[:24]!r} is not a token id (a decimal integer 0..{MAX_TOKEN_ID})")
+    return k
+
+
+#: A ``logit_bias`` key: a token id written in decimal (JSON object keys are strings).
+TokenIdKey = Annotated[str, AfterValidator(_token_id_key)]
+
+_T = TypeVar("_T")
+#: A list sampling parameter of at most :data:`MAX_SAMPLING_ENTRIES` entries.
+_Entries = Annotated[list[_T], Field(max_length=MAX_SAMPLING_ENTRIES)]
 
 #: litellm/OpenAI-style sampling names and the vLLM name each one is sent as.
 SAMPLING_ALIASES: dict[str, str] = {
@@ -66,6 +100,11 @@ class SamplingParams(BaseModel):
     ``logprobs``, ``n`` (only 1), ``stream``, ``echo``, ``return_tokens_as_token_ids``, ``return_token_ids``
     and ``add_special_tokens`` are accepted and ignored: the server always sets them itself (token ids and
     logprobs are always returned). ``max_tokens`` is the per-turn budget in tokens.
+
+    Bounds (422 naming the field beyond them): token ids 0..:data:`MAX_TOKEN_ID`, ``logit_bias`` keys the
+    same written in decimal and values in [-100, 100], at most :data:`MAX_SAMPLING_ENTRIES` entries in
+    ``stop``, ``stop_token_ids``, ``bad_words`` and ``logit_bias`` and :data:`MAX_ALLOWED_TOKEN_IDS` in
+    ``allowed_token_ids``; integers are signed 64-bit, floats finite.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=lambda s: s.update(
@@ -73,36 +112,37 @@ class SamplingParams(BaseModel):
 
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    min_tokens: Optional[int] = Field(default=None, ge=0)
-    seed: Optional[int] = None
+    max_tokens: Optional[Int64] = Field(default=None, ge=1)
+    min_tokens: Optional[Int64] = Field(default=None, ge=0)
+    seed: Optional[Int64] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = Field(default=None, gt=0)
     length_penalty: Optional[float] = None
-    stop: Optional[str | list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
-    logit_bias: Optional[dict[str, float]] = None
+    stop: Optional[_Entries[str] | str] = None
+    stop_token_ids: Optional[_Entries[TokenId]] = None
+    bad_words: Optional[_Entries[str]] = None
+    allowed_token_ids: Optional[list[TokenId]] = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    logit_bias: Optional[dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]]] = \
+        Field(default=None, max_length=MAX_SAMPLING_ENTRIES)
     ignore_eos: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
-    thinking_token_budget: Optional[int] = None
+    thinking_token_budget: Optional[Int64] = None
     structured_outputs: Optional[dict[str, Any]] = None
     # litellm-style aliases (SAMPLING_ALIASES)
-    max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    max_new_tokens: Optional[int] = Field(default=None, ge=1)
-    stop_sequences: Optional[str | list[str]] = None
+    max_output_tokens: Optional[Int64] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[Int64] = Field(default=None, ge=1)
+    max_new_tokens: Optional[Int64] = Field(default=None, ge=1)
+    stop_sequences: Optional[_Entries[str] | str] = None
     # agent-loop limits (AGENT_LIMIT_ALIASES)
-    max_iterations: Optional[int] = Field(default=None, ge=1)
-    max_turns: Optional[int] = Field(default=None, ge=1)
+    max_iterations: Optional[Int64] = Field(default=None, ge=1)
+    max_turns: Optional[Int64] = Field(default=None, ge=1)
     # set by the server; accepted for clients that always send them, ignored
-    logprobs: Optional[int | bool] = None
+    logprobs: Optional[Int64 | bool] = None
     n: Optional[Literal[1]] = None
     stream: Optional[bool] = None
     echo: Optional[bool] = None
@@ -186,7 +226,7 @@ class ProcessRequest(BaseModel):
 
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    job_id: str = Field(min_length=1)
+    job_id: str = Field(min_length=1, max_length=200)
 
 
 #: What ``/add_llm_server`` accepts as an address (in the schema and in validation alike).
@@ -199,7 +239,7 @@ class AddBackendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str = Field(pattern=ADDRESS_PATTERN, description="http(s)://host[:port][/path]; a trailing /v1 "
                          "(the OpenAI base URL) is removed")
-    weight_version: Optional[int] = None
+    weight_version: Optional[Int64] = None
 
     @field_validator("address")
     @classmethod
