@@ -15,7 +15,11 @@ Instance::
 - init: a sandbox (no network) with a private, writable copy of the repository at ``<workdir>/repo``.
 - run: the agent loop with ``bash`` and ``str_replace_editor``; then the patch is taken with
   ``git add -A && git diff --cached --binary`` against the starting commit.
-- eval, on a clean test harness: a FRESH sandbox and a fresh copy; ``git apply`` the patch; every
+- eval: first the patch is checked on the host as plain text (:mod:`handlers.swe.patch_check`): a patch
+  that reaches for the test machinery (conftest, pytest configuration or internals, hooks, atexit, writes to
+  ``sys.modules``/``builtins``, the report's name...) scores 0.0 with ``extra["eval"]["flagged"]`` saying
+  why, and its tests are not run. Otherwise, on a clean test harness: a FRESH sandbox and a fresh copy; ``git
+  apply`` the patch; every
   path it touched that decides how tests run (see :mod:`handlers.swe.harness`: tests, conftest and
   configuration files, import hooks, files added outside a package) is restored from the base commit; then the
   hidden test files and the test patch; then pytest runs the named test files under
@@ -34,11 +38,13 @@ import secrets
 import shlex
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
                                   parse_status, read_report, file_of_test, report_statuses)
+from handlers.swe.patch_check import MAX_PATCH_BYTES, WAIVABLE, PatchCheck, check_patch, config_files
 from handlers.swe.run_tests import TIMEOUT_EXIT
+from prorl_server.cpu_pool import CpuTimeoutError
 from prorl_server.plugin import AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import Limits, SandboxSpec, ToolError
@@ -61,6 +67,13 @@ SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a git repositor
                  "smallest correct change, optionally run the tests, then call finish.")
 DEFAULT_MAX_TURNS = 20
 DEFAULT_EVAL_TIMEOUT_S = 600.0
+#: Status of a test that was not run (the patch was flagged before its tests could run).
+NOT_RUN = "NOT_RUN"
+#: Wall-clock limit of the patch check in a CPU worker, seconds (it reads at most 1 MiB: well under a second).
+PATCH_CHECK_TIMEOUT_S = 60.0
+#: Base-commit configuration files (tox.ini, setup.cfg, pyproject.toml) read for the patch check, and the bytes
+#: read of each; past these, the check judges a file's changed lines by themselves.
+MAX_CONFIG_FILES, MAX_CONFIG_BYTES = 8, 1 << 20
 
 
 class SweInstance(BaseModel):
@@ -80,6 +93,16 @@ class SweInstance(BaseModel):
     PASS_TO_PASS: list[str] = Field(default_factory=list, description="test ids that must keep passing")
     max_turns: Optional[int] = Field(default=None, ge=1)
     eval_timeout_s: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    patch_check_allow: list[str] = Field(default_factory=list, description="rules of the patch check this "
+                                         "instance waives (e.g. pytest_hook for a pytest plugin's repository)")
+
+    @field_validator("patch_check_allow")
+    @classmethod
+    def _waivable(cls, rules: list[str]) -> list[str]:
+        unknown = sorted(set(rules) - WAIVABLE)
+        if unknown:
+            raise ValueError(f"not rules the patch check can waive: {unknown}; those are {sorted(WAIVABLE)}")
+        return rules
 
     @model_validator(mode="after")
     def _has_repository(self) -> "SweInstance":
@@ -181,6 +204,14 @@ class SweHandler(AgentHandler):
             named.update(parse_numstat(await _git_output(handle, f"git apply --numstat -z ../{grader}/test.diff",
                                                          grader, "test-numstat")))
         if patch.strip():
+            check = await _check_patch(job, handle, base, grader, patch, base_files, named)
+            info["flagged"], info["flagged_total"] = [f.as_dict() for f in check.findings], check.total
+            if check.flagged:
+                # The reward is decided: running code aimed at the grader would only cost the eval pool its time.
+                not_run = {k: {t: NOT_RUN for t in inst.get(k, [])} for k in ("FAIL_TO_PASS", "PASS_TO_PASS")}
+                info.update(patch_applied=False, harness_restored={}, tests_run=False, **not_run)
+                job.reward, job.resolved, job.extra["eval"] = 0.0, False, info
+                return
             before = parse_status(await _git_output(handle, _STATUS, grader, "status-before"))
             await handle.upload(f"{grader}/{PATCH_FILE}", patch.encode("utf-8", "surrogateescape"))
             r = await handle.bash(f"cd ~/repo && git apply --whitespace=nowarn ../{grader}/{PATCH_FILE}",
@@ -200,6 +231,7 @@ class SweHandler(AgentHandler):
             info["harness_restored"] = restored
         else:
             info["patch_applied"], info["harness_restored"] = False, {}
+            info["flagged"], info["flagged_total"] = [], 0
         for path, text in (inst.get("test_files") or {}).items():
             await handle.upload(f"repo/{path}", text.encode())
         if inst.get("test_patch"):
@@ -245,12 +277,35 @@ class SweHandler(AgentHandler):
         except ReportError as e:
             report, info["report_error"] = {}, str(e)
         f2p, p2p = report_statuses(ids["FAIL_TO_PASS"], report), report_statuses(ids["PASS_TO_PASS"], report)
-        info.update(FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, timed_out=r.timed_out or r.exit_code == TIMEOUT_EXIT,
-                    test_exit_code=r.exit_code, output_tail=r.output[-3000:])
+        info.update(FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, tests_run=True,
+                    timed_out=r.timed_out or r.exit_code == TIMEOUT_EXIT, test_exit_code=r.exit_code,
+                    output_tail=r.output[-3000:])
         tests = {**f2p, **p2p}
         job.resolved = bool(tests) and all(s == PASSED for s in tests.values())
         job.reward = 1.0 if job.resolved else 0.0
         job.extra["eval"] = info
+
+
+async def _check_patch(job, handle, base: str, grader: str, patch: str, base_files: list[str],
+                       named: set[str]) -> PatchCheck:
+    """:func:`handlers.swe.patch_check.check_patch` on the patch, in the server's CPU pool (in a thread where
+    the job has none), with the base text of the configuration files it changes (read with git from the fresh
+    checkout, before the patch is applied). The check reads bounded plain text, so a time-out is the machine's
+    fault: it raises InfrastructureError (``harness``), as does git failing."""
+    texts = {}
+    # (a patch over the check's limit is flagged unread: no need for them)
+    for path in config_files(patch, base_files)[:MAX_CONFIG_FILES] if len(patch) <= MAX_PATCH_BYTES else ():
+        blob = shlex.quote(f"{base}:{path}")
+        data = await _git_output(handle, f"git cat-file blob {blob} | head -c {MAX_CONFIG_BYTES}", grader,
+                                 "config-base")
+        texts[path] = data.decode("utf-8", "surrogateescape")
+    args = (patch, base_files, sorted(named), tuple(job.instance.get("patch_check_allow") or ()), texts)
+    if job.services.cpu_pool is None:
+        return await asyncio.to_thread(check_patch, *args)
+    try:
+        return await job.run_cpu(check_patch, *args, timeout_s=PATCH_CHECK_TIMEOUT_S)
+    except CpuTimeoutError as e:
+        raise InfrastructureError("harness", f"the patch check ran past {PATCH_CHECK_TIMEOUT_S:g} s: {e}") from None
 
 
 async def _git_output(handle, git_cmd: str, grader: str, name: str) -> bytes:

@@ -132,3 +132,15 @@ def test_swe_instance_without_repo_is_refused_at_submit_clearly():
     with pytest.raises(InstanceValidationError) as e:
         SweHandler().prepare_instance({"data_source": "swe", "repo": "/r", "FAIL_TO_PASS": "tests/t.py::a"})
     assert e.value.field == "instance.FAIL_TO_PASS"
+
+
+def test_swe_instance_waiving_an_unknown_patch_check_rule_is_refused_at_submit():
+    from handlers.swe import SweHandler
+    from prorl_server.plugin import InstanceValidationError
+
+    inst = {"data_source": "swe", "repo": "/r", "patch_check_allow": ["pytest_hook"]}
+    assert SweHandler().prepare_instance(inst)["patch_check_allow"] == ["pytest_hook"]
+    for bad in (["no_such_rule"], ["patch_too_large"]):
+        with pytest.raises(InstanceValidationError) as e:
+            SweHandler().prepare_instance({**inst, "patch_check_allow": bad})
+        assert e.value.field.startswith("instance.patch_check_allow"), e.value.field
