@@ -17,7 +17,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from prorl_server.types import ErrorDetail, ErrorResponse
+from prorl_server.types import MAX_BODY_ITEMS, ErrorDetail, ErrorResponse
+from sandbox.bounded_json import MAX_DEPTH, JsonBoundError, JsonBounds, ascan
 
 log = logging.getLogger("prorl_server.app")
 
@@ -38,17 +39,39 @@ def error_response(status: int, type_: str, message: str, field: Optional[str] =
     return json_response(ErrorResponse(error=ErrorDetail(type=type_, message=message, field=field)), status)
 
 
+#: Bounds of a rollout-API body (``sandbox.bounded_json``): its size is the app's ``client_max_size``
+#: (``max_body_mb``; aiohttp answers 413 beyond it), its items :data:`~prorl_server.types.MAX_BODY_ITEMS`.
+BODY_BOUNDS = JsonBounds(max_bytes=1 << 40, max_items=MAX_BODY_ITEMS)
+
+
+def json_bound_error(e: JsonBoundError, what: str = "request body") -> ApiError:
+    """The answer to JSON refused by its bounds: 413 ``body_too_large`` (bytes), else 400 ``invalid_json``
+    (not JSON) or ``json_too_complex`` (items, nesting, a number's digits), the message naming the bound."""
+    if e.reason == "too_large":
+        return ApiError(413, "body_too_large", f"{what} {e}")
+    return ApiError(400, "invalid_json" if e.reason == "invalid" else "json_too_complex", f"{what} {e}")
+
+
 async def parse_body(request: web.Request, model: Type[BaseModel]) -> Any:
     """Validate the JSON body against ``model``; no body at all (0 bytes) reads as ``{}``, while a body of
-    whitespace only is not JSON. Raises ApiError 400 (not JSON) or 422 (wrong shape)."""
+    whitespace only is not JSON. The body is scanned within :data:`BODY_BOUNDS` first (yielding to the event
+    loop per 64 KiB), so a dense or hostile one is refused before pydantic builds anything.
+    Raises ApiError 400 (not JSON, too complex: :func:`json_bound_error`) or 422 (wrong shape)."""
     body = await request.read()
     if not body:
         body = b"{}"
+    try:
+        await ascan(body, BODY_BOUNDS)
+    except JsonBoundError as e:
+        raise json_bound_error(e) from None
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
+            if "recursion limit" in err["msg"]:  # the same parser as sandbox.bounded_json: its depth bound
+                raise ApiError(400, "json_too_complex", f"request body is nested more than {MAX_DEPTH} levels "
+                               "deep") from None
             raise ApiError(400, "invalid_json", f"request body is not valid JSON: {err['msg']}") from None
         field = ".".join(str(p) for p in err["loc"]) or None
         raise ApiError(422, "validation_error", f"{field or 'body'}: {err['msg']}", field) from None
