@@ -65,7 +65,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from sandbox.bounded_json import JsonBoundError, JsonBounds, loads
+
 _ALNUM = string.ascii_letters + string.digits
+
+#: Bounds of one tool call's JSON (the hermes ``{"name", "arguments"}`` object, or arguments given as a JSON
+#: string; ``sandbox.bounded_json``): 1 MiB, a file of some 250k tokens written in one call, and 65536 items;
+#: nesting as the decoder allows (200 levels). The model writes this text: beyond a bound the call is a
+#: malformed one, shown to the model, never an exception. Decoding is on the calling thread: ~1-7 ms at worst.
+ARGUMENTS_BOUNDS = JsonBounds(max_bytes=1 << 20, max_items=1 << 16)
 
 
 def new_call_id(parser: str = "hermes") -> str:
@@ -144,9 +152,9 @@ def _coerce_call(obj: Any) -> tuple[str, dict[str, Any]]:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models double-encode the arguments
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f'"arguments" is a string that is not JSON: {e.msg}') from None
+            args = loads(args, ARGUMENTS_BOUNDS) if args.strip() else {}
+        except JsonBoundError as e:
+            raise ValueError(f'"arguments" is a string that is not JSON it can read: it {e}') from None
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -157,8 +165,9 @@ def _coerce_call(obj: Any) -> tuple[str, dict[str, Any]]:
 class HermesToolParser:
     """``<tool_call>{json}</tool_call>`` blocks (see the module docstring).
 
-    Errors reported: invalid JSON, a JSON value that is not ``{"name", "arguments"}``, a ``<tool_call>``
-    without its closing tag (e.g. the turn was cut by ``max_tokens``), a stray ``</tool_call>``.
+    Errors reported: invalid JSON or JSON past :data:`ARGUMENTS_BOUNDS` (too large, too many items, nested
+    too deep), a JSON value that is not ``{"name", "arguments"}``, a ``<tool_call>`` without its closing tag
+    (e.g. the turn was cut by ``max_tokens``), a stray ``</tool_call>``.
     """
 
     name = "hermes"
@@ -184,11 +193,10 @@ class HermesToolParser:
                 items.append(errors[-1])
                 body = body[body.rindex(self.open_tag) + len(self.open_tag):].strip()
             try:
-                obj = json.loads(body)
+                obj = loads(body, ARGUMENTS_BOUNDS)
                 name, args = _coerce_call(obj)
-            except json.JSONDecodeError as e:
-                errors.append(ToolCallError(raw=raw, message=f"tool call is not valid JSON: {e.msg} "
-                                                             f"(line {e.lineno} column {e.colno})"))
+            except JsonBoundError as e:  # not JSON, or past a bound: too large, too many items, too deep
+                errors.append(ToolCallError(raw=raw, message=f"tool call {e}"))
                 items.append(errors[-1])
                 continue
             except ValueError as e:
@@ -364,12 +372,13 @@ class VllmToolParser:
         per_call: list[ToolCall | ToolCallError] = []  # one per call vLLM returned, in its order
         for c in vllm_calls:
             try:
-                args = json.loads(c.function.arguments) if (c.function.arguments or "").strip() else {}
+                args = loads(c.function.arguments, ARGUMENTS_BOUNDS) if (c.function.arguments or "").strip() else {}
                 name, args = _coerce_call({"name": c.function.name, "arguments": args})
-            except (json.JSONDecodeError, ValueError) as e:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            except ValueError as e:  # JsonBoundError included
                 per_call.append(ToolCallError(raw=f"{c.function.name}({c.function.arguments})",
-                                              message=f"malformed tool call: {msg}", id=new_call_id(self.name)))
+                                              message=f"malformed tool call: arguments {e}"
+                                              if isinstance(e, JsonBoundError) else f"malformed tool call: {e}",
+                                              id=new_call_id(self.name)))
                 continue
             per_call.append(ToolCall(name=name, arguments=args, id=new_call_id(self.name)))
         errors += self._marker_errors(text, per_call, called)
