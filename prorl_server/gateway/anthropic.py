@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prorl_server.gateway.protocol import GatewayError
+from sandbox.bounded_json import decode
 
 #: Fields accepted and not translated (see the module docstring).
 _IGNORED = ("model", "metadata", "service_tier", "cache_control", "thinking", "speed", "inference_geo", "diagnostics",
@@ -67,7 +68,7 @@ _KNOWN = frozenset({"max_tokens", "messages", "system", "stop_sequences", "strea
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: Anthropic error ``type`` by HTTP status (Anthropic API reference, "Errors").
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 409: "invalid_request_error",
+                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error"}
 
 
@@ -325,7 +326,7 @@ def to_message(answer: dict[str, Any], stop_sequences: Optional[list[str]] = Non
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or ():
         args = call["function"]["arguments"]
-        args = json.loads(args) if isinstance(args, str) else args
+        args = decode(args) if isinstance(args, str) else args  # the gateway's own JSON of bounded arguments
         if not isinstance(args, dict):
             raise AnthropicError(500, f"tool call {call['function']['name']!r} has arguments that are not a JSON "
                                  "object")

@@ -7,7 +7,9 @@ API reference, "Create chat completion" and "The chat completion chunk object".
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,7 +18,9 @@ from typing import Any, Optional
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.tool_parser import ParsedTurn
+from prorl_server.tool_parser import ARGUMENTS_BOUNDS, ParsedTurn
+from prorl_server.types import MAX_SAMPLING_ENTRIES, MAX_TOKEN_ID
+from sandbox.bounded_json import SCAN_CHUNK_BYTES, JsonBoundError, JsonBounds, aloads, loads
 
 #: Sampling parameters passed on to vLLM as given (OpenAI names; vLLM extensions top_k, min_p,
 #: repetition_penalty, min_tokens).
@@ -31,6 +35,14 @@ _KNOWN = frozenset({"messages", "tools", "tool_choice", "max_tokens", "max_compl
 #: limit).
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+#: Most tools one request may offer (OpenAI's limit: 128 functions).
+MAX_TOOLS = 128
+#: Bounds of a gateway request body (``sandbox.bounded_json``): 4 MiB, a million tokens of text and more
+#: than any context served here needs, decoded in at most ~15 ms on the event loop at the worst (strings
+#: dense in escapes, ~3.6 ms per MB; plain text ~1 ms); 65536 items (arrays, objects, strings, commas),
+#: some ten thousand messages with tool calls. Tool-call arguments inside it, JSON text in a string, are
+#: decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` each.
+BODY_BOUNDS = JsonBounds(max_bytes=4 << 20, max_items=1 << 16)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: Tool-call formats a forced tool call (``tool_choice`` ``"required"`` or named) can be constrained to, by
 #: parser name: the text before the call's JSON object, the key of its arguments, the text after it. The
@@ -72,6 +84,48 @@ class GatewayError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
+def json_error(e: JsonBoundError, what: str, code: str = "", param: Optional[str] = None) -> GatewayError:
+    """The answer to JSON refused by its bounds (``what`` names it in the message): 413 ``request_too_large``
+    for its size, else 400 with ``code`` (default ``invalid_json`` for invalid JSON, ``json_too_complex`` for
+    too many items, too deep a nesting or too long a number)."""
+    if e.reason == "too_large":
+        return GatewayError(413, f"{what} {e}", "request_too_large", param)
+    return GatewayError(400, f"{what} {e}", code or ("invalid_json" if e.reason == "invalid" else "json_too_complex"),
+                        param)
+
+
+async def decode_arguments(body: Any) -> None:
+    """Decode, in place, the JSON-string ``arguments`` of the tool calls in ``body["messages"]`` (a Chat
+    Completions body), each within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` and yielding to the
+    event loop between them every :data:`~sandbox.bounded_json.SCAN_CHUNK_BYTES`, so that
+    :func:`normalize_message`, which decodes the strings it still finds on the calling thread, has only
+    decoded values left. Anything not of that shape is left for :func:`parse_chat_request` to refuse.
+
+    Raises:
+        GatewayError: 400 ``invalid_messages`` (413 ``request_too_large``) naming the arguments' field.
+    """
+    msgs = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(msgs, list):
+        return
+    since_yield = 0
+    for i, m in enumerate(msgs):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        for k, c in enumerate(calls if isinstance(calls, list) else ()):
+            fn = c.get("function") if isinstance(c, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if not isinstance(args, str) or not args.strip():
+                continue
+            where = f"messages[{i}].tool_calls[{k}].function.arguments"
+            try:
+                fn["arguments"] = await aloads(args, ARGUMENTS_BOUNDS)
+            except JsonBoundError as e:
+                raise json_error(e, where, "invalid_messages", where) from None
+            since_yield += len(args)
+            if since_yield > SCAN_CHUNK_BYTES:
+                since_yield = 0
+                await asyncio.sleep(0)
+
+
 # ------------------------------------------------------------------------------------------ request
 
 
@@ -79,7 +133,8 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
     """One OpenAI chat message in the canonical form used for prefix comparison and rendering.
 
     ``content``: a string (None → ``""``; a list of text parts joined; whitespace kept). ``tool_calls``:
-    ``[{"id"?, "type": "function", "function": {"name", "arguments": <parsed JSON object>}}]``. Keys whose
+    ``[{"id"?, "type": "function", "function": {"name", "arguments": <parsed JSON object>}}]`` (arguments
+    given as a JSON string are decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS`). Keys whose
     value is null are dropped (SDKs add ``refusal: null``, ``audio: null``...).
 
     Raises:
@@ -130,11 +185,11 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
                                    f"{where}.tool_calls[{k}]")
             args = fn.get("arguments", {})
             if isinstance(args, str):
+                field = f"{where}.tool_calls[{k}].function.arguments"
                 try:
-                    args = json.loads(args) if args.strip() else {}
-                except ValueError:
-                    raise GatewayError(400, f"{where}.tool_calls[{k}].function.arguments is not valid JSON",
-                                       "invalid_messages", f"{where}.tool_calls[{k}].function.arguments") from None
+                    args = loads(args, ARGUMENTS_BOUNDS) if args.strip() else {}
+                except JsonBoundError as e:
+                    raise json_error(e, field, "invalid_messages", field) from None
             call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
             if isinstance(c.get("id"), str):
                 call["id"] = c["id"]
@@ -153,8 +208,9 @@ class ChatRequest:
     ``"auto"``, ``"none"`` or ``"required"`` (``tool_name`` set: that tool, named). ``response_format``: the
     structured-output constraint it asks for in vLLM's ``structured_outputs`` form (an xgrammar structural tag: the JSON schema, or ``{"type": "object"}`` for
     ``json_object``, with whitespace runs of at most :data:`JSON_MAX_WHITESPACE`), None for text.
-    ``logit_bias``: token id -> bias in [-100, 100] (ids checked against the vocabulary by the session,
-    :func:`check_logit_bias`). ``chat_template_kwargs``: extra variables of the chat template render
+    ``logit_bias``: token id -> bias in [-100, 100], at most :data:`~prorl_server.types.MAX_SAMPLING_ENTRIES`
+    ids, each at most :data:`~prorl_server.types.MAX_TOKEN_ID` (and checked against the vocabulary by the
+    session, :func:`check_logit_bias`). ``chat_template_kwargs``: extra variables of the chat template render
     (``reasoning_effort`` lands here as ``reasoning_effort``).
     """
 
@@ -245,6 +301,13 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    """A finite float or a signed 64-bit int (what vLLM's sampling parameters are)."""
+    if _is_int(v):
+        return -2**63 <= v < 2**63
+    return isinstance(v, float) and math.isfinite(v)
+
+
 def _response_format(rf: Any) -> Optional[dict[str, Any]]:
     """``response_format`` as vLLM ``structured_outputs`` (None for text)."""
     if rf is None:
@@ -312,6 +375,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
                 and isinstance(t["function"].get("name"), str) for t in tools):
             raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}',
                                "invalid_parameter", "tools")
+        if len(tools) > MAX_TOOLS:
+            raise _bad("tools", f"holds {len(tools)} tools, more than {MAX_TOOLS}")
         tools = tools or None
     choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
     if choice == "required" and response_format is not None:
@@ -322,8 +387,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise GatewayError(400, "max_tokens must be a positive integer", "invalid_parameter", "max_tokens")
     sampling = {k: body[k] for k in _PASSED if body.get(k) is not None}
     for k, v in sampling.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise GatewayError(400, f"{k} must be a number", "invalid_parameter", k)
+        if not _is_number(v):
+            raise GatewayError(400, f"{k} must be a finite number (integers: 64-bit)", "invalid_parameter", k)
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -336,12 +401,16 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if bias is not None:
         if not isinstance(bias, dict):
             raise _bad("logit_bias", "must be an object {token id: bias}")
+        if len(bias) > MAX_SAMPLING_ENTRIES:
+            raise _bad("logit_bias", f"has {len(bias)} entries, more than {MAX_SAMPLING_ENTRIES}")
         logit_bias = {}
         for k, v in bias.items():
-            tid = int(k) if isinstance(k, str) and k.isdigit() else None
-            if tid is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-                raise _bad("logit_bias", f"entry {k!r}: {v!r}: keys are token ids (non-negative integers), "
-                           "values numbers from -100 to 100")
+            # Every key is range-checked before it becomes an int dict key: ints that differ by multiples of
+            # 2**61 - 1 hash alike (a megabyte of them: seconds of quadratic inserts).
+            tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 else None
+            if tid is None or tid > MAX_TOKEN_ID or not _is_number(v) or not -100 <= v <= 100:
+                raise _bad("logit_bias", f"entry {str(k)[:24]!r}: {str(v)[:24]}: keys are token ids (integers 0.."
+                           f"{MAX_TOKEN_ID}), values numbers from -100 to 100")
             logit_bias[tid] = float(v)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):

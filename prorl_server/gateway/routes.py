@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from aiohttp import web
 
 from prorl_server.gateway import anthropic as anthropic_api, responses as responses_api
-from prorl_server.gateway.protocol import (CreateSessionRequest, GatewayError, SessionCreated, parse_chat_request,
-                                           server_timing, stream_chunks)
+from prorl_server.gateway.protocol import (BODY_BOUNDS, CreateSessionRequest, GatewayError, SessionCreated,
+                                           decode_arguments, json_error, parse_chat_request, server_timing,
+                                           stream_chunks)
 from prorl_server.routes import Route, add_routes
+from sandbox.bounded_json import JsonBoundError, aloads
 
 if TYPE_CHECKING:
     from prorl_server.gateway.sessions import Gateway, Session
@@ -36,13 +38,27 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:  # no body reads as {}; whitespace only is invalid JSON (json.loads refuses it), as in parse_body
+    """The request's JSON body, decoded within :data:`~prorl_server.gateway.protocol.BODY_BOUNDS` (scanned
+    with yields to the event loop first: a dense, deep or oversized body is refused before anything is
+    built). No body reads as {}; whitespace only is invalid JSON, as in ``parse_body``.
+
+    Raises:
+        GatewayError: 413 ``request_too_large``; 400 ``invalid_json`` or ``json_too_complex``.
+    """
+    limit = BODY_BOUNDS.max_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise GatewayError(413, f"the request body is {request.content_length} bytes, more than the limit of "
+                           f"{limit} bytes", "request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:  # the app's client_max_size (max_body_mb), if below the limit
+        raise GatewayError(413, f"the request body is too large: {e.text}", "request_too_large") from None
+    if not raw:
         return {}
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        return await aloads(raw, BODY_BOUNDS)
+    except JsonBoundError as e:
+        raise json_error(e, "the request body") from None
 
 
 def _capability_route(fn: Callable[[web.Request, "Gateway", "Session"], Awaitable[web.StreamResponse]],
@@ -91,7 +107,9 @@ async def chat_completions(request: web.Request, gw: "Gateway", s: "Session") ->
     (body parsing, prefix check, tokenization, parsing, recording).
     """
     t0 = time.perf_counter()
-    req = parse_chat_request(await _json_body(request))
+    body = await _json_body(request)
+    await decode_arguments(body)
+    req = parse_chat_request(body)
     answer, backend_s = await gw.chat(s, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
     if not req.stream:
@@ -116,6 +134,7 @@ async def _translated(request: web.Request, gw: "Gateway", s: "Session", api: Mo
     ``chat.completion`` answer back (whole, or as its server-sent events). ``Server-Timing`` as for chat."""
     t0 = time.perf_counter()
     req = api.to_chat_request(await _json_body(request))
+    await decode_arguments(req.chat)
     answer, backend_s = await gw.chat(s, parse_chat_request(req.chat))
     out = api.from_chat_completion(answer, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
