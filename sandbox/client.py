@@ -4,6 +4,12 @@ One action at a time per sandbox (an ``asyncio.Lock``); a call that ends in any 
 included) drops its connection, so the next call reconnects; a dropped connection is re-opened and the running
 request re-attached by id (the server keeps recent results), so a network hiccup does not lose or repeat a
 command; a sandbox whose process is gone is reported as :class:`SandboxDeadError` at once, never waited on.
+
+Code in the sandbox can stop the execution server and answer in its place, so every response is read as
+hostile: a line longer than the request allows (:func:`sandbox.protocol.response_bytes`), one past
+:data:`sandbox.protocol.MAX_RESPONSE_ITEMS` items, nested past :data:`sandbox.bounded_json.MAX_DEPTH`, not
+JSON, or not of a response's shape (:func:`sandbox.protocol.check_response`) is a :class:`ProtocolError`,
+raised before the host reads a field of it; the decode yields to the event loop while it scans a long line.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import time
 from typing import Any, Awaitable, Callable, Optional
 
 from . import protocol
+from .bounded_json import JsonBoundError, JsonBounds, aloads
 from .errors import ERRORS_BY_NAME, ProtocolError, SandboxDeadError, SandboxError, ToolTimeout
 
 RECONNECT_ATTEMPTS = 3
@@ -113,18 +120,19 @@ class ExecClient:
         rid = next(self._ids)
         deadline = time.monotonic() + timeout_s
         request = protocol.encode({"id": rid, "op": op, "args": args})
+        max_bytes = protocol.response_bytes(op, args)
         expect = {rid}
         for attempt in range(RECONNECT_ATTEMPTS + 1):
             try:
                 if self._writer is None:
                     await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
                 self._writer.write(request)
-                msg = await self._read_response(expect, deadline, op)
+                msg = await self._read_response(expect, deadline, op, max_bytes)
                 if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
                     # The server never got the request before the connection broke: send it again.
                     expect = {rid}
                     self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
-                    msg = await self._read_response(expect, deadline, op)
+                    msg = await self._read_response(expect, deadline, op, max_bytes)
                 break
             except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
                 self._drop_connection()
@@ -153,7 +161,9 @@ class ExecClient:
             self._writer.close()
         self._reader = self._writer = None
 
-    async def _read_response(self, expect: set[int], deadline: float, op: str) -> dict[str, Any]:
+    async def _read_response(self, expect: set[int], deadline: float, op: str, max_bytes: int) -> dict[str, Any]:
+        """The next response line for one of the request ids ``expect`` (older ones skipped), read within
+        ``max_bytes`` and decoded within bounds; raises :class:`ProtocolError` for one out of bounds or shape."""
         died = self._died_future()
         while True:
             read = asyncio.ensure_future(self._reader.readline())
@@ -173,13 +183,21 @@ class ExecClient:
                     raise self._dead_error(f"while running {op}")
                 raise ToolTimeout(f"sandbox {self._describe}: no answer to {op} within the timeout plus "
                                   f"{SERVER_GRACE_S:g} s grace; the sandbox is unresponsive")
-            line = read.result()
+            try:
+                line = read.result()
+            except ValueError:  # asyncio's LimitOverrunError, as readline() raises it: no newline in the limit
+                raise ProtocolError(f"sandbox {self._describe}: a response line to {op} is longer than "
+                                    f"{protocol.MAX_LINE_BYTES} bytes") from None
             if not line:
                 raise asyncio.IncompleteReadError(b"", None)
+            if len(line) > max_bytes:
+                raise ProtocolError(f"sandbox {self._describe}: the response line to {op} is {len(line)} bytes, more "
+                                    f"than the {max_bytes} it may be")
             try:
-                msg = protocol.decode(line)
+                msg = protocol.check_response(await aloads(line, JsonBounds(max_bytes, protocol.MAX_RESPONSE_ITEMS)))
             except ValueError as e:
-                raise ProtocolError(f"sandbox {self._describe}: invalid response: {e}") from None
+                reason = f"it {e}" if isinstance(e, JsonBoundError) else str(e)
+                raise ProtocolError(f"sandbox {self._describe}: invalid response to {op}: {reason}") from None
             if msg.get("id") in expect:
                 return msg
             if msg.get("id") is None:
