@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable, Optional, Protocol, Union, runtime_
 import aiohttp
 
 from prorl_server.balancer import Backend, BackendPool, NoBackendError
+from sandbox.bounded_json import JsonBoundError, decode
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ _TOKEN_PREFIX = "token_id:"
 
 #: Seconds an idle keep-alive connection to a backend is kept (below vLLM's 5 s server-side timeout).
 KEEPALIVE_S = 4.0
+#: Most entries of an answer's ``weight_versions`` list that are read (a turn spans a few weight updates).
+MAX_WEIGHT_VERSIONS = 16
 
 class LLMError(RuntimeError):
     """Base of the client's errors."""
@@ -423,10 +426,14 @@ class LLMClient:
         except (asyncio.TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
             raise _exchange_failed(e, timeout) from None
         if status == 200:
-            try:
-                return json.loads(raw)
-            except ValueError:
+            try:  # jiter with the GC paused: 3-5x json.loads on the large answers top_logprobs makes
+                data = decode(raw)
+            except JsonBoundError:
                 raise _BackendFailed("200 with a body that is not JSON", connection=False) from None
+            if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or not data["choices"] \
+                    or not isinstance(data["choices"][0], dict):
+                raise _BackendFailed("200 with a body that is not a completions answer", connection=False)
+            return data
         text = raw[:2000].decode("utf-8", "replace")
         if "paused" in text.lower():
             raise _Paused()
@@ -434,8 +441,8 @@ class LLMClient:
             raise _BackendFailed(f"HTTP {status}: {text[:300]}", connection=False)
         self.counters["request_errors"] += 1
         try:
-            message = json.loads(text).get("error", {}).get("message", text)
-        except (ValueError, AttributeError):
+            message = decode(text).get("error", {}).get("message", text)
+        except (JsonBoundError, AttributeError):
             message = text
         raise LLMRequestError(status, str(message))
 
@@ -456,8 +463,10 @@ class LLMClient:
         logprobs = [0.0 if x is None else x for x in lp.get("token_logprobs", ())]
         if len(logprobs) != len(ids):
             raise LLMError(f"{b.address} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        reported = [v for v in (data.get("weight_version"), *_as_list(data.get("weight_versions")))
-                    if isinstance(v, int) and not isinstance(v, bool)]
+        # At most MAX_WEIGHT_VERSIONS int64 values go into the dict below: ints that differ by multiples of
+        # 2**61 - 1 hash alike, so a long list of huge ones would be quadratic.
+        reported = [v for v in (data.get("weight_version"), *_as_list(data.get("weight_versions"))[:MAX_WEIGHT_VERSIONS])
+                    if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63]
         if reported:  # the engine's own word on the weights that generated this answer
             versions = list(dict.fromkeys(reported))
         else:
