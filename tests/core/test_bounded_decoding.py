@@ -109,7 +109,7 @@ async def test_colliding_token_ids_in_process_sampling_params_are_a_422_naming_t
                                                                "sampling_params": {field: COLLIDING[:1000]}})
         assert time.perf_counter() - t0 < PATIENCE_S
         err = (await r.json())["error"]
-        assert r.status == 422 and err["field"] == f"sampling_params.{field}.1", err  # COLLIDING[0] is 1
+        assert r.status == 422 and err["field"] == f"sampling_params.{field}", err
         assert str(MAX_TOKEN_ID) in err["message"]
     r = await client.post("/jobs", headers=AUTH, json={"instance": {"data_source": "nope"},
                                                        "sampling_params": {"logit_bias": {"²": 1.0}}})
