@@ -37,12 +37,12 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: Most tools one request may offer (OpenAI's limit: 128 functions).
 MAX_TOOLS = 128
-#: Bounds of a gateway request body (``sandbox.bounded_json``): 4 MiB, a million tokens of text and more
-#: than any context served here needs, decoded in at most ~15 ms on the event loop at the worst (strings
-#: dense in escapes, ~3.6 ms per MB; plain text ~1 ms); 65536 items (arrays, objects, strings, commas),
-#: some ten thousand messages with tool calls. Tool-call arguments inside it, JSON text in a string, are
-#: decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` each.
-BODY_BOUNDS = JsonBounds(max_bytes=4 << 20, max_items=1 << 16)
+#: Bounds of a gateway request body (``sandbox.bounded_json``): 2 MiB, some 500k tokens of text, more than
+#: the context of the models served here, decoded in at most ~7.5 ms on the event loop (strings dense in
+#: escapes, ~3.6 ms per MB; plain text ~1 ms per MB); 32768 items (arrays, objects, strings, commas), a few
+#: thousand messages with tool calls, ~4 ms at the worst (integers past int64). Tool-call arguments inside
+#: it, JSON text in a string, are decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` each.
+BODY_BOUNDS = JsonBounds(max_bytes=2 << 20, max_items=1 << 15)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: Tool-call formats a forced tool call (``tool_choice`` ``"required"`` or named) can be constrained to, by
 #: parser name: the text before the call's JSON object, the key of its arguments, the text after it. The
