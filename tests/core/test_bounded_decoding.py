@@ -143,12 +143,14 @@ async def chat_url(make_app_client):
 
 async def test_gateway_logit_bias_with_colliding_or_foreign_keys_is_a_400_not_seconds_or_a_500(chat_url):
     client, chat, _ = await chat_url()
-    for bias in ({str(n): 1 for n in COLLIDING}, {"²": 1}, {str(MAX_TOKEN_ID + 1): 1}):
-        t0 = time.perf_counter()
+    for bias in ({str(n): 1 for n in COLLIDING[:1000]}, {"²": 1}, {str(MAX_TOKEN_ID + 1): 1}):
         r = await client.post(chat, json={"messages": START, "logit_bias": bias})
-        assert time.perf_counter() - t0 < PATIENCE_S
         err = (await r.json())["error"]
         assert r.status == 400 and err["param"] == "logit_bias", err
+    t0 = time.perf_counter()  # 30000 keys: past the body's item bound, refused before a dict is built
+    r = await client.post(chat, json={"messages": START, "logit_bias": {str(n): 1 for n in COLLIDING}})
+    assert time.perf_counter() - t0 < PATIENCE_S
+    assert r.status == 400 and (await r.json())["error"]["code"] == "json_too_complex"
 
 
 async def test_gateway_body_too_deep_too_dense_or_too_large_is_a_4xx_in_the_api_format(chat_url):
