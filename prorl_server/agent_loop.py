@@ -34,6 +34,7 @@ What the model caused and what it did not (infrastructure faults are never train
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,18 @@ _CALL_FORMAT: dict[str, str] = {
 
 TOOL_GRACE_S = 30.0
 """Seconds a tool with its own ``timeout_s`` gets beyond it before the loop treats it as not answering."""
+
+_TOOL_DEADLINE: "contextvars.ContextVar[Optional[float]]" = contextvars.ContextVar("prorl_tool_deadline",
+                                                                                   default=None)
+
+
+def tool_time_left() -> Optional[float]:
+    """Seconds left of the job's time budget while the agent loop runs a tool call (None: no budget, or not
+    inside a tool call). A tool with its own limit on the model's work clamps that limit to it
+    (:func:`prorl_server.plugin.toolkit.sandbox_tools` does), so a command the model keeps busy ends as its
+    own ``[timed out]`` observation before the job's deadline."""
+    deadline = _TOOL_DEADLINE.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass
@@ -187,7 +200,8 @@ class AgentLoop:
         self.engine = TurnEngine(llm, self.config.parser)
 
     async def run(self, messages: Sequence[dict], *, backend: Backends,
-                  sampling_params: Optional[dict[str, Any]] = None) -> AgentResult:
+                  sampling_params: Optional[dict[str, Any]] = None,
+                  time_budget_s: Optional[float] = None) -> AgentResult:
         """One rollout from ``messages`` (system/user, OpenAI format).
 
         Args:
@@ -196,6 +210,8 @@ class AgentLoop:
                 ``acquire(exclude)``, each turn's backend and weight version recorded on it), a Backend, a base
                 URL, or an ``async (exclude) -> Backend``.
             sampling_params: passed to vLLM each turn (``max_tokens`` is the per-turn limit).
+            time_budget_s: seconds the rollout may still take (the job's remaining ``timeout_s``): tools read
+                what is left of it with :func:`tool_time_left` and clamp their own limits to it.
 
         Raises:
             LLMUnavailableError: no backend could generate a turn (the pipeline reports
@@ -207,7 +223,10 @@ class AgentLoop:
                 and vLLM is not installed, or it refuses the tokenizer.
             sandbox.errors.SandboxError: a tool's sandbox failed (not a ``ToolError``), or a tool gave no
                 answer within ``tool_timeout_s`` (``ToolTimeout``); InfrastructureError: a tool raised one.
-                The rollout is not returned: it must not be trained on.
+                The rollout is not returned; the conversation so far is attached to the exception as
+                ``agent_result`` (an :class:`AgentResult` with ``finish_reason="error"``) once a turn was
+                generated, so that a failure the model caused keeps what it did (any exception, cancellation
+                included).
         """
         t_start = time.perf_counter()
         cfg = self.config
@@ -227,65 +246,77 @@ class AgentLoop:
                                   window=cfg.window)
         parser = await engine.parser_for(conv)  # built once per tokenizer: the first job's may import vLLM
         hint = _CALL_FORMAT.get(str(getattr(parser, "name", "")).removeprefix("vllm:"), "")
+        deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         finish_reason = "max_turns"
         answer: Optional[dict] = None
         backend_address: Optional[str] = None
-        while conv.num_turns < cfg.max_turns:
-            try:
-                turn = await engine.turn(conv, source, max_tokens=per_turn, sampling_params=sp,
-                                         timeout_s=cfg.llm_timeout_s)
-            except ContextFullError:
-                finish_reason = "length"
-                break
-            comp, msg, parsed = turn.completion, turn.message, turn.parsed
-            assert parsed is not None
-            backend_address = comp.backend
-            m["llm_calls"] += 1
-            m["llm_failovers"] += comp.failovers
-            m["llm_pause_retries"] += comp.pause_retries
-            m["llm_http_s"] += comp.http_s
-            if parsed.calls:
-                msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
-            m["malformed_tool_calls"] += len(parsed.errors)
-
-            if not parsed.attempted:
-                if comp.finish_reason == "length":
+        try:
+            while conv.num_turns < cfg.max_turns:
+                try:
+                    turn = await engine.turn(conv, source, max_tokens=per_turn, sampling_params=sp,
+                                             timeout_s=cfg.llm_timeout_s)
+                except ContextFullError:
                     finish_reason = "length"
                     break
-                if cfg.stop_on_no_tool_call:
-                    finish_reason = "no_tool_call"
-                    break
-                new = [{"role": "user", "content": cfg.no_tool_call_message}]
-            else:
-                finish_call = next((c for c in parsed.calls if c.name == cfg.finish_tool), None)
-                if finish_call is None and conv.num_turns >= cfg.max_turns:
-                    finish_reason = "max_turns"
-                    break
-                t_tools = time.perf_counter()
-                new = await self._run_tools(parsed, m, hint)
-                m["tool_s"] += time.perf_counter() - t_tools
-                if finish_call is not None:
-                    answer = finish_call.arguments
-                    finish_reason = "stop"
-                    break
-            if not await conv.add_messages(new):
-                finish_reason = "length"
-                break
-        conv.finish(finish_reason)
+                comp, msg, parsed = turn.completion, turn.message, turn.parsed
+                assert parsed is not None
+                backend_address = comp.backend
+                m["llm_calls"] += 1
+                m["llm_failovers"] += comp.failovers
+                m["llm_pause_retries"] += comp.pause_retries
+                m["llm_http_s"] += comp.http_s
+                if parsed.calls:
+                    msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
+                m["malformed_tool_calls"] += len(parsed.errors)
 
+                if not parsed.attempted:
+                    if comp.finish_reason == "length":
+                        finish_reason = "length"
+                        break
+                    if cfg.stop_on_no_tool_call:
+                        finish_reason = "no_tool_call"
+                        break
+                    new = [{"role": "user", "content": cfg.no_tool_call_message}]
+                else:
+                    finish_call = next((c for c in parsed.calls if c.name == cfg.finish_tool), None)
+                    if finish_call is None and conv.num_turns >= cfg.max_turns:
+                        finish_reason = "max_turns"
+                        break
+                    t_tools = time.perf_counter()
+                    new = await self._run_tools(parsed, m, hint, deadline)
+                    m["tool_s"] += time.perf_counter() - t_tools
+                    if finish_call is not None:
+                        answer = finish_call.arguments
+                        finish_reason = "stop"
+                        break
+                if not await conv.add_messages(new):
+                    finish_reason = "length"
+                    break
+        except BaseException as e:
+            if conv.num_turns:
+                conv.finish("error")
+                partial = self._result(conv, "error", answer, backend_address, m, t_start)
+                e.agent_result = partial  # type: ignore[attr-defined]
+            raise
+        conv.finish(finish_reason)
+        return self._result(conv, finish_reason, answer, backend_address, m, t_start)
+
+    @staticmethod
+    def _result(conv: Any, finish_reason: str, answer: Optional[dict], backend_address: Optional[str],
+                m: dict[str, float], t_start: float) -> AgentResult:
         trajectories = conv.trajectories()
         versions: list[int] = []
         for t in trajectories:
             versions.extend(v for v in t.weight_versions if v not in versions)
-        m.update({k: v for k, v in conv.metrics.items()})
+        m = {**m, **conv.metrics}
         m["turns"] = conv.num_turns
         m["overhead_s"] = time.perf_counter() - t_start - m["llm_http_s"] - m["tool_s"]
         return AgentResult(messages=conv.messages, trajectories=trajectories, finish_reason=finish_reason,
                            num_turns=conv.num_turns, answer=answer, weight_versions=versions,
                            backend=backend_address, metrics=m, token_stats=TokenStats(**conv.token_stats()))
 
-    async def _run_tools(self, parsed: ParsedTurn, m: dict[str, float], hint: str = _CALL_FORMAT["hermes"]
-                         ) -> list[dict]:
+    async def _run_tools(self, parsed: ParsedTurn, m: dict[str, float], hint: str = _CALL_FORMAT["hermes"],
+                         deadline: Optional[float] = None) -> list[dict]:
         """Run the turn's calls in text order (up to and including the finish tool); one observation each.
         ``hint``: the call format the parser reads, told to the model after a malformed call."""
         out: list[dict] = []
@@ -296,13 +327,13 @@ class AgentLoop:
                 continue
             call: ToolCall = item
             m["tool_calls"] += 1
-            obs = await self._call(call, m)
+            obs = await self._call(call, m, deadline)
             out.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": obs})
             if call.name == self.config.finish_tool:
                 break
         return out
 
-    async def _call(self, call: ToolCall, m: dict[str, float]) -> str:
+    async def _call(self, call: ToolCall, m: dict[str, float], deadline: Optional[float] = None) -> str:
         spec = self.tools.get(call.name)
         if spec is None:
             m["unknown_tool_calls"] += 1
@@ -314,9 +345,10 @@ class AgentLoop:
         own = getattr(fn, "timeout_s", None)
         if limit is not None and isinstance(own, (int, float)):
             limit = max(limit, own + TOOL_GRACE_S)  # never cut a tool before it reports a slow command itself
-        deadline = asyncio.timeout(limit)
+        timer = asyncio.timeout(limit)
+        token = _TOOL_DEADLINE.set(deadline)
         try:
-            async with deadline:
+            async with timer:
                 result = await fn(call.arguments)
         except ToolError as e:  # caused by what the model asked for: its message is meant for the model
             m["tool_errors"] += 1
@@ -324,7 +356,7 @@ class AgentLoop:
         except (SandboxError, InfrastructureError):
             raise  # the sandbox, not the model: the job fails and is filtered, never an observation
         except TimeoutError as e:
-            if deadline.expired():
+            if timer.expired():
                 m["tool_timeouts"] += 1
                 raise ToolTimeout(f"tool {call.name!r} gave no answer within {limit:g} s (tool_timeout_s): "
                                   "the tool or its sandbox is not answering") from e
@@ -333,6 +365,8 @@ class AgentLoop:
         except Exception as e:  # bad arguments and other tool bugs: the model's observation
             m["tool_errors"] += 1
             return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}"
+        finally:
+            _TOOL_DEADLINE.reset(token)
         obs = result if isinstance(result, str) else str(result)
         limit = self.config.max_observation_chars
         if limit is not None and len(obs) > limit:

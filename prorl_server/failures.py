@@ -1,14 +1,27 @@
-"""Why a job failed, in a form a trainer can act on (``JobResult.failure_kind``).
+"""Why a job failed, in a form a trainer can act on (``JobResult.failure_kind``), and who caused it.
 
-The rule: what the model caused is a normal outcome and is trained on
-(a wrong answer, a bad tool call, its own command running past its time limit: those are observations or a
-low reward); what it did not cause is a failure with a ``failure_kind`` and ``filter: true``, and a trainer
-regenerates the sample instead of training on it. The kinds:
+The rule is **who acted decides** (README, "Reward integrity", I3). The policy is an adversary: a failure it
+can cause that is filtered (``filter: true``: regenerated, never trained on) is a way out of every problem it
+cannot solve, because a filtered sample never gets a negative advantage. So:
+
+- **Before the model acted** (no turn of the job was generated yet: init, or run before the first turn),
+  every failure is outside the model's reach: it gets a kind of :data:`FILTERED_KINDS` and ``filter: true``.
+- **After the model acted** (a turn was generated: the run stage after its first turn, and the eval stage
+  that grades what the model made), what its actions or its artifact can cause is a **scored** result: reward
+  0.0, ``filter: false``, trajectories kept, and a kind of :data:`SCORED_KINDS` saying what happened. Only
+  faults that are plainly outside its reach stay filtered: an LLM backend that could not serve
+  (``llm_backend``), a sandbox that could not *start* (``sandbox``), a harness or grader that declared its own
+  fault (:class:`InfrastructureError`), a malformed instance, a cancel. The host cannot tell a sandbox killed
+  from inside (``kill -9 $PPID``, a fork bomb, a full disk) from one killed from outside once the model has run
+  code in it, so that death is the model's; a rising ``prorl_jobs_failed_total{failure_kind=...}`` shows an
+  infrastructure problem instead.
+
+Filtered kinds (``filter: true``):
 
 ``sandbox``
-    the sandbox could not start, died, or its execution server stopped answering: every
-    :class:`sandbox.errors.SandboxError` that is not a :class:`~sandbox.errors.ToolError`, and a tool of the
-    agent loop that gave no answer within ``AgentConfig.tool_timeout_s``.
+    the sandbox could not start, or died / stopped answering before the model acted: every
+    :class:`sandbox.errors.SandboxError` that is not a :class:`~sandbox.errors.ToolError` (after the model acted
+    only :class:`~sandbox.errors.SandboxStartError`).
 ``llm_backend``
     no LLM backend could serve the job (:class:`~prorl_server.balancer.NoBackendError`,
     :class:`~prorl_server.llm_client.LLMError`).
@@ -19,7 +32,7 @@ regenerates the sample instead of training on it. The kinds:
     the agent program of a black-box harness is not there or not executable (``cli_agent``: exit status
     126/127 before the agent asked the model anything).
 ``timeout``
-    the job's counted-time budget (``timeout_s``) ran out.
+    the job's counted-time budget (``timeout_s``) ran out before the model acted.
 ``cancelled``
     the job was cancelled (``POST /cancel``, ``POST /stop``, shutdown).
 ``invalid_instance``
@@ -27,13 +40,31 @@ regenerates the sample instead of training on it. The kinds:
     instance), :class:`InvalidInstanceError` anywhere, or a prompt that does not fit the model's context
     (:class:`~prorl_server.conversation.ContextLengthError`). The trainer's bug, not the model's.
 ``handler``
-    any other exception of a handler's stage: a handler bug.
+    any other exception of a handler's stage before the model acted: a handler bug.
 ``internal``
     a bug of the rollout server itself (a stage worker crashed).
 
+Scored kinds (``filter: false``, reward 0.0, trajectories kept):
+
+``model_crashed_sandbox``
+    the sandbox the model worked in died or its execution server broke (``SandboxDeadError``,
+    ``ProtocolError``, a memory or disk bound of the sandbox) after the model acted.
+``model_stalled_sandbox``
+    a tool of the model's sandbox gave no answer within its limit (``ToolTimeout``) after the model acted.
+``model_timeout``
+    the job's ``timeout_s`` ran out after the model acted (its own limits are clamped to the job's budget,
+    so a stall of its making ends here at the latest).
+``model_crashed_grader``
+    grading the model's answer or artifact killed or stalled the grading process (a CPU pool worker that
+    died scoring it).
+``model_error``
+    a host-side step raised on what the model produced after it acted: a file it shaped that the host cannot
+    read (a directory where a file was expected), a value too large or too deep to encode, any other
+    exception of a handler's run or eval stage that is not a declared infrastructure fault.
+
 A handler declares a failure that the exception type alone does not tell by raising
 :class:`InfrastructureError` (re-exported by :mod:`prorl_server.plugin.handler`), or by setting ``job.failure_kind``
-in a stage or in its ``<stage>_exception`` callback.
+in a stage or in its ``<stage>_exception`` callback (a scored kind there scores the job 0.0 unfiltered).
 """
 from __future__ import annotations
 
@@ -50,9 +81,24 @@ FAILURE_KINDS: "MappingProxyType[str, str]" = MappingProxyType({
     "invalid_instance": "the instance is malformed (the trainer's bug)",
     "handler": "a handler stage raised an unexpected exception (a handler bug)",
     "internal": "the rollout server itself failed",
+    "model_crashed_sandbox": "the model's sandbox died or broke after the model acted (scored 0.0)",
+    "model_stalled_sandbox": "a tool of the model's sandbox stopped answering after the model acted (scored 0.0)",
+    "model_timeout": "the job's timeout_s ran out after the model acted (scored 0.0)",
+    "model_crashed_grader": "grading the model's answer killed or stalled the grader (scored 0.0)",
+    "model_error": "a host-side step raised on what the model produced (scored 0.0)",
 })
-"""Every ``failure_kind`` the server sets, with a one-line meaning. ``failure_kind`` not null implies
-``filter: true``."""
+"""Every ``failure_kind`` the server sets, with a one-line meaning. A kind of :data:`SCORED_KINDS` is a scored
+result (``filter: false``, reward 0.0); every other kind implies ``filter: true``."""
+
+SCORED_KINDS: frozenset[str] = frozenset(k for k in FAILURE_KINDS if k.startswith("model_"))
+"""Failure kinds the model caused: scored 0.0 and trained on, never filtered (see the module docstring)."""
+FILTERED_KINDS: frozenset[str] = frozenset(FAILURE_KINDS) - SCORED_KINDS
+"""Failure kinds outside the model's reach: ``filter: true``."""
+
+
+def is_filtered(failure_kind: Optional[str]) -> bool:
+    """Whether a result with this ``failure_kind`` must not be trained on: any kind but a scored one."""
+    return failure_kind is not None and failure_kind not in SCORED_KINDS
 
 
 class InfrastructureError(Exception):
@@ -78,19 +124,54 @@ class InvalidInstanceError(ValueError):
     stage. A plain ``ValueError`` raised in ``init`` is read the same way."""
 
 
-def classify(exc: BaseException, stage: Optional[str] = None) -> str:
+def classify(exc: BaseException, stage: Optional[str] = None, model_acted: bool = False) -> str:
     """The :data:`FAILURE_KINDS` kind of an exception that ended a handler stage.
 
     Args:
         exc: what the stage raised (an exception group is read through its members: the first that is not
             ``"handler"`` decides).
         stage: ``"init"``, ``"run"`` or ``"eval"``; a ``ValueError`` in ``init`` is ``invalid_instance``.
+        model_acted: a turn of the job was generated before the exception (``Job.model_acted``): then, in the
+            run and eval stages, what the model can cause is one of :data:`SCORED_KINDS` (module docstring).
 
     Returns:
-        the kind; ``"handler"`` when nothing more specific is known. An exception raised ``from`` another
-        (``raise RuntimeError(...) from sandbox_error``) takes its cause's kind when that one is specific.
+        the kind; ``"handler"`` (``"model_error"`` after the model acted) when nothing more specific is
+        known. An exception raised ``from`` another (``raise RuntimeError(...) from sandbox_error``) takes its
+        cause's kind when that one is specific.
     """
-    return _classify(exc, stage, set())
+    kind = _classify(exc, stage, set())
+    if not model_acted or stage == "init" or isinstance(exc, InfrastructureError):
+        return kind  # a fault the handler declared stays its kind
+    if kind == "handler":
+        return "model_error"
+    if kind == "sandbox" and not _any_start_error(exc, set()):
+        return "model_stalled_sandbox" if _any_timeout(exc, set()) else "model_crashed_sandbox"
+    return kind
+
+
+def _walk(exc: BaseException, seen: set[int]):
+    """``exc``, its causes and the members of exception groups, each once."""
+    if id(exc) in seen:
+        return
+    seen.add(id(exc))
+    yield exc
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            yield from _walk(e, seen)
+    if exc.__cause__ is not None:
+        yield from _walk(exc.__cause__, seen)
+
+
+def _any_start_error(exc: BaseException, seen: set[int]) -> bool:
+    from sandbox.errors import SandboxStartError
+
+    return any(isinstance(e, SandboxStartError) for e in _walk(exc, seen))
+
+
+def _any_timeout(exc: BaseException, seen: set[int]) -> bool:
+    from sandbox.errors import ToolTimeout
+
+    return any(isinstance(e, ToolTimeout) for e in _walk(exc, seen))
 
 
 def _classify(exc: BaseException, stage: Optional[str], seen: set[int]) -> str:

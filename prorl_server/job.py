@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
+from prorl_server.failures import is_filtered
 
 if TYPE_CHECKING:
     from prorl_server.plugin.handler import AgentHandler
@@ -138,9 +139,12 @@ class Job:
         self.reward: float = 0.0
         self.resolved: bool = False
         self.filter: bool = False
-        # why the job failed when the model did not cause it (prorl_server.failures.FAILURE_KINDS); a handler
-        # may set it (then the stage ends the job) or raise InfrastructureError; it implies filter
+        # why the job failed (prorl_server.failures.FAILURE_KINDS); a handler may set it (then the stage ends
+        # the job) or raise InfrastructureError; it implies filter unless it is one of SCORED_KINDS
         self.failure_kind: Optional[str] = None
+        # generated turns recorded for this job (record_turn): once there is one, the model has acted and what
+        # its actions cause is scored, not filtered (prorl_server.failures, "who acted decides")
+        self.turns_generated = 0
         self.messages: list[dict[str, Any]] = []
         self.trajectories: list[Trajectory] = []
         # the drift report of the job's conversations, summed (AgentResult.apply_to, a gateway session's end)
@@ -232,8 +236,22 @@ class Job:
         """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
         client recorded for it): the result's ``backend`` / ``weight_version`` are those of the last turn."""
         self._backend_address = backend
+        self.turns_generated += 1
         if weight_version is not None:
             self._weight_version = weight_version
+
+    @property
+    def model_acted(self) -> bool:
+        """Whether a turn was generated for this job (by the agent loop or a gateway session): from then on a
+        failure the model's actions can cause is a scored result (:mod:`prorl_server.failures`)."""
+        return self.turns_generated > 0
+
+    def remaining_s(self) -> Optional[float]:
+        """Seconds left of the job's counted-time budget (``timeout_s``), never below 0; None without a
+        budget. The agent loop clamps its tool limits to it, so a stall of the model's ends as its own."""
+        if self.timeout_s is None:
+            return None
+        return max(0.0, self.timeout_s - self.timer.elapsed)
 
     async def run_cpu(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         """``fn(*args)`` in the server's CPU process pool, off the event loop (CPU-bound scoring goes here).
@@ -305,7 +323,7 @@ class Job:
             job_id=self.job_id, instance_id=self.instance_id, trajectory_id=self.trajectory_id,
             handler=self.handler_name, reward=float(self.reward), resolved=bool(self.resolved),
             critical_error=self.critical_error, error=self.error, traceback=self.traceback,
-            filter=bool(self.filter) or self.failure_kind is not None, failure_kind=self.failure_kind,
+            filter=bool(self.filter) or is_filtered(self.failure_kind), failure_kind=self.failure_kind,
             messages=self.messages, trajectories=self.trajectories,
             timing=self.timing, backend=self._backend_address, weight_version=self._weight_version,
             token_stats=self.token_stats, extra=self.extra,

@@ -86,6 +86,12 @@ class Metrics:
                                      "trained on), by handler and failure_kind (sandbox, llm_backend, harness, "
                                      "agent_missing, timeout, cancelled, invalid_instance, handler, internal)",
                                      ["handler", "failure_kind"], registry=r)
+        self.jobs_failed = Counter("prorl_jobs_failed_total", "Jobs that ended with a failure_kind, by handler, "
+                                   "kind and whether the result is filtered: the scored kinds (model_crashed_sandbox, "
+                                   "model_stalled_sandbox, model_timeout, model_crashed_grader, model_error) are what "
+                                   "the model caused, scored 0.0 and trained on; a rising rate of one of them is a "
+                                   "policy learning to crash or an infrastructure problem",
+                                   ["handler", "failure_kind", "filtered"], registry=r)
         self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
                                          "Malformed tool calls turned into error observations",
                                          ["handler"], registry=r)

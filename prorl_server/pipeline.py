@@ -7,8 +7,11 @@ charged against that counted time, never against queue waits.
 
 Outcomes: every path (success, stage exception, timeout, cancel, stop) goes through :meth:`_finish`, which
 closes the job's resources, releases its backend, builds the result and completes the waiter exactly once.
-A failed job gets a ``failure_kind`` (:mod:`prorl_server.failures`: the stage exception's type decides, or the
-handler declares it) and ``filter: true``: a failure the model did not cause is never trained on.
+A failed job gets a ``failure_kind`` (:mod:`prorl_server.failures`: who acted decides, then the exception's
+type, or the handler declares it). A failure the model did not cause gets ``filter: true`` and is never trained
+on; one its actions caused after it acted (its sandbox dying or stalling, a host-side reader raising on what it
+shaped, a stall past the job's deadline) is a scored 0.0 with ``filter: false`` and its trajectories kept, so a
+policy never learns to crash out of a problem it cannot solve.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any, Optional
 
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.balancer import BackendPool, NoBackendError
-from prorl_server.failures import classify
+from prorl_server.failures import SCORED_KINDS, classify, is_filtered
 from prorl_server.job import Job, JobServices
 from prorl_server.metrics import Metrics
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
@@ -312,7 +315,8 @@ class Pipeline:
             msg = f"{stage} failed: {exc}"
         # what the handler set during the stage wins; its callback may still override the classification.
         # A SystemExit/KeyboardInterrupt out of a handler is the handler's bug, never a reason to stop serving.
-        job.failure_kind = job.failure_kind or ("handler" if base_exc is not None else classify(exc, stage))
+        job.failure_kind = job.failure_kind or ("handler" if base_exc is not None
+                                                else classify(exc, stage, model_acted=job.model_acted))
         try:
             await getattr(handler, f"{stage}_exception")(job, exc)
         except asyncio.CancelledError:
@@ -355,14 +359,18 @@ class Pipeline:
         if critical_error is not None:
             # timeout and cancel are the pipeline's own decisions; a stage failure was classified in
             # _run_stage (or declared by the handler)
-            if critical_error in ("timeout", "cancelled"):
+            if critical_error == "cancelled":
                 job.failure_kind = critical_error
+            elif critical_error == "timeout":
+                # past the deadline after the model acted: its stall (its tool limits are clamped to the budget)
+                job.failure_kind = "model_timeout" if job.model_acted else "timeout"
             else:
                 job.failure_kind = failure_kind or job.failure_kind or "handler"
             job.critical_error = critical_error  # type: ignore[assignment]
             job.error = error
             job.traceback = tb
-            job.reward = 0.0 if critical_error != "eval" else float(job.reward or 0.0)
+            scored = job.failure_kind in SCORED_KINDS
+            job.reward = 0.0 if critical_error != "eval" or scored else float(job.reward or 0.0)
             job.resolved = False
         try:
             close_errors = await job.close_resources()
@@ -383,9 +391,12 @@ class Pipeline:
                 job.error = f"final_result failed: {type(e).__name__}: {e}"
             result = job.build_result()
         if job.failure_kind is not None and result.failure_kind is None:  # a final_result of the handler's own
-            result = result.model_copy(update={"failure_kind": job.failure_kind, "filter": True})
-        elif result.failure_kind is not None and not result.filter:
+            result = result.model_copy(update={"failure_kind": job.failure_kind,
+                                               "filter": result.filter or is_filtered(job.failure_kind)})
+        elif is_filtered(result.failure_kind) and not result.filter:
             result = result.model_copy(update={"filter": True})
+        if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
+            result = result.model_copy(update={"reward": 0.0, "resolved": False})
         job.result = result
         job.status = JobState.done
         self.in_flight -= 1
@@ -394,6 +405,9 @@ class Pipeline:
         self.metrics.reward.labels(job.handler_name).observe(result.reward)
         if result.filter:
             self.metrics.jobs_filtered.labels(job.handler_name, result.failure_kind or "unspecified").inc()
+        if result.failure_kind is not None:
+            self.metrics.jobs_failed.labels(job.handler_name, result.failure_kind,
+                                            "true" if result.filter else "false").inc()
         malformed = (job.extra.get("agent") or {}).get("malformed_tool_calls")  # see AgentResult.apply_to
         if malformed:
             self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)

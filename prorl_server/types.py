@@ -370,12 +370,13 @@ class TokenStats(BaseModel):
 class JobResult(BaseModel):
     """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure).
 
-    ``failure_kind``: why the job failed when the model did not cause it (one of
-    :data:`prorl_server.failures.FAILURE_KINDS`: ``sandbox``, ``llm_backend``, ``harness``,
-    ``agent_missing``, ``timeout``, ``cancelled``, ``invalid_instance``, ``handler``, ``internal``); null
-    for a normal outcome, including every model-caused one (a wrong answer, a bad tool call, its own command
-    timing out). ``filter``: true whenever ``failure_kind`` is set (or the handler asked for it): the sample
-    must not be trained on; a trainer regenerates it.
+    ``failure_kind``: why the job failed (one of :data:`prorl_server.failures.FAILURE_KINDS`). Outside the
+    model's reach (``sandbox``, ``llm_backend``, ``harness``, ``agent_missing``, ``timeout``, ``cancelled``,
+    ``invalid_instance``, ``handler``, ``internal``): ``filter`` is true, the sample must not be trained on and
+    a trainer regenerates it. Caused by the model after it acted (``model_crashed_sandbox``,
+    ``model_stalled_sandbox``, ``model_timeout``, ``model_crashed_grader``, ``model_error``): a scored result,
+    reward 0.0, ``filter`` false, trajectories kept. Null for a normal outcome (a wrong answer, a bad tool
+    call, its own command timing out). ``filter`` is also true when the handler asked for it.
     ``token_stats``: the drift report of the job's conversations (:class:`TokenStats`, summed when it had
     several); null for a job that generated nothing through a conversation.
     """

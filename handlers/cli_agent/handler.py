@@ -21,7 +21,9 @@ Failures that are not the model's doing end the job with ``critical_error`` and 
 ``filter: true``, :mod:`prorl_server.failures`); the rule is that the model can only act on the run through
 its answers, so a run in which it answered no request cannot be its outcome:
 
-- the sandbox died or stopped answering while the agent ran: ``sandbox`` (the ``SandboxError`` propagates);
+- the sandbox died or stopped answering while the agent ran: ``sandbox`` before the model answered a request;
+  after it, the model's doing (``model_crashed_sandbox`` / ``model_stalled_sandbox``, a scored 0.0 with the
+  session's trajectories kept: :mod:`prorl_server.failures`);
 - the agent made LLM requests and none was answered (backend down, no backend): ``llm_backend``;
 - no LLM request was made and the agent exited non-zero or ran out of time: exit status 126/127 (the shell's
   "not executable" / "command not found") is ``agent_missing``; 125 (the launcher's own failure, the
@@ -239,7 +241,7 @@ class CliAgentHandler(AgentHandler):
                                 owner)
         argv = ["python3", f"{GATEWAY_DIR}/launcher.py", f"{GATEWAY_DIR}/{SOCKET_NAME}",
                 f"{GATEWAY_DIR}/{SESSION_FILE}", "--", "bash", "-c", job.state["command"]]
-        timeout_s = job.state["agent_timeout_s"]
+        timeout_s = _within_budget(job, job.state["agent_timeout_s"])
         agent = asyncio.ensure_future(handle.bash(" ".join(shlex.quote(a) for a in argv), timeout_s=timeout_s))
         completed = asyncio.ensure_future(session.completed.wait())
         try:
@@ -248,12 +250,16 @@ class CliAgentHandler(AgentHandler):
                 await asyncio.wait({agent}, timeout=job.state["complete_grace_s"])
         except BaseException:  # cancelled or timed out: the sandbox closes, the tool call goes with it
             agent.cancel()
+            _keep_what_the_model_did(job, session)
             raise
         finally:
             completed.cancel()
         info: dict[str, Any] = {"exit_code": None, "timed_out": False, "output_tail": None}
         if agent.done() and agent.exception() is not None and not session.completed.is_set():
-            raise agent.exception()  # the sandbox died or stopped answering: failure_kind "sandbox"
+            # the sandbox died or stopped answering: before the model answered anything failure_kind "sandbox"
+            # (filtered), after it the model's doing (model_crashed_sandbox, scored on what it did)
+            _keep_what_the_model_did(job, session)
+            raise agent.exception()
         if agent.done() and agent.exception() is None:
             r = agent.result()
             info.update(exit_code=r.exit_code, timed_out=r.timed_out, output_tail=r.output[-4000:])
@@ -288,6 +294,32 @@ class CliAgentHandler(AgentHandler):
             job.reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
             job.resolved = bool(info.get("resolved", job.reward >= 1.0))
             job.extra["eval"] = {"reward_info": info}
+
+
+#: Seconds of the job's budget kept for the eval stage when the agent's time is clamped to it (besides the
+#: grading's own limit for ``eval="code"``).
+EVAL_RESERVE_S = 5.0
+
+
+def _within_budget(job: Any, agent_timeout_s: float) -> float:
+    """The agent's time limit clamped to the job's remaining budget, less what eval needs: an agent that
+    stalls ends as its own ``agent_timeout`` (and is graded) instead of running into the job's deadline."""
+    left = job.remaining_s()
+    if left is None:
+        return agent_timeout_s
+    reserve = EVAL_RESERVE_S
+    if job.state.get("eval") == "code":
+        reserve += grading_limits({"eval_timeout_s": job.instance.get("eval_timeout_s")}).timeout_s
+    return max(1.0, min(agent_timeout_s, left - reserve))
+
+
+def _keep_what_the_model_did(job: Any, session: Any) -> None:
+    """Before a run that failed raises: the session's trajectories so far go into the job, so a failure the
+    model caused is scored on what it did (and a filtered one shows it)."""
+    try:
+        job.trajectories = session.trajectories()
+    except Exception:  # a session in a state that cannot be read: the failure itself matters more
+        pass
 
 
 async def _raise_if_not_the_models(handle: Any, session: Any, end: str, info: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from prorl_server.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec
+from prorl_server.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec, tool_time_left
 
 __all__ = ["AgentConfig", "run_agent", "sandbox_tools"]
 
@@ -39,6 +39,16 @@ THINK = {"name": "think", "description": "Write down your reasoning. It changes 
          "parameters": {"type": "object", "properties": {"thought": {"type": "string"}}, "required": ["thought"]}}
 
 EDITOR_KEYS = ("file_text", "old_str", "new_str", "insert_line", "view_range")
+DEADLINE_MARGIN_S = 1.0
+"""Seconds before the job's deadline at which a clamped command is stopped (room to report it)."""
+MIN_COMMAND_S = 0.1
+"""Shortest limit a clamped command gets, seconds."""
+
+
+def _clamped(limit_s: float) -> float:
+    """``limit_s`` clamped to the job's time left (inside the agent loop's tool call), seconds."""
+    left = tool_time_left()
+    return limit_s if left is None else max(MIN_COMMAND_S, min(limit_s, left - DEADLINE_MARGIN_S))
 
 
 def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_replace_editor"),
@@ -48,18 +58,21 @@ def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_r
     What the model caused reaches it as an observation: a command past ``bash_timeout_s`` /
     ``ipython_timeout_s`` (seconds) returns its partial output marked ``[timed out]``, and a
     :class:`sandbox.errors.ToolError` (a path outside the workspace, a non-unique ``str_replace``, a killed
-    kernel) becomes an error observation in the agent loop. Nothing here catches a sandbox error: an
-    infrastructure fault (``SandboxDeadError``, ``ToolTimeout``: the execution server did not answer,
-    ``ProtocolError``) propagates and fails the job with ``failure_kind="sandbox"``. ``bash`` and ``ipython``
-    carry their limit as ``fn.timeout_s``, so the agent loop's ``tool_timeout_s`` never fires before it."""
+    kernel) becomes an error observation in the agent loop. Nothing here catches a sandbox error
+    (``SandboxDeadError``, ``ToolTimeout``: the execution server did not answer, ``ProtocolError``): it
+    propagates and ends the job, scored 0.0 as ``model_crashed_sandbox`` / ``model_stalled_sandbox`` since
+    the model acted (:mod:`prorl_server.failures`). ``bash`` and ``ipython``
+    carry their limit as ``fn.timeout_s``, so the agent loop's ``tool_timeout_s`` never fires before it. Both
+    limits are clamped to what is left of the job's time budget (:func:`~prorl_server.agent_loop.tool_time_left`
+    minus :data:`DEADLINE_MARGIN_S`), so a command the model keeps busy ends as its own ``[timed out]``."""
 
     async def bash(args: dict) -> str:
-        r = await handle.bash(str(args.get("command", "")), timeout_s=bash_timeout_s)
+        r = await handle.bash(str(args.get("command", "")), timeout_s=_clamped(bash_timeout_s))
         status = "timed out" if r.timed_out else f"exit code {r.exit_code}"
         return f"{r.output}\n[{status}]"
 
     async def ipython(args: dict) -> str:
-        r = await handle.ipython(str(args.get("code", "")), timeout_s=ipython_timeout_s)
+        r = await handle.ipython(str(args.get("code", "")), timeout_s=_clamped(ipython_timeout_s))
         parts = [r.text] if r.text else []
         if r.images:
             parts.append(f"[{len(r.images)} image(s)]")
@@ -91,14 +104,27 @@ async def run_agent(job: "Job", messages: list[dict], tools: dict[str, "ToolSpec
         RuntimeError: the server has no LLM context.
         prorl_server.llm_client.LLMUnavailableError: no backend could generate (the stage fails: ``run``,
             ``failure_kind="llm_backend"``).
-        sandbox.errors.SandboxError: a tool's sandbox failed or stopped answering (``failure_kind="sandbox"``;
-            never a ``ToolError``, which the model sees as an observation).
+        sandbox.errors.SandboxError: a tool's sandbox failed or stopped answering (never a ``ToolError``, which
+            the model sees as an observation): ``failure_kind="sandbox"`` before the model's first turn,
+            ``model_crashed_sandbox`` / ``model_stalled_sandbox`` (scored 0.0) after it.
+
+    Whatever it raises, the conversation so far (if a turn was generated) is written into the job first. Tool
+    limits are clamped to the job's remaining ``timeout_s``.
     """
     if job.llm is None:
         raise RuntimeError("this server has no LLM context")
     backend = await job.backend()
     tokenizer = await job.llm.tokenizer(backend)
     loop = AgentLoop(tokenizer, job.llm.client, tools, config)
-    result = await loop.run(messages, backend=job, sampling_params=job.sampling_params)
+    try:
+        result = await loop.run(messages, backend=job, sampling_params=job.sampling_params,
+                                time_budget_s=job.remaining_s())
+    except BaseException as e:
+        # Whoever caused it, keep what the model did: a failure of its making is scored on these trajectories
+        # (prorl_server.failures), one outside its reach is filtered with them visible.
+        partial = getattr(e, "agent_result", None)
+        if isinstance(partial, AgentResult):
+            partial.apply_to(job)
+        raise
     result.apply_to(job)
     return result

@@ -1,5 +1,8 @@
-"""Failures the model did not cause are never training data: each class of failure ends the job
-with its ``failure_kind`` and ``filter: true``, and what the model caused stays a normal, trainable outcome.
+"""Who acted decides: failures the model did not cause are never training data (each class ends the job with
+its ``failure_kind`` and ``filter: true``), and what the model caused after it acted (its sandbox dying or
+stalling, a host reader raising on what it shaped, a stall past the deadline) is a scored 0.0 with
+``filter: false`` and its trajectories kept: a filtered sample gets no negative advantage, so a policy that
+could crash its way out of a problem would learn to.
 
 The fast tests run the real server (pipeline, agent loop, HTTP) with a fault-injecting handler whose stages
 raise the exact exception classes of the real components (``sandbox.errors``, the LLM client, the balancer),
@@ -13,6 +16,7 @@ import json
 
 import pytest
 
+from prorl_server.agent_loop import AgentConfig
 from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
 from prorl_server.balancer import NoBackendError
 from prorl_server.failures import FAILURE_KINDS, classify
@@ -227,10 +231,15 @@ def probe_then_finish(prompt, turn):
     return tool_call("probe") if turn == 0 else tool_call("finish", answer="done")
 
 
-@pytest.mark.parametrize("fault,kind", [(None, None), ("ToolError", None), ("SandboxDeadError", "sandbox"),
-                                        ("ToolTimeout", "sandbox"), ("harness", "harness")])
-async def test_agent_loop_tool_errors_are_observations_and_sandbox_faults_fail_the_job(
-        registry, make_client, scripted_policy, fault, kind):
+@pytest.mark.parametrize("fault,kind,filtered", [
+    (None, None, False), ("ToolError", None, False),
+    # after the model's turn its sandbox dying or stalling is its doing: scored 0.0, trained on
+    ("SandboxDeadError", "model_crashed_sandbox", False), ("ProtocolError", "model_crashed_sandbox", False),
+    ("ToolTimeout", "model_stalled_sandbox", False), ("RuntimeError", None, False),
+    # faults the handler or the infrastructure declares stay filtered
+    ("harness", "harness", True), ("SandboxStartError", "sandbox", True)])
+async def test_agent_loop_tool_errors_are_observations_and_model_caused_faults_are_scored(
+        registry, make_client, scripted_policy, fault, kind, filtered):
     registry.register(ToolAgentHandler)
     client = await make_client(backends=[await scripted_policy(probe_then_finish)])
     body = await process(client, {"data_source": "tool_agent", "fault": fault}, sampling_params={"max_tokens": 256})
@@ -239,22 +248,118 @@ async def test_agent_loop_tool_errors_are_observations_and_sandbox_faults_fail_t
         assert body["reward"] == 1.0 and body["trajectories"]
         (obs,) = [m["content"] for m in body["messages"] if m["role"] == "tool"]
         assert obs == ("ok" if fault is None else "Error: tool 'probe' failed: ToolError: a handler's own "
-                                                  "sandbox call was refused")
-    else:  # never shown to the model, never trained on
-        assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", kind, True)
-        assert body["reward"] == 0.0
-        assert not any(m["role"] == "tool" for m in body["messages"])
-        assert len(scripted_policy.returned) == 1  # no turn was generated after the fault
+                       "sandbox call was refused" if fault == "ToolError" else
+                       "Error: tool 'probe' failed: RuntimeError: a handler bug")
+        return
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", kind, filtered)
+    assert body["reward"] == 0.0 and body["resolved"] is False
+    assert not any(m["role"] == "tool" for m in body["messages"])  # never shown to the model
+    assert len(scripted_policy.returned) == 1  # no turn was generated after the fault
+    # what the model did is kept either way: its one turn, token for token
+    (traj,) = body["trajectories"]
+    assert traj["response_ids"] == scripted_policy.returned[0][0]
+    assert body["extra"]["agent"]["finish_reason"] == "error"
+
+
+class HostReaderHandler(AgentHandler):
+    """A handler whose run stage reads back what the model's turn shaped, as a host-side reader would (a file
+    the model turned into a directory, a value too deep to encode): the reader raises on it after the
+    model acted. ``"before": true`` raises the same before any turn (a handler bug: filtered)."""
+
+    name = "host_reader"
+    needs_llm = True
+
+    async def run(self, job):
+        from prorl_server.plugin.toolkit import run_agent
+
+        if job.instance.get("before"):
+            raise IsADirectoryError(21, "Is a directory", "/workspace/solution.py")
+        await run_agent(job, [{"role": "user", "content": "Write the file."}], {}, AgentConfig(max_turns=1))
+        raise IsADirectoryError(21, "Is a directory", "/workspace/solution.py")  # the model made it a directory
+
+
+async def test_a_host_reader_raising_on_what_the_model_shaped_is_scored_not_filtered(
+        registry, make_client, scripted_policy):
+    registry.register(HostReaderHandler)
+    client = await make_client(backends=[await scripted_policy(lambda p, t: "done")])
+    after = await process(client, {"data_source": "host_reader"}, sampling_params={"max_tokens": 64})
+    assert (after["critical_error"], after["failure_kind"], after["filter"]) == ("run", "model_error", False)
+    assert after["reward"] == 0.0 and after["trajectories"] and "IsADirectoryError" in after["error"]
+    before = await process(client, {"data_source": "host_reader", "before": True}, sampling_params={"max_tokens": 64})
+    assert (before["critical_error"], before["failure_kind"], before["filter"]) == ("run", "handler", True)
+
+
+class StallingToolHandler(AgentHandler):
+    """The agent loop with one sandbox-like tool that never answers (a model that stalls its own sandbox),
+    under a job ``timeout_s`` far below the tool's own limits."""
+
+    name = "stalling_tool"
+    needs_llm = True
+
+    async def run(self, job):
+        from prorl_server.plugin.toolkit import run_agent
+
+        async def probe(args):
+            await asyncio.sleep(3600)
+
+        probe.timeout_s = 600.0
+        tools = {"probe": ({"type": "object", "properties": {}}, probe)}
+        await run_agent(job, [{"role": "user", "content": "Probe."}], tools, AgentConfig(max_turns=4))
+
+
+async def test_a_stall_past_the_job_deadline_after_the_model_acted_is_scored_with_its_trajectory(
+        registry, make_client, scripted_policy):
+    registry.register(StallingToolHandler)
+    client = await make_client(backends=[await scripted_policy(probe_then_finish)])
+    body = await process(client, {"data_source": "stalling_tool"}, sampling_params={"max_tokens": 256},
+                         timeout_s=1.0)
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("timeout", "model_timeout", False)
+    assert body["reward"] == 0.0 and body["timing"]["timeout_triggered"]
+    (traj,) = body["trajectories"]
+    assert traj["response_ids"] == scripted_policy.returned[0][0]
+
+
+async def test_scored_failures_are_counted_by_kind_in_metrics(registry, make_client, scripted_policy):
+    registry.register(ToolAgentHandler)
+    client = await make_client(backends=[await scripted_policy(probe_then_finish)])
+    for fault in ("SandboxDeadError", "SandboxDeadError", "harness"):
+        await process(client, {"data_source": "tool_agent", "fault": fault}, sampling_params={"max_tokens": 256})
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = await (await client.get("/metrics")).text()
+    counts = {(s.labels["failure_kind"], s.labels["filtered"]): s.value
+              for f in text_string_to_metric_families(text) if f.name == "prorl_jobs_failed"
+              for s in f.samples if s.name == "prorl_jobs_failed_total"}
+    assert counts == {("model_crashed_sandbox", "false"): 2.0, ("harness", "true"): 1.0}
+
+
+def test_who_acted_decides_the_kind():
+    from prorl_server.failures import SCORED_KINDS, is_filtered
+
+    assert classify(SandboxDeadError("gone"), "run", model_acted=False) == "sandbox"
+    assert classify(SandboxDeadError("gone"), "run", model_acted=True) == "model_crashed_sandbox"
+    assert classify(SandboxDeadError("gone"), "eval", model_acted=True) == "model_crashed_sandbox"
+    assert classify(SandboxDeadError("gone"), "init", model_acted=True) == "sandbox"
+    assert classify(ToolTimeout("stuck"), "run", model_acted=True) == "model_stalled_sandbox"
+    assert classify(SandboxStartError("no bwrap"), "eval", model_acted=True) == "sandbox"
+    assert classify(_chained(RuntimeError("copy failed"), SandboxDeadError("gone")), "run", True) \
+        == "model_crashed_sandbox"
+    assert classify(RuntimeError("x"), "eval", model_acted=True) == "model_error"
+    assert classify(LLMUnavailableError("down"), "run", model_acted=True) == "llm_backend"
+    assert classify(InfrastructureError("sandbox", "declared"), "run", model_acted=True) == "sandbox"
+    assert classify(InvalidInstanceError("bad"), "run", model_acted=True) == "invalid_instance"
+    assert all(not is_filtered(k) for k in SCORED_KINDS) and is_filtered("sandbox") and not is_filtered(None)
 
 
 # ------------------------------------------------------------------------------------------ real sandbox
 @pytest.mark.real
 @pytest.mark.parametrize("what", ["editor_error", "sandbox_killed"])
-async def test_a_killed_sandbox_fails_a_code_rollout_while_an_editor_error_is_an_observation(
+async def test_a_killed_sandbox_ends_a_code_rollout_scored_while_an_editor_error_is_an_observation(
         aiohttp_client, bwrap_runtime, scripted_policy, sandbox_procs, what):
     """A real ``code`` rollout in bubblewrap: the scripted policy's second turn edits a file that does not
     exist (an EditorError: the model's mistake, an observation), or, for ``sandbox_killed``, the sandbox's
-    processes are killed (by pid, all of them children of this test) before that turn's tool call runs."""
+    processes are killed (by pid, all of them children of this test) before that turn's tool call runs: after
+    the model acted, a scored ``model_crashed_sandbox``."""
     import psutil
 
     from handlers.code.data import humaneval_problems, to_instance
@@ -289,7 +394,10 @@ async def test_a_killed_sandbox_fails_a_code_rollout_while_an_editor_error_is_an
         assert obs[0].startswith("alive") and obs[1].startswith("Error: tool 'str_replace_editor' failed: ")
         assert body["trajectories"] and body["extra"]["agent"]["finish_reason"] == "stop"
     else:
-        assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", "sandbox", True), body
-        assert "SandboxDeadError" in body["error"]
+        # killed after the model ran a command in it: the host cannot tell that kill from one of the model's own
+        # (kill -9 $PPID), so it is scored, never re-rolled; its trajectory is kept
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == \
+            ("run", "model_crashed_sandbox", False), body
+        assert "SandboxDeadError" in body["error"] and body["trajectories"]
     await bwrap_runtime.close_all()
     assert not sandbox_procs()
