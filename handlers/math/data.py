@@ -13,6 +13,7 @@ import json
 from typing import Any, Optional
 
 from prorl_server.plugin import DatasetError
+from handlers.math.rg_answers import task_error
 
 DEFAULT_TASK = "gsm_symbolic"
 
@@ -25,7 +26,8 @@ def load_reasoning_gym(task: Optional[str] = None, limit: Optional[int] = None, 
     """``limit`` (default 16) problems of reasoning-gym task ``task`` generated with ``seed``.
 
     Raises:
-        ValueError: reasoning-gym has no task of that name (the message lists a few that exist).
+        ValueError: reasoning-gym has no task of that name (the message lists a few that exist), or the
+            ``math`` handler does not serve it (:mod:`handlers.math.rg_answers`).
     """
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
@@ -33,6 +35,9 @@ def load_reasoning_gym(task: Optional[str] = None, limit: Optional[int] = None, 
     task = task or DEFAULT_TASK
     if task not in DATASETS:
         raise ValueError(f"reasoning-gym has no task {task!r}; e.g. {', '.join(sorted(DATASETS)[:12])}, ...")
+    refused = task_error(task)
+    if refused is not None:
+        raise ValueError(refused)
     ds = reasoning_gym.create_dataset(task, size=limit or 16, seed=seed)
     out = []
     for i, entry in enumerate(ds):

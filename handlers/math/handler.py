@@ -7,17 +7,19 @@
   reasoning-gym's own ``score_answer`` for reasoning-gym instances (see :mod:`handlers.math.scoring`).
   ``resolved`` = reward 1.0. Scoring is CPU-bound: it runs in the server's CPU process pool
   (``job.run_cpu``), never on the event loop; an answer whose scoring runs past
-  ``MathHandler.score_timeout_s`` scores 0.0 (the worker is replaced); a worker that dies fails eval as an
-  infrastructure fault (``failure_kind="harness"``), never as the answer's 0.0.
+  ``MathHandler.score_timeout_s`` scores 0.0 (the worker is replaced); a worker that dies scoring the answer
+  is the answer's doing: reward 0.0, ``failure_kind="model_crashed_grader"``, not filtered (who acted
+  decides: :mod:`prorl_server.failures`).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from handlers.math.rg_answers import task_error
 from handlers.math.scoring import score
-from prorl_server.cpu_pool import CpuTimeoutError
+from prorl_server.cpu_pool import CpuTimeoutError, WorkerCrashedError
 from prorl_server.plugin import AgentConfig, AgentHandler
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import Limits, SandboxSpec
@@ -49,6 +51,19 @@ class MathInstance(BaseModel):
     rg_entry: Optional[dict[str, Any]] = Field(default=None, description="reasoning-gym's entry: scored with "
                                                "that task's own score_answer")
     max_turns: Optional[int] = Field(default=None, ge=1, description="agent turns (default: the setting)")
+
+    @field_validator("rg_entry")
+    @classmethod
+    def _served_task(cls, entry: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if entry is None:
+            return entry
+        metadata = entry.get("metadata")
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("source_dataset"), str):
+            raise ValueError("must carry metadata.source_dataset (reasoning-gym's entry as generated)")
+        error = task_error(metadata["source_dataset"])
+        if error is not None:
+            raise ValueError(error)
+        return entry
 
 
 class MathSettings(BaseModel):
@@ -97,5 +112,14 @@ class MathHandler(AgentHandler):
             # The answer made the scorer run past its limit: the answer's doing, so a 0.0, not a failure.
             reward, info = 0.0, {"reason": f"scoring ran past {self.score_timeout_s:g} s (an answer too costly "
                                  "to verify); the scoring worker was replaced"}
+        except WorkerCrashedError as e:
+            # The worker died scoring this answer: what the answer caused is scored, never re-rolled.
+            job.extra["eval"] = {"reason": f"the scoring worker died on the answer: {e}"}
+            job.reward, job.resolved = 0.0, False
+            job.failure_kind = "model_crashed_grader" if job.model_acted else "harness"
+            job.error = f"eval: the scoring worker died on the answer ({e})"
+            return
+        except Exception as e:  # the scorer raised on the answer: its 0.0
+            reward, info = 0.0, {"reason": f"scoring raised {type(e).__name__} on the answer"}
         job.reward, job.resolved = reward, reward >= 1.0
         job.extra["eval"] = info

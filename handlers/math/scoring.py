@@ -23,6 +23,9 @@ The rules an answer must pass (the policy is an adversary; see README.md here, "
 6. reasoning-gym instances: the task's own scorer decides, the reward is 1.0 only when it gives full
    credit (its partial credit, e.g. string similarity, would reward listing candidates; the raw score is
    kept in ``info["scorer_score"]``), and for a numeric gold a boxed set/tuple/interval scores 0.0.
+   Several of those scorers evaluate the answer as Python (``eval``, sympy's ``parse_expr``): an answer
+   reaches a scorer only if it matches the task's answer grammar (:mod:`handlers.math.rg_answers`, a language
+   in which nothing can be called or imported), and a scorer that raises on it scores 0.0.
 """
 from __future__ import annotations
 
@@ -224,6 +227,15 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
 
     entry = instance.get("rg_entry")
     info["scorer"] = "reasoning_gym" if entry is not None else "math_verify"
+    if entry is not None:
+        from handlers.math.rg_answers import grammar_error
+
+        metadata = entry.get("metadata") or {}
+        task, variable = metadata.get("source_dataset"), metadata.get("variable")
+        refused = grammar_error(task, answer, variable if isinstance(variable, str) else None)
+        if refused is not None:  # never handed to a scorer that would evaluate it
+            info["reason"] = refused
+            return 0.0, info
     try:
         gold = _parse_gold(str(instance["answer"]), parse_timeout_s)
         pred = _parse_answer(answer, parse_timeout_s)
@@ -239,8 +251,12 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
             return 0.0, info
         from reasoning_gym import get_score_answer_fn
 
-        fn = get_score_answer_fn(entry["metadata"]["source_dataset"])
-        raw = float(fn(answer, entry))
+        fn = get_score_answer_fn(task)
+        try:
+            raw = float(fn(answer, entry))
+        except Exception as e:  # the scorer choked on the answer (RecursionError, MemoryError...): the answer's 0.0
+            info["reason"] = f"the reasoning-gym scorer raised {type(e).__name__} on the answer"
+            return 0.0, info
         info["scorer_score"] = raw
         if raw < 1.0 and raw > 0.0:
             info["reason"] = "partial credit from the reasoning-gym scorer counts as 0.0"
