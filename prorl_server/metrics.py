@@ -92,6 +92,9 @@ class Metrics:
                                    "the model caused, scored 0.0 and trained on; a rising rate of one of them is a "
                                    "policy learning to crash or an infrastructure problem",
                                    ["handler", "failure_kind", "filtered"], registry=r)
+        self.flagged_artifacts = Counter("prorl_flagged_artifacts_total", "Artifacts a handler's check flagged "
+                                         "before grading (scored 0.0, not run; e.g. a SWE patch that touches the "
+                                         "test machinery), by handler and rule", ["handler", "rule"], registry=r)
         self.tool_parse_errors = Counter("prorl_tool_parse_errors_total",
                                          "Malformed tool calls turned into error observations",
                                          ["handler"], registry=r)

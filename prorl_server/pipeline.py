@@ -408,6 +408,10 @@ class Pipeline:
         if result.failure_kind is not None:
             self.metrics.jobs_failed.labels(job.handler_name, result.failure_kind,
                                             "true" if result.filter else "false").inc()
+        flagged = (job.extra.get("eval") or {}).get("flagged") if isinstance(job.extra.get("eval"), dict) else None
+        if isinstance(flagged, list):  # a handler's pre-grading check (the swe patch check): one count per rule
+            for rule in sorted({str(f.get("rule"))[:64] for f in flagged if isinstance(f, dict)}):
+                self.metrics.flagged_artifacts.labels(job.handler_name, rule).inc()
         malformed = (job.extra.get("agent") or {}).get("malformed_tool_calls")  # see AgentResult.apply_to
         if malformed:
             self.metrics.tool_parse_errors.labels(job.handler_name).inc(malformed)

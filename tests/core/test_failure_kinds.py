@@ -353,7 +353,7 @@ def test_who_acted_decides_the_kind():
 
 # ------------------------------------------------------------------------------------------ real sandbox
 @pytest.mark.real
-@pytest.mark.parametrize("what", ["editor_error", "sandbox_killed"])
+@pytest.mark.parametrize("what", ["editor_error", "sandbox_killed", "model_kills_its_server"])
 async def test_a_killed_sandbox_ends_a_code_rollout_scored_while_an_editor_error_is_an_observation(
         aiohttp_client, bwrap_runtime, scripted_policy, sandbox_procs, what):
     """A real ``code`` rollout in bubblewrap: the scripted policy's second turn edits a file that does not
@@ -370,6 +370,8 @@ async def test_a_killed_sandbox_ends_a_code_rollout_scored_while_an_editor_error
     def script(prompt, turn):
         if turn == 0:
             return tool_call("bash", command="echo alive")
+        if turn == 1 and what == "model_kills_its_server":  # the policy ends its own execution server
+            return tool_call("bash", command="kill -9 $PPID")
         if turn == 1:
             if what == "sandbox_killed":
                 for p in sandbox_procs():
@@ -393,6 +395,11 @@ async def test_a_killed_sandbox_ends_a_code_rollout_scored_while_an_editor_error
         assert (body["critical_error"], body["failure_kind"], body["filter"]) == (None, None, False), body["error"]
         assert obs[0].startswith("alive") and obs[1].startswith("Error: tool 'str_replace_editor' failed: ")
         assert body["trajectories"] and body["extra"]["agent"]["finish_reason"] == "stop"
+    elif what == "model_kills_its_server":  # before: failure_kind "sandbox", filter true: re-rolled, never a 0.0
+        assert (body["critical_error"], body["failure_kind"], body["filter"]) == \
+            ("run", "model_crashed_sandbox", False), body
+        assert body["reward"] == 0.0 and len(body["trajectories"][0]["response_ids"]) > 0
+        assert "kill -9" in body["messages"][-1]["content"]  # what it did is in the result
     else:
         # killed after the model ran a command in it: the host cannot tell that kill from one of the model's own
         # (kill -9 $PPID), so it is scored, never re-rolled; its trajectory is kept

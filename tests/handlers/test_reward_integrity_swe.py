@@ -353,6 +353,8 @@ async def test_through_the_server_an_agent_planting_a_conftest_scores_zero(rollo
     ev = r["extra"]["eval"]
     assert r["reward"] == 0.0 and ev["FAIL_TO_PASS"] == {F2P: "NOT_RUN"}, ev
     assert [(f["file"], f["rule"]) for f in ev["flagged"]][:1] == [("tests/conftest.py", "conftest")], ev
+    metrics = await (await client.get("/metrics")).text()  # a rising rate of flagged patches is visible
+    assert 'prorl_flagged_artifacts_total{handler="swe",rule="conftest"} 1.0' in metrics
 
 
 # ------------------------------------------------------------------------------------ the test runner
