@@ -26,7 +26,15 @@ class SandboxStartError(SandboxError):
 
 
 class SandboxDeadError(SandboxError):
-    """The sandbox's processes are gone (killed from outside, crashed, or closed) while or before a call ran."""
+    """The sandbox's processes are gone (killed from outside, crashed, or closed) while or before a call ran.
+
+    ``reason``: why, when the host knows it: ``"memory"`` (the sandbox passed its memory limit),
+    ``"disk_quota"`` (its workspace passed its disk quota): both are the doing of what ran inside; ``None``:
+    unknown (killed from outside, crashed, closed)."""
+
+    def __init__(self, *args: object, reason: "str | None" = None) -> None:
+        super().__init__(*args)
+        self.reason = reason
 
 
 class SandboxClosedError(SandboxDeadError):
