@@ -2,13 +2,17 @@
 
 File system: a tmpfs root into which every top-level entry of the image (a rootfs directory) is bound read-only
 (symlinks recreated); without an image, only the host's system directories (:data:`HOST_SYSTEM_DIRS`: /usr,
-/bin, /sbin, /lib*, /etc with :data:`ETC_SECRETS` masked) — no home directories, /root, /opt, /var, /srv or
-project tree. Then ``/proc``, a minimal ``/dev``, a fresh ``/tmp`` and ``/run``, the interpreter (prefixes,
-site-packages) and the project's ``sandbox`` package read-only (so the execution server can run), the spec's
-binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable host
-paths. Host-side state (ownership records, other sandboxes' run directories) is never under a writable mount
-(see :meth:`sandbox.runtime.SandboxRuntime.start`). With ``writable_tmpfs`` every top-level directory is an overlay whose changes stay in memory
-(needs bubblewrap >= 0.9; Debian 12 ships 0.8, where it is refused with a clear error).
+/bin, /sbin, /lib*, /etc with :data:`ETC_SECRETS` masked, the package directories of the system's Pythons
+masked empty) — no home directories, /root, /opt, /var, /srv or project tree. Then ``/proc``, a minimal
+``/dev`` (read-only, with a sized ``/dev/shm``), a fresh sized ``/tmp`` and ``/run``
+(``SandboxBounds.tmpfs_bytes`` each; the root tmpfs :data:`ROOT_TMPFS_BYTES`), the Python view under
+``/prorl`` read-only (:mod:`sandbox.python_view`: the standard library, the allowed distributions only, the
+project's ``sandbox`` package; never the server's site-packages), the spec's binds, the run directory at
+``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable host paths. Host-side state
+(ownership records, other sandboxes' run directories) is never under a writable mount (see
+:meth:`sandbox.runtime.SandboxRuntime.start`). With ``writable_tmpfs`` every top-level directory is an overlay
+whose changes stay in memory (needs bubblewrap >= 0.9; Debian 12 ships 0.8, where it is refused with a clear
+error; those overlays' upper layers cannot be sized).
 
 Processes: bwrap leads its own session and process group; ``--die-with-parent`` kills the sandbox if the server
 dies, and the sandbox's pid namespace dies with its init, so closing the group leaves nothing behind.
@@ -30,17 +34,21 @@ from typing import Optional
 
 from .errors import SandboxError
 from .leases import Lease, ensure_lease_dir, try_lease
-from .runtime import LaunchContext, SandboxRuntime, server_host_paths
+from .python_view import VIEW_ROOT, system_site_dirs
+from .runtime import LaunchContext, SandboxRuntime, server_binds
 from .spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
 # Top-level entries never taken from the image: the sandbox gets its own.
-_SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found"}
+_SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found", VIEW_ROOT.strip("/")}
+#: Size of the tmpfs root (it holds only mount points) and of each tmpfs that masks a path, bytes.
+ROOT_TMPFS_BYTES = 1 << 20
+MASK_TMPFS_BYTES = 4096
 #: Without an image, the only top-level host entries a sandbox sees (read-only; symlinks recreated): the system.
-#: No home directories, no /root, /opt, /srv, /var, /mnt or project tree; the interpreter, its site-packages and
-#: the project's ``sandbox`` package are added one by one (:func:`sandbox.runtime.server_host_paths`), spec binds
-#: on top.
+#: No home directories, no /root, /opt, /srv, /var, /mnt or project tree; the Python view (standard library,
+#: allowed distributions, the project's ``sandbox`` package) is added under /prorl
+#: (:func:`sandbox.runtime.server_binds`), spec binds on top.
 HOST_SYSTEM_DIRS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "usr")
 #: Paths under the host's /etc masked in a sandbox without an image (an empty file or directory over each that
 #: exists): password hashes, host keys, cluster and service credentials, package-index tokens.
@@ -108,8 +116,10 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
     server drops to ``ctx.run_as``). ``overlay``: this bwrap has ``--overlay-src`` (>= 0.9), needed for
     ``writable_tmpfs`` (each top-level directory becomes an in-memory overlay). ``host_dirs``: without an
     image, the top-level host entries bound read-only (default :data:`HOST_SYSTEM_DIRS`; /etc minus
-    :data:`ETC_SECRETS`). Raises :class:`SandboxError` for an image that is not a directory or
-    ``writable_tmpfs`` without overlay support."""
+    :data:`ETC_SECRETS`, the system Pythons' package directories masked). Sizes of the writable tmpfs mounts
+    come from ``ctx.bounds.tmpfs_bytes`` (``None``: the kernel's default, half the RAM). Raises
+    :class:`SandboxError` for an image that is not a directory or ``writable_tmpfs`` without overlay
+    support."""
     args = [bwrap]
     if privileged and ctx.run_as:
         args += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
@@ -128,7 +138,7 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
         raise SandboxError(f"bubblewrap image must be a rootfs directory, got {spec.image!r}")
     if spec.writable_tmpfs and not overlay:
         raise SandboxError("writable_tmpfs needs bubblewrap >= 0.9 (--overlay-src/--tmp-overlay); this bwrap lacks it")
-    args += ["--tmpfs", "/"]
+    args += ["--size", str(ROOT_TMPFS_BYTES), "--tmpfs", "/"]
     provided: set[str] = set()  # top-level entries that come from the image
     names = sorted(os.listdir(root)) if spec.image else [n for n in host_dirs if os.path.lexists("/" + n)]
     for name in names:
@@ -147,10 +157,17 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
             path = os.path.join("/etc", rel)
             if os.path.islink(path) or not os.path.lexists(path):
                 continue  # a link leads into what is bound or masked anyway
-            args += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+            args += (["--size", str(MASK_TMPFS_BYTES), "--tmpfs", path] if os.path.isdir(path)
+                     else ["--ro-bind", "/dev/null", path])
+    size = ["--size", str(ctx.bounds.tmpfs_bytes)] if ctx.bounds.tmpfs_bytes else []
+    # /dev itself is read-only (its tmpfs cannot be sized); /dev/shm gets a sized, world-writable tmpfs.
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", *size, "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", "--perms", "1777", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/run"]
     if spec.image is None:
         args += ["--ro-bind-try", "/sys", "/sys"]
+        if "usr" in provided:
+            for path in system_site_dirs():  # other Pythons' packages: not part of what the sandbox may import
+                args += ["--size", str(MASK_TMPFS_BYTES), "--tmpfs", path, "--remount-ro", path]
     made: set[str] = set()
 
     def parents(path: str) -> list[str]:
@@ -164,8 +181,10 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
                 out += ["--perms", "0755", "--dir", d]
         return out
 
-    for p in server_host_paths(ctx):
-        args += parents(p) + ["--ro-bind", p, p]
+    for host, container in server_binds(ctx):
+        args += parents(container) + ["--ro-bind", host, container]
+        if container == VIEW_ROOT:
+            provided.add(VIEW_ROOT.strip("/"))  # the view's skeleton holds every mount point below it
     for b in spec.binds:
         args += parents(b.container) + ["--ro-bind" if b.ro else "--bind", b.host, b.container]
     args += parents(ctx.sandbox_run_dir) + ["--bind", ctx.run_dir, ctx.sandbox_run_dir]

@@ -3,9 +3,11 @@
 
 A runtime turns a :class:`~sandbox.spec.SandboxSpec` into a launcher command line (bwrap, apptainer, or plain
 python); everything else is shared here: per-sandbox run directory and workspace, the ownership record, the
-loopback lease, starting the launcher in its own session/process group, waiting for the execution server,
-closing (SIGTERM → grace → SIGKILL to the whole group, then a psutil check that nothing is left), and reaping
-what a crashed earlier server left behind.
+loopback lease, the interpreter an isolated sandbox sees (:mod:`sandbox.python_view`: an allow-list of
+distributions, never the server's whole environment), the sandbox's bounds as a whole (:mod:`sandbox.bounds`:
+a memory cgroup, the workspace's disk quota, watched), starting the launcher in its own session/process group,
+waiting for the execution server, closing (SIGTERM → grace → SIGKILL to the whole group, then a psutil check
+that nothing is left), and reaping what a crashed earlier server left behind.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from typing import Any, Optional
 
 import psutil
 
+from . import bounds
+from .bounds import DEFAULT_MEMORY_BYTES, DEFAULT_TMPFS_BYTES, DEFAULT_WORKSPACE_BYTES
 from .client import SERVER_GRACE_S, ExecClient
 from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
 from .leases import Lease
@@ -36,8 +40,9 @@ from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, marked_launchers,
                         pid_namespace, process_identity, same_process)
 from .protocol import MAX_TRANSFER_BYTES
+from .python_view import PythonView, default_view_dir, python_view
 from .sessions import MARKER_VAR, live_session_ids
-from .spec import BashResult, EditorResult, IPythonResult, SandboxSpec, result_from_dict
+from .spec import BashResult, EditorResult, IPythonResult, Limits, SandboxSpec, result_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +101,25 @@ def project_root() -> str:
 
 
 def python_paths() -> list[str]:
-    """``sys.path`` entries the execution server needs when started with ``python -S``: the project root and
-    the site-packages directories of this interpreter."""
+    """``sys.path`` entries the execution server needs when started with ``python -S`` on the host (the
+    ``local`` runtime): the project root and the site-packages directories of this interpreter."""
     paths = [project_root()]
     paths += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
     return list(dict.fromkeys(paths))
+
+
+@dataclass(frozen=True)
+class SandboxBounds:
+    """A sandbox's bounds as a whole, resolved from its spec and the runtime's defaults (bytes; ``None`` = not
+    bounded): ``tmpfs_bytes`` (each writable tmpfs), ``memory_bytes`` (its cgroup's limit, ``None`` without
+    one), ``workspace_bytes`` (disk quota of its writable host directories). ``cgroup``: host path of its
+    memory cgroup and ``cgroup_version`` (1 or 2), or ``None``."""
+
+    tmpfs_bytes: Optional[int] = None
+    memory_bytes: Optional[int] = None
+    workspace_bytes: Optional[int] = None
+    cgroup: Optional[str] = None
+    cgroup_version: int = 0
 
 
 @dataclass
@@ -109,7 +128,9 @@ class LaunchContext:
 
     Host paths: ``run_dir`` (holds socket, config, logs), ``workspace``. In-sandbox paths: ``sandbox_run_dir``,
     ``sandbox_workspace``. ``python``: interpreter that runs the execution server; ``pythonpath``: its
-    ``PYTHONPATH`` (``-S`` mode). ``address``: leased loopback address or ``None``."""
+    ``PYTHONPATH`` (``-S`` mode). ``address``: leased loopback address or ``None``. ``view``: the interpreter
+    view bound into the sandbox (``None``: the host's interpreter is used in place, ``local``, or the image has
+    its own). ``bounds``: the sandbox's bounds as a whole."""
 
     sandbox_id: str
     run_dir: str
@@ -120,6 +141,8 @@ class LaunchContext:
     pythonpath: list[str]
     address: Optional[str]
     run_as: Optional[tuple[int, int]] = None
+    view: Optional[PythonView] = None
+    bounds: SandboxBounds = SandboxBounds()
 
     def server_argv(self) -> list[str]:
         return [self.python, "-S", "-m", "sandbox.exec_server",
@@ -127,24 +150,13 @@ class LaunchContext:
                 "--config", os.path.join(self.sandbox_run_dir, CONFIG_NAME)]
 
 
-def server_host_paths(ctx: LaunchContext) -> list[str]:
-    """Host paths the execution server needs, bound read-only into a sandbox at the same place (bubblewrap, and
-    Singularity without an image venv): the project's ``sandbox`` package (not the rest of the project:
-    it may hold configuration, tokens, datasets), the interpreter's prefixes, the real location of the
-    interpreter binary (a venv's python is a symlink) and its site-packages."""
-    root = os.path.realpath(project_root())
-    # An installed project's root is a site-packages directory, needed whole (the dependencies live there).
-    checkout = not root.endswith(("site-packages", "dist-packages"))
-    paths = [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(ctx.python))]
-    paths += ctx.pythonpath
-    out: list[str] = []
-    for p in paths:
-        p = os.path.realpath(p)
-        if checkout and p == root:
-            continue  # e.g. a venv's prefix being the project itself: never the whole checkout
-        if os.path.isdir(p) and p != "/" and not any(p == q or p.startswith(q + os.sep) for q in out):
-            out = [q for q in out if not q.startswith(p + os.sep)] + [p]
-    return out
+def server_binds(ctx: LaunchContext) -> list[tuple[str, str]]:
+    """``(host, container)`` pairs the execution server and the tools' Python need, to bind read-only in this
+    order (bubblewrap, and Singularity without an image venv): the interpreter view of ``ctx.view``
+    (:mod:`sandbox.python_view`: standard library, allowed distributions, the project's ``sandbox`` package,
+    at neutral paths under ``/prorl``), never the server's site-packages, the checkout or a home directory.
+    Empty without a view."""
+    return list(ctx.view.binds) if ctx.view is not None else []
 
 
 class SandboxHandle:
@@ -152,7 +164,11 @@ class SandboxHandle:
 
     Attributes: ``sandbox_id`` (str), ``workspace`` (host path of the workspace directory), ``workdir`` (the
     workspace's path inside the sandbox), ``address`` (leased 127.x.y.z or ``None``), ``pid`` (launcher pid on
-    the host; it leads the sandbox's process group).
+    the host; it leads the sandbox's process group), ``bounds`` (:class:`SandboxBounds`: its memory, tmpfs and
+    disk bounds as a whole).
+
+    A sandbox that passes its memory limit or its disk quota is killed by the host; every call then raises
+    :class:`SandboxDeadError` whose ``reason`` (``"memory"``, ``"disk_quota"``) and message say so.
     """
 
     def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec,
@@ -176,7 +192,12 @@ class SandboxHandle:
         self.workspace = ctx.workspace
         self.workdir = ctx.sandbox_workspace
         self.address = ctx.address
+        self.bounds = ctx.bounds
         self._closing: Optional[asyncio.Task] = None
+        #: (reason, message) once the host ended the sandbox for passing a bound.
+        self._death: Optional[tuple[str, str]] = None
+        self._ending: Optional[asyncio.Future] = None
+        self._next_measure = 0.0
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -189,12 +210,57 @@ class SandboxHandle:
     def _check(self) -> None:
         if self._closing is not None:
             raise SandboxClosedError(f"sandbox {self.sandbox_id} is closed")
-        if self._proc.returncode is not None:
-            raise SandboxDeadError(f"sandbox {self.sandbox_id} died (exit status {self._proc.returncode})")
+        if self._death is not None or self._proc.returncode is not None:
+            raise self._dead_error()
+
+    def _memory_exceeded(self) -> bool:
+        """Whether the kernel's OOM killer has run in the sandbox's cgroup (cheap: one small file read)."""
+        b = self.bounds
+        return bool(b.cgroup) and bounds.oom_kills(b.cgroup, b.cgroup_version) > 0
+
+    def _dead_error(self) -> SandboxDeadError:
+        if self._death is None and self._memory_exceeded():
+            self._death = ("memory", self._memory_message())
+        if self._death is not None:
+            reason, message = self._death
+            return SandboxDeadError(f"sandbox {self.sandbox_id}: {message}", reason=reason)
+        return SandboxDeadError(f"sandbox {self.sandbox_id} died (exit status {self._proc.returncode})")
+
+    def _memory_message(self) -> str:
+        return (f"the sandbox passed its memory limit of {self.bounds.memory_bytes} bytes (the kernel's OOM "
+                "killer ran in it) and was killed")
+
+    async def _end(self, reason: str, message: str) -> None:
+        """Kill the sandbox because it passed a bound (``reason``, ``message`` say which); its handle stays
+        (``close`` cleans up), every call raises :class:`SandboxDeadError` with that reason. Idempotent."""
+        if self._death is None:
+            self._death = (reason, message)
+            log.warning("sandbox %s killed: %s", self.sandbox_id, message)
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(kill_sandbox(
+                self.pid, self.create_time, grace_s=0.0, pidns=self.pidns, not_before=self.started_at,
+                own_child_wait=self._proc.wait))
+        await asyncio.shield(self._ending)
 
     async def _call(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self._check()
-        return await self._client.call(op, args, timeout_s + SERVER_GRACE_S)
+        try:
+            res = await self._client.call(op, args, timeout_s + SERVER_GRACE_S)
+        except SandboxClosedError:
+            raise
+        except (SandboxError, OSError) as e:
+            # A kernel or shell the OOM killer hit shows up as a dead kernel or shell: the sandbox passed its
+            # memory limit, and it ends as a whole.
+            if self._death is None and self._memory_exceeded() and self._closing is None:
+                await self._end("memory", self._memory_message())
+            if self._death is not None:
+                raise self._dead_error() from e
+            raise
+        if self._death is None and self._memory_exceeded() and self._closing is None:
+            await self._end("memory", self._memory_message())
+        if self._death is not None:
+            raise self._dead_error()
+        return res
 
     # ----------------------------------------------------------------------------------------------- tools
     async def bash(self, command: str, timeout_s: float = 30.0, max_output_bytes: int = 1 << 20) -> BashResult:
@@ -259,10 +325,14 @@ class SandboxHandle:
 
     async def _close(self) -> None:
         await self._client.close()
+        if self._ending is not None:
+            await asyncio.gather(self._ending, return_exceptions=True)
         survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
                                        sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir,
                                                                   self.sandbox_id),
                                        pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
+        if self.bounds.cgroup and not survivors:
+            await asyncio.to_thread(bounds.remove_cgroup, self.bounds.cgroup, self.bounds.cgroup_version)
         for lease in self._leases:
             lease.release()
         await asyncio.to_thread(self._runtime._cleanup_dirs, self._ctx.run_dir,
@@ -281,10 +351,22 @@ class SandboxRuntime(abc.ABC):
       :func:`sandbox.ownership.default_state_dir`).
     - ``workspace_root``: where fresh workspaces are created (default: the system temp dir; each one a private
       0700 directory, named in the ownership record before it is created).
-    - ``python``: interpreter that runs the execution server (default: this one, ``sys.executable``).
+    - ``python``: interpreter that runs the execution server of a ``local`` sandbox (default: this one,
+      ``sys.executable``). An isolated sandbox always gets this server's interpreter, seen through its
+      Python view (:mod:`sandbox.python_view`); naming another one there is a ``ValueError``.
     - ``start_timeout_s``: how long to wait for the execution server (seconds).
     - ``close_grace_s``: SIGTERM → SIGKILL grace on close (seconds).
     - ``loopback_dir`` / ``loopback_network``: see :class:`sandbox.loopback.LoopbackAllocator`.
+
+    Defaults for what a spec leaves ``None`` (isolated runtimes; see :class:`sandbox.spec.Limits`):
+    ``python_packages`` (distributions visible besides the execution server's; default
+    :data:`sandbox.python_view.DEFAULT_PYTHON_PACKAGES`), ``tmpfs_bytes`` (512 MiB), ``sandbox_memory_bytes``
+    (8 GiB), ``workspace_bytes`` (4 GiB); ``None`` for one of the last three: not bounded. ``cgroup_parent``:
+    a delegated cgroup directory (memory controller enabled for its children) to create sandbox cgroups in;
+    default: found at start (:func:`sandbox.bounds.memory_cgroups`, which warns once when there is none).
+    ``watch_interval_s``: how often the host checks each sandbox's disk usage and memory (seconds).
+    ``view_dir``: where the Python views' skeletons are built, once per set of distributions, and reused
+    (default :func:`sandbox.python_view.default_view_dir`, a per-user cache; never visible in a sandbox).
     """
 
     kind: str = "abstract"
@@ -293,13 +375,35 @@ class SandboxRuntime(abc.ABC):
 
     def __init__(self, *, state_dir: Optional[str] = None, workspace_root: Optional[str] = None,
                  python: Optional[str] = None, start_timeout_s: float = 30.0, close_grace_s: float = 2.0,
-                 loopback_dir: str = DEFAULT_LEASE_DIR, loopback_network: str = DEFAULT_NETWORK) -> None:
+                 loopback_dir: str = DEFAULT_LEASE_DIR, loopback_network: str = DEFAULT_NETWORK,
+                 python_packages: Optional[tuple[str, ...]] = None,
+                 tmpfs_bytes: Optional[int] = DEFAULT_TMPFS_BYTES,
+                 sandbox_memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
+                 workspace_bytes: Optional[int] = DEFAULT_WORKSPACE_BYTES,
+                 cgroup_parent: Optional[str] = None, watch_interval_s: float = 1.0,
+                 view_dir: Optional[str] = None) -> None:
+        if self.isolated and python and os.path.realpath(python) != os.path.realpath(sys.executable):
+            raise ValueError(f"python={python!r}: an isolated sandbox runs this server's own interpreter "
+                             f"({sys.executable}) through its Python view; `python` applies to the local runtime")
+        if watch_interval_s <= 0:
+            raise ValueError("watch_interval_s must be positive")
+        # Checked here so that a bad option fails at start, not at the first sandbox.
+        bounds_defaults = Limits(tmpfs_bytes=tmpfs_bytes, sandbox_memory_bytes=sandbox_memory_bytes,
+                                 workspace_bytes=workspace_bytes)
         _cache_sandbox_bytecode()
         self.state_dir = os.path.abspath(state_dir or default_state_dir())
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         self.store = OwnershipStore(self.state_dir)
         self.workspace_root = workspace_root
         self.python = python or sys.executable
+        self.python_packages = None if python_packages is None else tuple(python_packages)
+        self.view_dir = os.path.abspath(view_dir or default_view_dir())
+        self._bounds_defaults = bounds_defaults
+        self.watch_interval_s = watch_interval_s
+        self._cgroup_parent = cgroup_parent
+        if self.isolated and sandbox_memory_bytes is not None:
+            bounds.memory_cgroups(cgroup_parent)  # found (or its absence logged) once, at start
+        self._watcher: Optional[asyncio.Task] = None
         self.start_timeout_s = start_timeout_s
         self.close_grace_s = close_grace_s
         self._loopback_args = (loopback_dir, loopback_network)
@@ -329,7 +433,9 @@ class SandboxRuntime(abc.ABC):
         env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": ctx.sandbox_workspace,
                "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "PYTHONUNBUFFERED": "1"}
         if spec.image is None:
-            env["PATH"] = os.path.dirname(self.python) + ":" + env["PATH"]
+            env["PATH"] = os.path.dirname(ctx.python) + ":" + env["PATH"]
+        if ctx.view is not None:
+            env.update(ctx.view.env)
         if ctx.address:
             env["PRORL_SANDBOX_ADDRESS"] = ctx.address
         env.update(spec.env)
@@ -338,7 +444,12 @@ class SandboxRuntime(abc.ABC):
 
     def launcher_env(self, ctx: LaunchContext) -> dict[str, str]:
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
-                "PYTHONPATH": ":".join(ctx.pythonpath)}
+                "PYTHONPATH": ":".join(ctx.pythonpath), **dict(ctx.view.env if ctx.view is not None else ())}
+
+    def uses_python_view(self, spec: SandboxSpec) -> bool:
+        """Whether a sandbox for ``spec`` runs this server's interpreter through a Python view (isolated
+        runtimes, unless the image brings its own interpreter)."""
+        return self.isolated
 
     def sessions_file(self, ctx: LaunchContext) -> Optional[str]:
         """Where the execution server records its tool sessions (host path), or ``None``. Only a runtime
@@ -386,6 +497,10 @@ class SandboxRuntime(abc.ABC):
         proc = None
         try:
             argv = self.build_command(spec, ctx)
+            if ctx.bounds.cgroup:
+                # The launcher enters the sandbox's cgroup before it runs anything, so every process of the
+                # sandbox is born inside it (the exec keeps its pid and create time).
+                argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', ctx.bounds.cgroup, *argv]
             logf = open(os.path.join(ctx.run_dir, LOG_NAME), "wb")
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -396,7 +511,8 @@ class SandboxRuntime(abc.ABC):
                 logf.close()
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
                       "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
-                      "address": ctx.address, "started_at": started_at, **self._owner}
+                      "address": ctx.address, "cgroup": ctx.bounds.cgroup,
+                      "cgroup_version": ctx.bounds.cgroup_version, "started_at": started_at, **self._owner}
             record["create_time"] = await asyncio.to_thread(self._record_start, record)
             client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id,
                                 peer_ok=functools.partial(_descends_from, proc.pid, record["create_time"]))
@@ -410,6 +526,8 @@ class SandboxRuntime(abc.ABC):
                     await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
                 for lease in leases:
                     lease.release()
+                if ctx.bounds.cgroup:
+                    await asyncio.to_thread(bounds.remove_cgroup, ctx.bounds.cgroup, ctx.bounds.cgroup_version)
                 await asyncio.to_thread(self._cleanup_dirs, ctx.run_dir, ctx.workspace if created else None)
                 # last: until the directories are gone the (provisional) record is how a later server finds them
                 await asyncio.to_thread(self.store.remove, sandbox_id)
@@ -429,7 +547,48 @@ class SandboxRuntime(abc.ABC):
                 raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} did not start: {e}\n"
                                         f"launcher log (tail):\n{tail}") from None
             raise
+        if (ctx.bounds.workspace_bytes or ctx.bounds.cgroup) and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.ensure_future(self._watch())
         return handle
+
+    # ------------------------------------------------------------------------------------------- bounds
+    def _writable_host_dirs(self, handle: SandboxHandle) -> list[str]:
+        """Host directories a sandbox writes to: what its disk quota counts."""
+        return [handle.workspace, handle._ctx.run_dir, *(b.host for b in handle.spec.binds if not b.ro)]
+
+    async def _watch(self) -> None:
+        """While sandboxes with bounds run: every ``watch_interval_s``, end each one whose cgroup saw an OOM
+        kill or whose writable host directories pass its disk quota (measured in a thread; a tree that takes
+        ``t`` seconds to measure is measured at most every ``20 t``, ~5% of a core)."""
+        while True:
+            handles = [h for h in self._handles.values()
+                       if h._closing is None and h._death is None and h._proc.returncode is None]
+            if not handles:
+                return
+            for h in handles:
+                try:
+                    await self._check_bounds(h)
+                except Exception:  # noqa: BLE001 - a failed check must not end the watch of every sandbox
+                    log.exception("checking the bounds of sandbox %s failed", h.sandbox_id)
+            await asyncio.sleep(self.watch_interval_s)
+
+    async def _check_bounds(self, h: SandboxHandle) -> None:
+        if h._closing is not None or h._death is not None:
+            return
+        if h._memory_exceeded():
+            await h._end("memory", h._memory_message())
+            return
+        quota = h.bounds.workspace_bytes
+        now = time.monotonic()
+        if quota is None or now < h._next_measure:
+            return
+        used = await asyncio.to_thread(bounds.disk_usage, self._writable_host_dirs(h), quota)
+        cost = time.monotonic() - now
+        h._next_measure = time.monotonic() + max(0.0, 20 * cost - self.watch_interval_s)
+        if used > quota and h._closing is None:
+            await h._end("disk_quota", f"the sandbox's workspace passed its disk quota of {quota} bytes (at "
+                                       f"least {used} bytes in its workspace and other writable host "
+                                       "directories) and the sandbox was killed")
 
     async def reap_orphans(self) -> int:
         """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer
@@ -453,6 +612,8 @@ class SandboxRuntime(abc.ABC):
                 log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
                           [p.pid for p in survivors])
                 continue
+            if rec.get("cgroup") and os.path.basename(rec["cgroup"]) == bounds.CGROUP_PREFIX + rec["sandbox_id"]:
+                await asyncio.to_thread(bounds.remove_cgroup, rec["cgroup"], rec.get("cgroup_version") or 2)
             await asyncio.to_thread(self._cleanup_dirs, run_dir if self._owns(run_dir) else None,
                                     rec.get("workspace") if rec.get("workspace_created") else None)
             await asyncio.to_thread(self.store.remove, rec["sandbox_id"])
@@ -471,6 +632,10 @@ class SandboxRuntime(abc.ABC):
         for h, r in zip(handles, results):
             if isinstance(r, BaseException):
                 log.error("closing sandbox %s failed: %s", h.sandbox_id, r)
+        if self._watcher is not None and not self._handles:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
 
     @property
     def handles(self) -> list[SandboxHandle]:
@@ -496,10 +661,37 @@ class SandboxRuntime(abc.ABC):
     def _owns(self, path: Optional[str]) -> bool:
         return bool(path) and os.path.abspath(path).startswith(os.path.join(self.state_dir, "run") + os.sep)
 
+    def _bounds_for(self, spec: SandboxSpec, sandbox_id: str) -> SandboxBounds:
+        """The sandbox's bounds as a whole: the spec's, else this runtime's defaults; the cgroup path it will
+        get (not created yet) where the host offers memory cgroups. ``local`` sandboxes have none."""
+        if not self.isolated:
+            return SandboxBounds()
+        d, mine = self._bounds_defaults, spec.limits
+        pick = {name: getattr(mine, name) if getattr(mine, name) is not None else getattr(d, name)
+                for name in ("tmpfs_bytes", "sandbox_memory_bytes", "workspace_bytes")}
+        groups = bounds.memory_cgroups(self._cgroup_parent) if pick["sandbox_memory_bytes"] else None
+        return SandboxBounds(tmpfs_bytes=pick["tmpfs_bytes"],
+                             memory_bytes=pick["sandbox_memory_bytes"] if groups else None,
+                             workspace_bytes=pick["workspace_bytes"],
+                             cgroup=os.path.join(groups.parent, bounds.CGROUP_PREFIX + sandbox_id) if groups else None,
+                             cgroup_version=groups.version if groups else 0)
+
+    def _view_for(self, spec: SandboxSpec) -> Optional[PythonView]:
+        """The Python view of a sandbox for ``spec``, or ``None`` (see :meth:`uses_python_view`). Raises
+        ``ValueError`` for a package that is never visible, :class:`SandboxStartError` for a missing one."""
+        if not self.uses_python_view(spec):
+            return None
+        packages = spec.python_packages if spec.python_packages is not None else self.python_packages
+        return python_view(packages, self.view_dir, os.path.join(project_root(), "sandbox"))
+
     def _prepare(self, sandbox_id: str, spec: SandboxSpec) -> tuple[LaunchContext, list[Lease], bool]:
-        """Blocking part of ``start`` before the launch: directories, leases (address, user), the config."""
-        run_dir, workspace, created = self._make_dirs(sandbox_id, spec)
+        """Blocking part of ``start`` before the launch: the Python view, directories, leases (address, user),
+        the sandbox's cgroup, the config."""
+        view = self._view_for(spec)
+        limits = self._bounds_for(spec, sandbox_id)
+        run_dir, workspace, created = self._make_dirs(sandbox_id, spec, limits)
         leases: list[Lease] = []
+        cgroup_made = False
         try:
             if self.isolated:
                 self._check_writable_paths(workspace, spec)
@@ -515,17 +707,28 @@ class SandboxRuntime(abc.ABC):
                 leases.append(user_lease)
             sb_ws, sb_run = self.sandbox_paths(spec, run_dir, workspace)
             ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
-                                sandbox_workspace=sb_ws, python=self.python, pythonpath=python_paths(),
-                                address=address, run_as=run_as)
+                                sandbox_workspace=sb_ws, python=view.python if view else self.python,
+                                pythonpath=list(view.server_path) if view else python_paths(),
+                                address=address, run_as=run_as, view=view, bounds=limits)
             if ctx.run_as:
                 for d in (run_dir, workspace):
                     os.chown(d, *ctx.run_as)
+            rlimits = spec.limits.rlimits()
+            if limits.workspace_bytes is not None:  # no single file may pass the disk quota either
+                rlimits["max_file_bytes"] = min(rlimits["max_file_bytes"] or limits.workspace_bytes,
+                                                limits.workspace_bytes)
             config = {"workspace": sb_ws, "run_dir": sb_run, "env": self.tool_env(spec, ctx),
-                      "limits": spec.limits.to_dict(), "run_as": list(ctx.run_as) if ctx.run_as else None,
+                      "limits": rlimits, "run_as": list(ctx.run_as) if ctx.run_as else None,
                       "sessions_file": self.sessions_file(ctx)}
             with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
                 json.dump(config, f)
+            if limits.cgroup:
+                bounds.MemoryCgroups(os.path.dirname(limits.cgroup), limits.cgroup_version).create(
+                    os.path.basename(limits.cgroup), limits.memory_bytes)
+                cgroup_made = True
         except BaseException:
+            if cgroup_made:
+                bounds.remove_cgroup(limits.cgroup, limits.cgroup_version)
             for lease in leases:
                 lease.release()
             self._cleanup_dirs(run_dir, workspace if created else None)
@@ -539,10 +742,12 @@ class SandboxRuntime(abc.ABC):
         self.store.write(record)
         return record["create_time"]
 
-    def _make_dirs(self, sandbox_id: str, spec: SandboxSpec) -> tuple[str, str, bool]:
+    def _make_dirs(self, sandbox_id: str, spec: SandboxSpec,
+                   limits: SandboxBounds = SandboxBounds()) -> tuple[str, str, bool]:
         """Create the run directory and the workspace (a fresh private one unless the spec names one), after
-        writing a provisional ownership record (no launcher pid yet) that names both: a server killed at any
-        point from here on leaves nothing that the next server's :meth:`reap_orphans` does not find."""
+        writing a provisional ownership record (no launcher pid yet) that names both, and the sandbox's cgroup
+        to be: a server killed at any point from here on leaves nothing that the next server's
+        :meth:`reap_orphans` does not find."""
         run_dir = os.path.join(self.state_dir, "run", sandbox_id)
         if len(os.path.join(run_dir, SOCKET_NAME)) > _MAX_SOCKET_PATH:
             raise SandboxStartError(f"state_dir {self.state_dir} is too long for a Unix socket path; "
@@ -557,6 +762,7 @@ class SandboxRuntime(abc.ABC):
             workspace = os.path.abspath(spec.workspace)
         self.store.write({"sandbox_id": sandbox_id, "runtime": self.kind, "pid": None, "create_time": None,
                           "run_dir": run_dir, "workspace": workspace, "workspace_created": created,
+                          "cgroup": limits.cgroup, "cgroup_version": limits.cgroup_version,
                           "started_at": time.time(), **self._owner})
         try:
             os.makedirs(run_dir, mode=0o700)

@@ -16,18 +16,23 @@ the site refuses, and raises :class:`~sandbox.errors.SandboxStartError` saying s
 Interpreter: an image built by ``prorl-build-image`` carries its own venv with this project installed and
 exports ``PRORL_EXEC_PYTHON`` (its python) in its environment; the probe reads it, and the execution server
 then runs with that python and the image's own copy of the project, nothing of the host's interpreter bound.
-Any other image gets the host's interpreter and project bound read-only at their host paths (the image then
-needs a compatible C library).
+Any other image gets the host interpreter's Python view (:mod:`sandbox.python_view`: standard library, the
+allowed distributions only, the project's ``sandbox`` package, under ``/prorl``) bound read-only, the same
+binds as bubblewrap's (the image then needs a compatible C library).
+
+Bounds (:mod:`sandbox.bounds`): the memory cgroup and the workspace's disk quota are the runtime's, as for
+bubblewrap. The size of ``/tmp`` under ``--containall`` is the site's (``sessiondir max size`` in
+``apptainer.conf``), not set per sandbox.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import shutil
-from typing import Optional
+from typing import Optional, Union
 
 from .errors import SandboxError, SandboxStartError
-from .runtime import CONFIG_NAME, SOCKET_NAME, LaunchContext, SandboxRuntime, server_host_paths
+from .runtime import CONFIG_NAME, SOCKET_NAME, LaunchContext, SandboxRuntime, server_binds
 from .spec import SandboxSpec
 
 #: What ``--no-mount`` disables (Apptainer >= 1.0 / SingularityCE >= 3.7 values): the site's host file system
@@ -56,11 +61,14 @@ def isolation_flags(spec: SandboxSpec) -> list[list[str]]:
 
 
 def build_singularity_command(binary: str, spec: SandboxSpec, ctx: LaunchContext,
-                              ro_paths: Optional[list[str]] = None, exec_python: Optional[str] = None) -> list[str]:
+                              ro_paths: Optional[list[Union[str, tuple[str, str]]]] = None,
+                              exec_python: Optional[str] = None) -> list[str]:
     """The complete argv. ``exec_python``: the image's own interpreter with this project installed (from
-    ``PRORL_EXEC_PYTHON``); then nothing of the host's interpreter is bound. Otherwise ``ro_paths``: host paths
-    bound read-only at the same place (the interpreter and the project's ``sandbox`` package); ``None`` =
-    computed from this interpreter. Raises :class:`SandboxError` for a spec without an image."""
+    ``PRORL_EXEC_PYTHON``); then nothing of the host's interpreter is bound. Otherwise ``ro_paths``: what is
+    bound read-only for the execution server, each a ``(host, container)`` pair or a host path bound at the
+    same place; ``None`` = the Python view's binds (:func:`sandbox.runtime.server_binds`), whose variables
+    (``LD_LIBRARY_PATH``) are passed with ``--env`` like ``PYTHONPATH``. Raises :class:`SandboxError` for a
+    spec without an image."""
     if not spec.image:
         raise SandboxError("singularity runtime needs spec.image (a .sif file or sandbox directory)")
     args = [binary, "exec", "--containall", "--no-home", "--no-mount", NO_MOUNT, "--cleanenv", "--pwd", spec.workdir]
@@ -71,14 +79,17 @@ def build_singularity_command(binary: str, spec: SandboxSpec, ctx: LaunchContext
     if spec.network == "none":
         args += ["--net", "--network", "none"]
     if exec_python is None:
-        for p in (server_host_paths(ctx) if ro_paths is None else ro_paths):
-            args += ["--bind", f"{p}:{p}:ro"]
+        for p in (server_binds(ctx) if ro_paths is None else ro_paths):
+            host, container = (p, p) if isinstance(p, str) else p
+            args += ["--bind", f"{host}:{container}:ro"]
     for b in spec.binds:
         args += ["--bind", f"{b.host}:{b.container}:{'ro' if b.ro else 'rw'}"]
     args += ["--bind", f"{ctx.run_dir}:{ctx.sandbox_run_dir}:rw",
              "--bind", f"{ctx.workspace}:{ctx.sandbox_workspace}:rw"]
     if exec_python is None:
-        return args + ["--env", f"PYTHONPATH={':'.join(ctx.pythonpath)}", spec.image] + ctx.server_argv()
+        env = [f"{k}={v}" for k, v in (ctx.view.env if ctx.view is not None else ())]
+        return (args + ["--env", f"PYTHONPATH={':'.join(ctx.pythonpath)}"]
+                + [a for e in env for a in ("--env", e)] + [spec.image] + ctx.server_argv())
     # The image's venv finds its own site-packages (no -S, no PYTHONPATH).
     return args + [spec.image, exec_python, "-m", "sandbox.exec_server",
                    "--socket", os.path.join(ctx.sandbox_run_dir, SOCKET_NAME),
@@ -169,6 +180,9 @@ class SingularityRuntime(SandboxRuntime):
         if not spec.image:
             raise SandboxError("singularity runtime needs spec.image (a .sif file or sandbox directory)")
         self._exec_python[spec.image] = await self.probe(spec)
+
+    def uses_python_view(self, spec: SandboxSpec) -> bool:
+        return not self._exec_python.get(spec.image or "")
 
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         return build_singularity_command(self.binary, spec, ctx,

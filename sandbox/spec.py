@@ -25,18 +25,32 @@ class Bind:
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of the processes the tools start (the shell, its commands, the kernel).
+    """Resource limits of the processes the tools start (the shell, its commands, the kernel), and of the
+    sandbox as a whole.
 
-    Applied with ``setrlimit`` in the execution server before the shell or kernel is executed, so every
-    descendant inherits them. ``None`` = not limited.
+    Per process, applied with ``setrlimit`` in the execution server before the shell or kernel is executed, so
+    every descendant inherits them. ``None`` = not limited.
 
     - ``max_processes``: RLIMIT_NPROC, processes + threads of the sandbox user. Rootless runtimes count it per
       user namespace (per sandbox); a bubblewrap runtime started as root runs the sandbox as an unprivileged
       user so that the limit holds (the kernel exempts uid 0).
     - ``max_memory_bytes``: RLIMIT_AS, virtual memory per process, in bytes.
     - ``cpu_seconds``: RLIMIT_CPU, CPU time per process, in seconds.
-    - ``max_file_bytes``: RLIMIT_FSIZE, largest file a process may write, in bytes.
+    - ``max_file_bytes``: RLIMIT_FSIZE, largest file a process may write, in bytes (never more than the
+      disk quota, ``workspace_bytes``).
     - ``max_open_files``: RLIMIT_NOFILE.
+
+    The sandbox as a whole (:mod:`sandbox.bounds`); ``None`` = the runtime's default (its options of the same
+    name; 512 MiB, 8 GiB and 4 GiB unless configured), a number of bytes otherwise:
+
+    - ``tmpfs_bytes``: size of each writable in-memory file system of the sandbox (``/tmp``, ``/dev/shm``,
+      ``/run``; bubblewrap). Writing past it fails with ENOSPC inside; the host is not affected.
+    - ``sandbox_memory_bytes``: memory of all its processes together (a cgroup, where the host allows one).
+      Past it the sandbox is killed and its calls raise :class:`~sandbox.errors.SandboxDeadError` with
+      ``reason="memory"``.
+    - ``workspace_bytes``: disk quota of its writable host directories (workspace, run directory, ``rw``
+      binds), measured by the host. Past it the sandbox is killed: ``SandboxDeadError`` with
+      ``reason="disk_quota"``.
     """
 
     max_processes: Optional[int] = None
@@ -44,9 +58,26 @@ class Limits:
     cpu_seconds: Optional[int] = None
     max_file_bytes: Optional[int] = None
     max_open_files: Optional[int] = None
+    tmpfs_bytes: Optional[int] = None
+    sandbox_memory_bytes: Optional[int] = None
+    workspace_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in SANDBOX_WIDE_LIMITS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"Limits.{name} must be a positive integer (bytes) or None, got {v!r}")
 
     def to_dict(self) -> dict[str, Optional[int]]:
         return dataclasses.asdict(self)
+
+    def rlimits(self) -> dict[str, Optional[int]]:
+        """The per-process limits (the keys :func:`sandbox.limits.apply_limits` takes)."""
+        return {k: v for k, v in self.to_dict().items() if k not in SANDBOX_WIDE_LIMITS}
+
+
+#: :class:`Limits` fields that bound the sandbox as a whole (the rest are per process, ``setrlimit``).
+SANDBOX_WIDE_LIMITS = ("tmpfs_bytes", "sandbox_memory_bytes", "workspace_bytes")
 
 
 @dataclass
@@ -71,6 +102,12 @@ class SandboxSpec:
       namespace).
     - ``writable_tmpfs``: the root file system is writable, changes kept in memory and dropped on close
       (Singularity ``--writable-tmpfs``; bubblewrap >= 0.9 overlays, refused with an error on older bwrap).
+    - ``python_packages``: distribution names (as ``pip`` knows them) the sandbox's Python may import, on top
+      of what the execution server needs; their requirements come along. ``None`` = the runtime's default
+      (``numpy``, ``sympy``, ``pytest`` where installed). Only these are visible: never the server's whole
+      environment, and never a dataset/benchmark package or this project's own (see
+      :mod:`sandbox.python_view`). Ignored where the sandbox has its own interpreter (a Singularity image built
+      with its venv) and by ``local``.
     """
 
     image: Optional[str] = None
@@ -82,8 +119,15 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     fakeroot: bool = False
     writable_tmpfs: bool = False
+    python_packages: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
+        if self.python_packages is not None:
+            if isinstance(self.python_packages, str) or not all(isinstance(p, str) and p.strip()
+                                                                 for p in self.python_packages):
+                raise ValueError(f"python_packages must be a list of distribution names, got "
+                                 f"{self.python_packages!r}")
+            self.python_packages = tuple(p.strip() for p in self.python_packages)
         if self.network not in NETWORKS:
             raise ValueError(f"network must be one of {NETWORKS}, got {self.network!r}")
         if not self.workdir.startswith("/"):

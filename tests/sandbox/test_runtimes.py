@@ -1,6 +1,7 @@
 """Runtime selection, the bubblewrap command line, the local runtime, and the loopback allocator."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -120,15 +121,21 @@ def test_bwrap_without_image_binds_only_system_dirs_and_masks_etc_secrets(tmp_pa
     from sandbox.bubblewrap import ETC_SECRETS, HOST_SYSTEM_DIRS
     from sandbox.runtime import project_root
 
-    argv = build_bwrap_command("bwrap", SandboxSpec(), CTX)
+    from sandbox.python_view import VIEW_ROOT, python_view
+
+    view = python_view(None, str(tmp_path / "view"), os.path.join(project_root(), "sandbox"))
+    argv = build_bwrap_command("bwrap", SandboxSpec(), dataclasses.replace(CTX, view=view))
     top = {argv[k + 2] for k, a in enumerate(argv) if a in ("--ro-bind", "--symlink") and argv[k + 2].count("/") == 1}
-    assert top <= {"/" + d for d in HOST_SYSTEM_DIRS} and "/usr" in top and "/etc" in top
+    assert top <= {"/" + d for d in HOST_SYSTEM_DIRS} | {VIEW_ROOT} and "/usr" in top and "/etc" in top
     for home in ("/home", "/root", "/opt", "/var", "/srv", "/mnt"):
         assert not any(argv[k + 2] == home for k, a in enumerate(argv) if a in ("--ro-bind", "--bind")), home
-    # The project: only its sandbox package, never the checkout (configs, tokens, datasets).
-    sources = [argv[k + 1] for k, a in enumerate(argv) if a in ("--ro-bind", "--bind")]
-    assert os.path.join(os.path.realpath(project_root()), "sandbox") in sources
-    assert os.path.realpath(project_root()) not in sources
+    # The project: only its sandbox package, never the checkout (configs, tokens, datasets), and nothing at a
+    # host path outside the system directories.
+    binds = [(argv[k + 1], argv[k + 2]) for k, a in enumerate(argv) if a in ("--ro-bind", "--bind")]
+    assert (os.path.join(os.path.realpath(project_root()), "sandbox"), f"{VIEW_ROOT}/server/sandbox") in binds
+    assert os.path.realpath(project_root()) not in {h for h, _ in binds}
+    assert all(c.startswith(("/usr", "/etc", "/bin", "/sbin", "/lib", VIEW_ROOT, "/run/prorl", "/workspace"))
+               for _, c in binds), binds
     for rel in ETC_SECRETS:
         path = os.path.join("/etc", rel)
         if os.path.lexists(path) and not os.path.islink(path):

@@ -1,0 +1,278 @@
+"""Bounds of a sandbox as a whole (not per process): its memory, through a cgroup of its own, and the disk
+its writable host directories (workspace, run directory, ``rw`` binds) take, measured.
+
+Memory. Where this server may create cgroups with the memory controller (cgroup v2: a cgroup whose
+``cgroup.subtree_control`` has, or accepts, ``+memory``; cgroup v1: a writable memory hierarchy; or a
+delegated directory given as the runtime's ``cgroup_parent``), every sandbox gets a child cgroup
+``prorl-<sandbox id>`` with ``memory.max`` (v1: ``memory.limit_in_bytes``, and the same for memory+swap) and,
+on v2, ``memory.swap.max = 0`` and ``memory.oom.group = 1``. The launcher is started inside it (it writes
+itself into ``cgroup.procs`` and then execs), so every process of the sandbox, tmpfs pages included, is
+charged to it. When the kernel's OOM killer runs in it, the host kills the whole sandbox (v2 does so itself)
+and reports :class:`~sandbox.errors.SandboxDeadError` with ``reason="memory"``. Elsewhere the only memory
+bound is per process (``RLIMIT_AS``, :class:`~sandbox.spec.Limits` ``max_memory_bytes``), and the runtime says
+so once, at its start (:func:`memory_cgroups`).
+
+Disk. A workspace must stay a host directory (graders read it), and a rootless server can mount no quota'd
+file system, so the host measures (:func:`disk_usage`) and kills the sandbox when its writable host
+directories pass the quota (``reason="disk_quota"``); ``RLIMIT_FSIZE`` bounds any single file to the quota as
+well. The measurement runs in a thread every ``watch_interval_s`` (more seldom for large trees: at most ~5% of
+one core per sandbox), so a sandbox may overshoot by what it writes in one interval.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import signal
+import stat
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+#: Size of each of a sandbox's writable tmpfs mounts (/tmp, /dev/shm), bytes.
+DEFAULT_TMPFS_BYTES = 512 << 20
+#: Memory of a sandbox as a whole (cgroup), bytes.
+DEFAULT_MEMORY_BYTES = 8 << 30
+#: Disk quota of a sandbox's writable host directories (workspace, run directory, rw binds), bytes.
+DEFAULT_WORKSPACE_BYTES = 4 << 30
+#: Every file system entry counts at least this much (an inode and a directory entry), so that a million
+#: empty files pass a quota as surely as a large file.
+MIN_ENTRY_BYTES = 4096
+CGROUP_PREFIX = "prorl-"
+
+
+@dataclass(frozen=True)
+class MemoryCgroups:
+    """Where sandbox cgroups are created: ``parent`` (a directory of a cgroup file system) and ``version``
+    (1 or 2)."""
+
+    parent: str
+    version: int
+
+    def create(self, name: str, limit_bytes: int) -> str:
+        """Create the cgroup ``parent/name`` with a memory limit of ``limit_bytes``; returns its path.
+        Raises ``OSError`` if it cannot be created or limited (the directory is removed again)."""
+        path = os.path.join(self.parent, name)
+        os.mkdir(path)
+        try:
+            if self.version == 2:
+                _write(path, "memory.max", str(limit_bytes))
+                for f, v in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                    if os.path.exists(os.path.join(path, f)):
+                        _write(path, f, v)
+            else:
+                _write(path, "memory.limit_in_bytes", str(limit_bytes))
+                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    _write(path, "memory.memsw.limit_in_bytes", str(limit_bytes))
+        except BaseException:
+            os.rmdir(path)
+            raise
+        return path
+
+    def oom_kills(self, path: str) -> int:
+        """How many processes the OOM killer has killed in the cgroup ``path`` (0 if it is gone)."""
+        return oom_kills(path, self.version)
+
+
+def oom_kills(path: str, version: int) -> int:
+    """OOM kills counted in cgroup ``path`` (v2 ``memory.events``, v1 ``memory.oom_control``); 0 if it is
+    unreadable."""
+    try:
+        with open(os.path.join(path, "memory.events" if version == 2 else "memory.oom_control")) as f:
+            fields = dict(line.split() for line in f if line.strip())
+    except (OSError, ValueError):
+        return 0
+    return int(fields.get("oom_kill", 0)) + int(fields.get("oom_group_kill", 0))
+
+
+def remove_cgroup(path: str, version: int, timeout_s: float = 2.0) -> bool:
+    """Kill what is left in the cgroup ``path`` (v2 ``cgroup.kill``, else SIGKILL to each pid it lists:
+    only processes of the sandbox can be in it) and remove it. Returns whether it is gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                log.warning("sandbox cgroup %s not removed: %s", path, e)
+                return False
+        if os.path.exists(os.path.join(path, "cgroup.kill")):
+            _write(path, "cgroup.kill", "1", missing_ok=True)
+        else:
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids = [int(x) for x in f.read().split()]
+            except OSError:
+                pids = []
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        time.sleep(0.01)
+
+
+def _write(path: str, name: str, value: str, missing_ok: bool = False) -> None:
+    try:
+        with open(os.path.join(path, name), "w") as f:
+            f.write(value)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """(root, mount point, fstype, super options) of each line of ``/proc/self/mountinfo``."""
+    out = []
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if len(a) >= 5 and len(b) >= 3:
+            out.append((a[3], a[4].replace("\\040", " "), b[0], b[2]))
+    return out
+
+
+def find_memory_cgroups(self_cgroup: str, mountinfo: str, *, enable: bool = True) -> Optional[MemoryCgroups]:
+    """Where this process may create memory-limited cgroups, from the text of ``/proc/self/cgroup`` and
+    ``/proc/self/mountinfo``: the process's own cgroup of a cgroup v2 mount whose ``cgroup.controllers``
+    lists ``memory`` and whose ``cgroup.subtree_control`` has it (``enable``: or accepts ``+memory``), else its
+    own cgroup of a cgroup v1 memory hierarchy, in each case only if it is writable; ``None`` if neither.
+    Nothing is created."""
+    own2, own1 = None, None
+    for line in self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            own2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            own1 = parts[2]
+    mounts = _mounts(mountinfo)
+
+    def under(root: str, mount: str, own: str) -> Optional[str]:
+        if own == root or own.startswith(root.rstrip("/") + "/"):
+            return os.path.join(mount, os.path.relpath(own, root)).rstrip("/.") or mount
+        return None
+
+    if own2 is not None:
+        for root, mount, fstype, _opts in mounts:
+            path = under(root, mount, own2) if fstype == "cgroup2" else None
+            if path is None or not os.access(path, os.W_OK):
+                continue
+            try:
+                with open(os.path.join(path, "cgroup.controllers")) as f:
+                    if "memory" not in f.read().split():
+                        continue
+                with open(os.path.join(path, "cgroup.subtree_control")) as f:
+                    enabled = "memory" in f.read().split()
+                if not enabled and enable:
+                    _write(path, "cgroup.subtree_control", "+memory")
+                    enabled = True
+            except OSError:
+                continue
+            if enabled:
+                return MemoryCgroups(path, 2)
+    if own1 is not None:
+        for root, mount, fstype, opts in mounts:
+            if fstype != "cgroup" or "memory" not in opts.split(","):
+                continue
+            path = under(root, mount, own1)
+            if path and os.path.isdir(path) and os.access(path, os.W_OK) and \
+                    os.path.exists(os.path.join(path, "memory.limit_in_bytes")):
+                return MemoryCgroups(path, 1)
+    return None
+
+
+def check_cgroup_parent(parent: str) -> MemoryCgroups:
+    """A configured, delegated cgroup directory (the runtime's ``cgroup_parent``): its version and that it
+    can limit memory. Raises ``ValueError`` if it cannot."""
+    if os.path.exists(os.path.join(parent, "cgroup.subtree_control")):
+        with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+            if "memory" not in f.read().split():
+                raise ValueError(f"cgroup_parent {parent}: memory is not in its cgroup.subtree_control")
+        version = 2
+    elif os.path.exists(os.path.join(parent, "memory.limit_in_bytes")):
+        version = 1
+    else:
+        raise ValueError(f"cgroup_parent {parent} is not a cgroup directory with the memory controller")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"cgroup_parent {parent} is not writable by this user")
+    return MemoryCgroups(parent, version)
+
+
+@functools.lru_cache(maxsize=None)
+def memory_cgroups(parent: Optional[str] = None) -> Optional[MemoryCgroups]:
+    """This server's sandbox cgroups (``parent``: a configured delegated directory, checked), found once per
+    process; when there are none, logs once that a sandbox's memory is bounded per process only."""
+    if parent:
+        return check_cgroup_parent(parent)
+    try:
+        with open("/proc/self/cgroup") as f, open("/proc/self/mountinfo") as g:
+            found = find_memory_cgroups(f.read(), g.read())
+    except OSError:
+        found = None
+    if found is None:
+        log.warning("sandbox memory is bounded per process only (RLIMIT_AS, Limits.max_memory_bytes), not per "
+                    "sandbox: this server cannot create memory cgroups (no writable cgroup v2 with the memory "
+                    "controller delegated, nor a writable v1 memory hierarchy). Give the runtime a delegated "
+                    "cgroup_parent to bound each sandbox as a whole.")
+    else:
+        log.info("sandbox memory: one cgroup v%d per sandbox under %s", found.version, found.parent)
+    return found
+
+
+def disk_usage(paths: Sequence[str], stop_above: Optional[int] = None) -> int:
+    """Bytes the trees at ``paths`` take on disk: allocated blocks of each entry, at least
+    :data:`MIN_ENTRY_BYTES` per entry, hard links counted once, symbolic links not followed, other file
+    systems not entered. Stops early once the total passes ``stop_above``. An unreadable directory owned by
+    this user is made readable (a sandbox may ``chmod 000`` to hide what it wrote); entries that vanish while
+    it walks are skipped."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    me = os.geteuid()
+    for top in dict.fromkeys(paths):
+        try:
+            st = os.lstat(top)
+        except OSError:
+            continue
+        dev = st.st_dev
+        stack = [top]
+        total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except PermissionError:
+                try:
+                    if os.lstat(d).st_uid == me:
+                        os.chmod(d, 0o700)
+                        it = os.scandir(d)
+                    else:
+                        continue
+                except OSError:
+                    continue
+            except OSError:
+                continue
+            with it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                        key = (st.st_dev, st.st_ino)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                    total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
+                    if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                        stack.append(e.path)
+            if stop_above is not None and total > stop_above:
+                return total
+    return total
