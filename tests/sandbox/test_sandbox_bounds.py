@@ -1,0 +1,195 @@
+"""Each sandbox is bounded as a whole: its in-memory file systems are sized, its workspace has a disk quota
+whose breach ends it with ``SandboxDeadError(reason="disk_quota")``, and its memory is one cgroup whose OOM ends
+it with ``reason="memory"`` (where the host offers cgroups; elsewhere the runtime says once that memory is
+bounded per process only). Real bubblewrap sandboxes, plus unit tests of the decisions."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import pytest
+
+from sandbox import Limits, SandboxSpec, make_runtime
+from sandbox.errors import SandboxDeadError
+
+
+async def _until_dead(handle, timeout_s: float = 30.0) -> SandboxDeadError:
+    """Call the sandbox until a call raises SandboxDeadError (the host's watcher ends it); returns it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        try:
+            await handle.bash("true", timeout_s=10)
+        except SandboxDeadError as e:
+            return e
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"sandbox {handle.sandbox_id} still alive after {timeout_s} s")
+
+
+@pytest.mark.real
+async def test_tmp_and_dev_shm_are_sized_tmpfs_writing_past_fails_inside_only(sandbox):
+    default = 512 << 20
+    r = await sandbox.bash("df -B1 --output=size /tmp /dev/shm /run | tail -n +2", timeout_s=30)
+    assert [int(x) for x in r.output.split()] == [default] * 3, r.output
+    for d in ("/tmp", "/dev/shm"):
+        r = await sandbox.bash(f"head -c {default + (64 << 20)} /dev/zero > {d}/fill; echo rc=$?; "
+                               f"stat -c %s {d}/fill; rm -f {d}/fill", timeout_s=120)
+        assert "No space left on device" in r.output and "rc=1" in r.output, r.output
+        assert int(r.output.split()[-1]) <= default, r.output
+    # Nothing of it reached the host, the sandbox lives on, and /dev itself takes no files.
+    assert not os.path.exists("/tmp/fill")
+    r = await sandbox.bash("touch /dev/fill 2>&1; echo still here", timeout_s=30)
+    assert "Read-only file system" in r.output and "still here" in r.output, r.output
+
+
+@pytest.mark.real
+async def test_tmpfs_size_comes_from_the_spec(bwrap_runtime):
+    h = await bwrap_runtime.start(SandboxSpec(limits=Limits(tmpfs_bytes=16 << 20)))
+    try:
+        r = await h.bash("df -B1 --output=size /tmp | tail -1; head -c 20M /dev/zero > /tmp/f; echo rc=$?",
+                         timeout_s=30)
+        assert r.output.split()[0] == str(16 << 20) and "No space left on device" in r.output, r.output
+    finally:
+        await h.close()
+
+
+@pytest.mark.real
+async def test_workspace_past_its_disk_quota_ends_the_sandbox_with_the_reason(runtime_options, procs):
+    quota = 8 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=0.1, **runtime_options)
+    h = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for p in procs.of(h)}
+    try:
+        # No single file may pass the quota (RLIMIT_FSIZE)...
+        r = await h.bash(f"head -c {quota + 1} /dev/zero > big; echo rc=$?; stat -c %s big; rm big", timeout_s=30)
+        assert "File size limit exceeded" in r.output and r.output.split()[-1] == str(quota), r.output
+        # ... nor several together.
+        try:
+            await h.bash("for i in 1 2 3 4; do head -c 3M /dev/zero > f$i; done; sleep 30", timeout_s=60)
+            raise AssertionError("the sandbox outlived its disk quota")
+        except SandboxDeadError as e:
+            err = e
+        assert err.reason == "disk_quota", err
+        assert f"the sandbox's workspace passed its disk quota of {quota} bytes" in str(err)
+        later = await _until_dead(h, 5)
+        assert later.reason == "disk_quota" and not h.alive
+    finally:
+        await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
+async def test_memory_past_the_sandbox_limit_kills_it_or_the_runtime_says_it_cannot(runtime_options, procs,
+                                                                                   caplog):
+    from sandbox import bounds
+
+    caplog.set_level(logging.WARNING, logger="sandbox.bounds")
+    groups = bounds.memory_cgroups()
+    if groups is None:  # this host offers no memory cgroup: the decision is covered by the unit tests below
+        pytest.skip("no writable memory cgroup here")
+    limit = 256 << 20
+    rt = make_runtime("bubblewrap", **runtime_options)
+    for tool in ("bash", "ipython"):
+        h = await rt.start(SandboxSpec(limits=Limits(sandbox_memory_bytes=limit)))
+        assert h.bounds.cgroup and os.path.isdir(h.bounds.cgroup) and h.bounds.memory_bytes == limit
+        pids = {p.pid for p in procs.of(h)}
+        # Each process alone stays under the limit; together they pass it.
+        hog = "import time; x = bytearray(160 << 20); x[::4096] = b'x' * len(x[::4096]); time.sleep(60)"
+        try:
+            if tool == "bash":
+                await h.bash(f"python3 -c \"{hog}\" & python3 -c \"{hog}\"; wait", timeout_s=60)
+            else:
+                await h.ipython(f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', \"{hog}\"])\n"
+                                f"{hog}", timeout_s=60)
+            raise AssertionError("the sandbox outlived its memory limit")
+        except SandboxDeadError as e:
+            assert e.reason == "memory", e
+            assert f"the sandbox passed its memory limit of {limit} bytes" in str(e)
+        cgroup = h.bounds.cgroup
+        await h.close()
+        procs.assert_gone(pids)
+        assert not os.path.exists(cgroup)
+    await rt.close_all()
+
+
+# ------------------------------------------------------------------------------------ decisions (unit)
+
+
+def _cgroup_tree(tmp_path, *, v2_controllers: str | None, v2_subtree: str = "", v1: bool = False):
+    """A fake /proc/self/cgroup, /proc/self/mountinfo and cgroup file systems under ``tmp_path``."""
+    lines, mounts = [], []
+    if v2_controllers is not None:
+        own = tmp_path / "unified" / "job"
+        own.mkdir(parents=True)
+        (own / "cgroup.controllers").write_text(v2_controllers + "\n")
+        (own / "cgroup.subtree_control").write_text(v2_subtree + "\n")
+        lines.append("0::/job")
+        mounts.append(f"30 20 0:26 / {tmp_path}/unified rw,relatime - cgroup2 cgroup2 rw")
+    if v1:
+        own = tmp_path / "memory" / "job"
+        own.mkdir(parents=True)
+        (own / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+        lines.append("4:memory:/job")
+        mounts.append(f"31 20 0:27 / {tmp_path}/memory rw,relatime - cgroup cgroup rw,memory")
+    return "\n".join(lines) + "\n", "\n".join(mounts) + "\n"
+
+
+def test_memory_cgroups_found_where_the_host_delegates_them(tmp_path):
+    from sandbox.bounds import MemoryCgroups, find_memory_cgroups
+
+    # cgroup v2 with the memory controller enabled for children: used.
+    t = tmp_path / "a"
+    self_cg, mountinfo = _cgroup_tree(t, v2_controllers="cpu memory pids", v2_subtree="memory")
+    assert find_memory_cgroups(self_cg, mountinfo) == MemoryCgroups(str(t / "unified" / "job"), 2)
+    # v2 offering memory but not enabled, and not to be enabled: v1 memory hierarchy if writable, else none.
+    t = tmp_path / "b"
+    self_cg, mountinfo = _cgroup_tree(t, v2_controllers="cpu memory", v1=True)
+    assert find_memory_cgroups(self_cg, mountinfo, enable=False) == MemoryCgroups(str(t / "memory" / "job"), 1)
+    t = tmp_path / "c"
+    self_cg, mountinfo = _cgroup_tree(t, v2_controllers="hugetlb")
+    assert find_memory_cgroups(self_cg, mountinfo) is None
+
+
+def test_without_memory_cgroups_the_runtime_warns_once_that_memory_is_per_process(monkeypatch, caplog,
+                                                                                  runtime_options):
+    from sandbox import bounds
+
+    caplog.set_level(logging.WARNING, logger="sandbox.bounds")
+    monkeypatch.setattr(bounds, "find_memory_cgroups", lambda *a, **k: None)
+    bounds.memory_cgroups.cache_clear()
+    try:
+        for _ in range(2):
+            rt = make_runtime("bubblewrap", **runtime_options)
+        warnings = [r.message for r in caplog.records if "per process only" in r.message]
+        assert len(warnings) == 1 and "RLIMIT_AS" in warnings[0]
+        assert rt._bounds_for(SandboxSpec(), "sb-x").cgroup is None
+        assert rt._bounds_for(SandboxSpec(), "sb-x").memory_bytes is None
+    finally:
+        bounds.memory_cgroups.cache_clear()
+
+
+def test_disk_usage_counts_entries_hard_links_once_and_stops_early(tmp_path):
+    from sandbox.bounds import MIN_ENTRY_BYTES, disk_usage
+
+    (tmp_path / "d").mkdir()
+    for i in range(100):
+        (tmp_path / "d" / f"empty{i}").touch()
+    (tmp_path / "big").write_bytes(b"x" * (1 << 20))
+    os.link(tmp_path / "big", tmp_path / "big-link")
+    used = disk_usage([str(tmp_path)])
+    assert 101 * MIN_ENTRY_BYTES + (1 << 20) <= used < 104 * MIN_ENTRY_BYTES + (1 << 20) + 65536
+    (tmp_path / "d").chmod(0)  # hidden from a walk by its owner: made readable again, still counted
+    assert disk_usage([str(tmp_path)]) == used
+    assert disk_usage([str(tmp_path)], stop_above=MIN_ENTRY_BYTES) < used
+
+
+def test_bounds_resolve_from_spec_then_runtime_and_rlimit_follows_the_quota(runtime_options):
+    rt = make_runtime("bubblewrap", tmpfs_bytes=64 << 20, workspace_bytes=1 << 30, sandbox_memory_bytes=None,
+                      **runtime_options)
+    b = rt._bounds_for(SandboxSpec(limits=Limits(tmpfs_bytes=8 << 20)), "sb-x")
+    assert (b.tmpfs_bytes, b.workspace_bytes, b.memory_bytes, b.cgroup) == (8 << 20, 1 << 30, None, None)
+    assert make_runtime("local", **runtime_options)._bounds_for(SandboxSpec(), "sb-y").workspace_bytes is None
+    with pytest.raises(ValueError, match="positive integer"):
+        Limits(workspace_bytes=0)
