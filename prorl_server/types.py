@@ -106,6 +106,14 @@ SAMPLING_ALIASES: dict[str, str] = {
 AGENT_LIMIT_ALIASES: dict[str, str] = {"max_iterations": "max_turns", "max_turns": "max_turns"}
 
 
+#: Keys the reference ProRL trainer's litellm client puts in its sampling parameters (which model to call,
+#: with which key, through which provider, and whether generation is token-level): they describe the client's
+#: own call, not sampling. ``POST /process`` accepts and drops them (the rollout server picks the backend and
+#: always generates token-in/token-out); ``api_key`` is never logged or forwarded.
+CLIENT_SIDE_KEYS: frozenset[str] = frozenset({"model", "api_key", "api_base", "custom_llm_provider",
+                                              "token_level_generation"})
+
+
 #: Names that mean the same thing: a request may give at most one of each group (present at all, even null).
 _SYNONYMS: list[list[str]] = [[name, *sorted(a for a, n in SAMPLING_ALIASES.items() if n == name)]
                               for name in sorted(set(SAMPLING_ALIASES.values()))] + [sorted(AGENT_LIMIT_ALIASES)]
@@ -122,7 +130,9 @@ class SamplingParams(BaseModel):
 
     ``logprobs``, ``n`` (only 1), ``stream``, ``echo``, ``return_tokens_as_token_ids``, ``return_token_ids``
     and ``add_special_tokens`` are accepted and ignored: the server always sets them itself (token ids and
-    logprobs are always returned). ``max_tokens`` is the per-turn budget in tokens.
+    logprobs are always returned). The litellm client keys of :data:`CLIENT_SIDE_KEYS` (``model``,
+    ``api_key``, ``api_base``, ``custom_llm_provider``, ``token_level_generation``, sent by the reference ProRL
+    trainer) are accepted and dropped. ``max_tokens`` is the per-turn budget in tokens.
 
     Bounds (422 naming the field beyond them): token ids 0..:data:`MAX_TOKEN_ID`, ``logit_bias`` keys the
     same written in decimal and values in [-100, 100], at most :data:`MAX_SAMPLING_ENTRIES` entries in
@@ -172,6 +182,12 @@ class SamplingParams(BaseModel):
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: Optional[bool] = None
     add_special_tokens: Optional[bool] = None
+    # the reference ProRL trainer's litellm client keys (CLIENT_SIDE_KEYS): accepted, dropped, never forwarded
+    model: Optional[Annotated[str, Field(max_length=1000)]] = None
+    api_key: Optional[Annotated[str, Field(max_length=1000)]] = Field(default=None, repr=False)
+    api_base: Optional[Annotated[str, Field(max_length=1000)]] = None
+    custom_llm_provider: Optional[Annotated[str, Field(max_length=200)]] = None
+    token_level_generation: Optional[bool] = None
 
 
 def _sampling_to_vllm(v: Any) -> Any:
@@ -191,7 +207,7 @@ def _sampling_to_vllm(v: Any) -> Any:
         if len(given) > 1:
             raise ValueError(f"sampling parameters {given} mean the same thing: give one of them")
     out = {k: x for k, x in SamplingParams.model_validate(v).model_dump(exclude_unset=True).items()
-           if x is not None}
+           if x is not None and k not in CLIENT_SIDE_KEYS}
     for alias, name in SAMPLING_ALIASES.items():
         if alias in out:
             out[name] = out.pop(alias)

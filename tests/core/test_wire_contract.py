@@ -8,7 +8,7 @@ import re
 import pytest
 
 from prorl_server.app import APP_ROUTES
-from prorl_server.types import (MAX_TIMEOUT_S, SAMPLING_ALIASES, AddBackendRequest, ProcessRequest,
+from prorl_server.types import (MAX_TIMEOUT_S, CLIENT_SIDE_KEYS, SAMPLING_ALIASES, AddBackendRequest, ProcessRequest,
                                 SamplingParams)
 
 ARITH = {"data_source": "arithmetic", "expression": "1 + 1"}
@@ -113,11 +113,26 @@ def test_accepted_sampling_names_are_vllm_sampling_params():
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    ours = set(SamplingParams.model_fields) - set(SAMPLING_ALIASES) - {"max_iterations", "max_turns"}
+    ours = (set(SamplingParams.model_fields) - set(SAMPLING_ALIASES) - {"max_iterations", "max_turns"}
+            - CLIENT_SIDE_KEYS)
     server_set = {"logprobs", "n", "stream", "echo", "return_tokens_as_token_ids", "return_token_ids",
                   "add_special_tokens"}
     assert ours - server_set <= set(VllmSamplingParams.__struct_fields__) | {"length_penalty"}
     assert ours <= set(CompletionRequest.model_fields)
+
+
+async def test_the_reference_trainers_litellm_keys_are_accepted_and_never_forwarded(make_client):
+    """The reference ProRL trainer sends litellm's client keys with its sampling parameters (before: a 422 on its
+    first job). They are dropped: not sampling, and an api_key must go nowhere."""
+    litellm = {"model": "hosted_vllm/Qwen/Qwen3-4B", "api_key": "sk-not-forwarded", "api_base": "http://h:8000/v1",
+               "custom_llm_provider": "openai", "token_level_generation": True}
+    req = ProcessRequest(instance=dict(ARITH), sampling_params={**litellm, "temperature": 0.7})
+    assert req.sampling_params == {"temperature": 0.7}
+    client = await make_client()
+    r = await client.post("/process", json={"instance": ARITH, "sampling_params": {**litellm, "max_tokens": 8}})
+    assert r.status == 200, await r.text()
+    r = await client.post("/process", json={"instance": ARITH, "sampling_params": {"api_keys": "x"}})
+    assert r.status == 422  # any other unknown name still is
 
 
 def test_max_iterations_becomes_the_instance_turn_limit():
