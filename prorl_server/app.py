@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from prorl_server.job import JobServices, SandboxOpener
 from prorl_server.llm_context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
-from prorl_server.pipeline import DuplicateJobError, Pipeline, ServerStoppedError
+from prorl_server.pipeline import DuplicateJobError, HandlerUnavailableError, Pipeline, ServerStoppedError
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
 from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse,
@@ -80,6 +81,8 @@ def _submit(request: web.Request, req: ProcessRequest):
         raise ApiError(503, "stopped", str(e)) from None
     except DuplicateJobError as e:
         raise ApiError(409, "duplicate_job", str(e), "job_id") from None
+    except HandlerUnavailableError as e:  # a configuration fault: a 4xx a client stops on, never a 503 to retry
+        raise ApiError(400, "handler_unavailable", str(e), "instance.data_source") from None
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -262,6 +265,17 @@ def sandbox_opener(runtime: Any, default_image: Optional[str]) -> SandboxOpener:
     return open_sandbox
 
 
+def resolve_sandbox_runtime(setting: Optional[str]) -> Optional[str]:
+    """The runtime name the ``sandbox_runtime`` setting means: ``"auto"`` is ``"bubblewrap"`` where ``bwrap``
+    is on PATH, else None; ``None`` / ``"none"`` is None; any other name is itself (checked by
+    :func:`sandbox.make_runtime`)."""
+    if setting is None or setting.lower() == "none":
+        return None
+    if setting.lower() == "auto":
+        return "bubblewrap" if shutil.which("bwrap") else None
+    return setting
+
+
 def build_components(settings: ServerSettings, registry: HandlerRegistry,
                      sandbox_runtime: Any = None) -> Components:
     """Build and wire every component of a server (nothing is started; see :meth:`Components.start`).
@@ -277,10 +291,21 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
         pool.add(AddBackendRequest(address=address).address)
     monitor = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max)
     runtime, own_runtime = sandbox_runtime, False
-    if runtime is None and settings.sandbox_runtime:
+    kind = resolve_sandbox_runtime(settings.sandbox_runtime) if runtime is None else None
+    if kind is not None:
         from sandbox import make_runtime
 
-        runtime, own_runtime = make_runtime(settings.sandbox_runtime, **settings.sandbox_options), True
+        runtime, own_runtime = make_runtime(kind, **settings.sandbox_options), True
+    if sandbox_runtime is None:
+        if runtime is not None:
+            log.info("sandbox runtime: %s%s", kind, " (auto: bwrap is installed)"
+                     if (settings.sandbox_runtime or "").lower() == "auto" else "")
+        else:
+            needing = [n for n in registry.names() if registry.resolve(n)[0] == n and registry.resolve(n)[1].needs_sandbox]
+            log.warning("no sandbox runtime (sandbox_runtime=%s%s): jobs of the handlers that need one (%s) are "
+                        "refused at submit; install bubblewrap or set --sandbox-runtime",
+                        settings.sandbox_runtime, ", and bwrap is not installed"
+                        if (settings.sandbox_runtime or "").lower() == "auto" else "", ", ".join(needing) or "none")
     # CPU workers start on first use: a server that never scores a CPU-heavy answer never starts one.
     cpu_tasks = m.cpu_tasks
     cpu_pool = CpuPool(settings.cpu_workers or DEFAULT_WORKERS,

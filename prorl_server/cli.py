@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LLM backend to register at start (repeatable)")
     p.add_argument("--tokenizer", help="tokenizer directory or name (default: the backend's model path from "
                    "GET /v1/models, loaded from local files only)")
-    p.add_argument("--sandbox-runtime", choices=["bubblewrap", "bwrap", "singularity", "apptainer", "local"],
-                   help="sandbox runtime for handlers that need one")
+    p.add_argument("--sandbox-runtime", choices=["auto", "bubblewrap", "bwrap", "singularity", "apptainer", "local",
+                                                 "none"],
+                   help="sandbox runtime for handlers that need one (default auto: bubblewrap where bwrap is "
+                   "installed, else none, said at start)")
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
     p.add_argument("--ready-file", help="write {host, port, pid, url} as JSON here once listening")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

@@ -45,8 +45,10 @@ class ServerSettings(BaseModel):
     keep_finished_mb: float = Field(default=512.0, ge=0, description="MiB of finished results kept for "
                                     "GET /jobs/{id} (estimated from token counts; oldest forgotten first)")
     max_body_mb: float = Field(default=64.0, gt=0)
-    sandbox_runtime: Optional[str] = Field(default=None,
-                                           description="bubblewrap | singularity | local | None (no sandboxes)")
+    sandbox_runtime: Optional[str] = Field(default="auto",
+                                           description="auto (bubblewrap where bwrap is installed, else none) | "
+                                           "bubblewrap | singularity | local | none (no sandboxes: handlers that "
+                                           "need one refuse their jobs at submit)")
     sandbox_options: dict[str, Any] = Field(default_factory=dict,
                                             description="options of the runtime (sandbox.make_runtime)")
     sandbox_image: Optional[str] = Field(default=None, description="image for sandboxes whose spec names none "

@@ -45,6 +45,11 @@ class DuplicateJobError(ValueError):
     """A job with this id is still in flight."""
 
 
+class HandlerUnavailableError(RuntimeError):
+    """This server cannot run the handler at all (it needs a sandbox runtime and the server has none): a
+    configuration fault no retry fixes, refused at submit."""
+
+
 class Pipeline:
     """Owns the stage queues, their workers and every live job.
 
@@ -148,10 +153,15 @@ class Pipeline:
             NoBackendError: the handler needs an LLM and no backend was ever registered (while backends are
                 being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.
+            HandlerUnavailableError: the handler needs a sandbox runtime and this server has none.
         """
         if not self.accepting:
             raise ServerStoppedError("server is stopped; POST /start to accept jobs again")
         name, handler = self.registry.resolve(req.instance["data_source"])
+        if handler.needs_sandbox and self.services.sandbox_opener is None:
+            raise HandlerUnavailableError(
+                f"handler {name!r} needs sandboxes and this rollout server has no sandbox runtime; start it with "
+                "--sandbox-runtime bubblewrap (or singularity), or sandbox_runtime: auto where bwrap is installed")
         instance = handler.prepare_instance(req.instance)  # by-id completion + the handler's instance model
         # A pool that had backends and has none in rotation now is being swapped (clear -> add around a
         # weight update) or waiting for its health probe: the job waits for a backend in acquire.

@@ -43,7 +43,7 @@
 #   PRORL_SERVER_CMD       the server command (word-split)                        default: prorl-server
 #   PRORL_SERVER_ARGS      extra server flags (word-split), e.g. "--run-workers 64"      default: none
 #   PRORL_CONFIG           server settings file (--config)                        default: none
-#   PRORL_SANDBOX_RUNTIME  bubblewrap | singularity | local (--sandbox-runtime)    default: server's default
+#   PRORL_SANDBOX_RUNTIME  auto | bubblewrap | singularity | local | none (--sandbox-runtime)  default: auto
 #   PRORL_HOST             bind address of each server                            default: 0.0.0.0
 #   PRORL_ADVERTISE_HOST   address written to servers.json when PRORL_HOST is a wildcard
 #                          default: the node's first address from `hostname -I`, else its host name

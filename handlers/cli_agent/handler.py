@@ -179,6 +179,7 @@ class CliAgentHandler(AgentHandler):
     """
 
     name = "cli_agent"
+    needs_sandbox = True
     aliases = ("cli-agent", "black_box")
     needs_llm = True
     instance_model = CliAgentInstance

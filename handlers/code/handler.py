@@ -38,6 +38,7 @@ class CodeHandler(AgentHandler):
     optional ``max_turns``, ``eval_timeout_s`` and ``eval_call_timeout_s`` override the settings."""
 
     name = "code"
+    needs_sandbox = True
     aliases = ("humaneval",)
     needs_llm = True
     instance_model = CodeInstance

@@ -79,6 +79,7 @@ class MathHandler(AgentHandler):
     """Instance: :class:`MathInstance`; optional ``max_turns`` (default: the ``max_turns`` setting, 6)."""
 
     name = "math"
+    needs_sandbox = True
     aliases = ("reasoning_gym", "reasoning-gym")
     needs_llm = True
     instance_model = MathInstance

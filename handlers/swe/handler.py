@@ -145,6 +145,7 @@ class SweHandler(AgentHandler):
     ``eval_timeout_s`` override the settings (:class:`SweSettings`: 20 turns, 600 s)."""
 
     name = "swe"
+    needs_sandbox = True
     aliases = ("swe_gym", "r2e_gym")
     needs_llm = True
     instance_model = SweInstance

@@ -62,6 +62,9 @@ class AgentHandler:
         name: the ``data_source`` this handler serves.
         aliases: other names that dispatch here.
         needs_llm: False if the handler never calls an LLM backend (then ``/process`` works with no backend).
+        needs_sandbox: True if the handler opens sandboxes (``job.open_sandbox``): a server without a sandbox
+            runtime then refuses its jobs at submit (HTTP 400 ``handler_unavailable``), a configuration fault
+            a trainer stops on, instead of failing each one in init.
         instance_model: a pydantic model of the instance, validated at submit (None: any dict with a
             ``data_source`` is accepted, and checking it is the handler's). Unknown keys should be allowed
             (trainers add their own bookkeeping): they are kept in ``job.instance`` either way.
@@ -73,6 +76,7 @@ class AgentHandler:
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     needs_llm: ClassVar[bool] = True
+    needs_sandbox: ClassVar[bool] = False
     instance_model: ClassVar[Optional[type[BaseModel]]] = None
     settings_model: ClassVar[Optional[type[BaseModel]]] = None
 
