@@ -20,12 +20,13 @@ also serves a stand-in vLLM ``/v1/completions`` that answers 8 tokens at once, w
 for the gateway) runs ``--normal-clients`` loops of normal traffic, each at most one iteration per
 ``--normal-interval-s``: a rollout job (``POST /process``, an instant handler), and a gateway session (open,
 one Chat Completions turn with a ``--chat-kb`` (4) KiB conversation, finalize; a 32 KiB one measures the
-gateway's tokenization, which holds the GIL in its worker thread for ~15-20 ms, not the decoding). The baseline round is that traffic alone; the
-hostile round adds ``--hostile-clients`` loops that send, one every ``--hostile-interval-s``, in turn every
-body of :func:`hostile_payloads` (colliding-int token ids in each field that takes them,
-``logit_bias`` with colliding keys, deeply nested JSON, huge arrays, big numbers, oversized bodies; to the
-gateway's Chat Completions, Anthropic Messages and Responses routes and to ``/process`` and ``/jobs``). Every
-hostile body must be a 4xx; any 5xx (normal or hostile) is counted. A last round sends each hostile body alone
+gateway's tokenization, which holds the GIL in its worker thread for ~15-20 ms, not the decoding). The
+baseline round is that traffic alone; the hostile round adds ``--hostile-clients`` loops that send, one every
+``--hostile-interval-s``, in turn every body of :func:`hostile_payloads` (colliding-int token ids in each field
+that takes them, ``logit_bias`` with colliding keys, deeply nested JSON, huge arrays, big numbers, oversized
+bodies, and the largest the bounds let through to a decode; to the gateway's Chat Completions, Anthropic
+Messages and Responses routes and to ``/process`` and ``/jobs``). Every hostile body must be a 4xx; any 5xx
+(normal or hostile) is counted. A last round sends each hostile body alone
 (``--isolated-repeats`` times) and reports how long the server's loop was held while it was handled (a 0.5 ms
 timer's largest gap): the cost of the body itself, apart from the CPU the rounds' traffic takes on a small
 machine.

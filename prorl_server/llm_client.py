@@ -465,7 +465,8 @@ class LLMClient:
             raise LLMError(f"{b.address} returned {len(ids)} tokens but {len(logprobs)} logprobs")
         # At most MAX_WEIGHT_VERSIONS int64 values go into the dict below: ints that differ by multiples of
         # 2**61 - 1 hash alike, so a long list of huge ones would be quadratic.
-        reported = [v for v in (data.get("weight_version"), *_as_list(data.get("weight_versions"))[:MAX_WEIGHT_VERSIONS])
+        listed = _as_list(data.get("weight_versions"))[:MAX_WEIGHT_VERSIONS]
+        reported = [v for v in (data.get("weight_version"), *listed)
                     if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63]
         if reported:  # the engine's own word on the weights that generated this answer
             versions = list(dict.fromkeys(reported))
