@@ -118,6 +118,34 @@ def remove_cgroup(path: str, version: int, timeout_s: float = 2.0) -> bool:
         time.sleep(0.01)
 
 
+def sweep_stale_cgroups(parent: str, version: int, older_than_s: float = 600.0) -> int:
+    """Remove the sandbox cgroups (``prorl-*``) under ``parent`` that hold no process and were made more than
+    ``older_than_s`` seconds ago: left by a server killed before it could remove them, whose state directory
+    no later server reaps. A live sandbox always has its launcher inside its cgroup, so none is touched.
+    Returns how many were removed."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
+    except OSError:
+        return 0
+    now = time.time()
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            if now - os.stat(path).st_mtime < older_than_s:
+                continue
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                if f.read().strip():
+                    continue
+            os.rmdir(path)
+            removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale sandbox cgroup(s) under %s", removed, parent)
+    return removed
+
+
 def _write(path: str, name: str, value: str, missing_ok: bool = False) -> None:
     try:
         with open(os.path.join(path, name), "w") as f:

@@ -592,7 +592,12 @@ class SandboxRuntime(abc.ABC):
 
     async def reap_orphans(self) -> int:
         """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer
-        running (pid + create time), and nothing else. Returns how many records were reaped."""
+        running (pid + create time), and nothing else; also remove empty sandbox cgroups older than ten minutes
+        that servers killed elsewhere left (:func:`sandbox.bounds.sweep_stale_cgroups`). Returns how many
+        records were reaped."""
+        groups = bounds.memory_cgroups(self._cgroup_parent) if self.isolated else None
+        if groups is not None:
+            await asyncio.to_thread(bounds.sweep_stale_cgroups, groups.parent, groups.version)
         reaped = 0
         for rec in await asyncio.to_thread(self.store.records):
             if same_process(rec.get("owner_pid"), rec.get("owner_create_time")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import pytest
 
@@ -193,3 +194,34 @@ def test_bounds_resolve_from_spec_then_runtime_and_rlimit_follows_the_quota(runt
     assert make_runtime("local", **runtime_options)._bounds_for(SandboxSpec(), "sb-y").workspace_bytes is None
     with pytest.raises(ValueError, match="positive integer"):
         Limits(workspace_bytes=0)
+
+
+@pytest.mark.real
+def test_stale_empty_sandbox_cgroups_are_swept_and_live_ones_kept():
+    import secrets
+    import subprocess
+
+    from sandbox import bounds
+
+    groups = bounds.memory_cgroups()
+    if groups is None:
+        pytest.skip("no writable memory cgroup here")
+    # A private parent, so that the sweep cannot touch a cgroup of a sandbox starting elsewhere.
+    parent = bounds.MemoryCgroups(groups.parent, groups.version).create(f"sweep-test-{secrets.token_hex(4)}",
+                                                                      1 << 30)
+    left = bounds.MemoryCgroups(parent, groups.version).create("prorl-sb-left", 1 << 30)
+    busy = bounds.MemoryCgroups(parent, groups.version).create("prorl-sb-busy", 1 << 30)
+    proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec sleep 60', busy])
+    try:
+        for _ in range(200):
+            if open(os.path.join(busy, "cgroup.procs")).read().strip():
+                break
+            time.sleep(0.01)
+        assert bounds.sweep_stale_cgroups(parent, groups.version, older_than_s=3600) == 0  # too young
+        assert bounds.sweep_stale_cgroups(parent, groups.version, older_than_s=0) == 1
+        assert not os.path.exists(left) and os.path.isdir(busy)
+    finally:
+        proc.kill()
+        proc.wait()
+        bounds.remove_cgroup(busy, groups.version)
+        bounds.remove_cgroup(parent, groups.version)
