@@ -15,8 +15,9 @@ so once, at its start (:func:`memory_cgroups`).
 Disk. A workspace must stay a host directory (graders read it), and a rootless server can mount no quota'd
 file system, so the host measures (:func:`disk_usage`) and kills the sandbox when its writable host
 directories pass the quota (``reason="disk_quota"``); ``RLIMIT_FSIZE`` bounds any single file to the quota as
-well. The measurement runs in a thread every ``watch_interval_s`` (more seldom for large trees: at most ~5% of
-one core per sandbox), so a sandbox may overshoot by what it writes in one interval.
+well. The measurement runs in a thread every ``watch_interval_s`` (more seldom for large trees: at most
+1/:data:`MEASURE_COST_FACTOR` of one core per sandbox), so a sandbox may overshoot by what it writes in one
+interval.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ DEFAULT_WORKSPACE_BYTES = 4 << 30
 #: empty files pass a quota as surely as a large file.
 MIN_ENTRY_BYTES = 4096
 CGROUP_PREFIX = "prorl-"
+#: A workspace that takes ``t`` seconds to measure is measured at most every ``MEASURE_COST_FACTOR * t``
+#: seconds (2% of a core per sandbox: a 6,000-file repository costs ~50 ms a walk).
+MEASURE_COST_FACTOR = 50
 
 
 @dataclass(frozen=True)

@@ -559,7 +559,8 @@ class SandboxRuntime(abc.ABC):
     async def _watch(self) -> None:
         """While sandboxes with bounds run: every ``watch_interval_s``, end each one whose cgroup saw an OOM
         kill or whose writable host directories pass its disk quota (measured in a thread; a tree that takes
-        ``t`` seconds to measure is measured at most every ``20 t``, ~5% of a core)."""
+        ``t`` seconds to measure is measured at most every :data:`sandbox.bounds.MEASURE_COST_FACTOR` ``t``
+        seconds, 2% of a core)."""
         while True:
             handles = [h for h in self._handles.values()
                        if h._closing is None and h._death is None and h._proc.returncode is None]
@@ -584,7 +585,7 @@ class SandboxRuntime(abc.ABC):
             return
         used = await asyncio.to_thread(bounds.disk_usage, self._writable_host_dirs(h), quota)
         cost = time.monotonic() - now
-        h._next_measure = time.monotonic() + max(0.0, 20 * cost - self.watch_interval_s)
+        h._next_measure = time.monotonic() + max(0.0, bounds.MEASURE_COST_FACTOR * cost - self.watch_interval_s)
         if used > quota and h._closing is None:
             await h._end("disk_quota", f"the sandbox's workspace passed its disk quota of {quota} bytes (at "
                                        f"least {used} bytes in its workspace and other writable host "
