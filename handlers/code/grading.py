@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from prorl_server.plugin import InfrastructureError, InvalidInstanceError
 from handlers.code import plain
+from sandbox import bounded_json
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,14 @@ def _fail(error: str, timed_out: bool = False, failed_test: Optional[str] = None
 
 
 # ------------------------------------------------------------------------------------------------ channels
+#: What the host decodes of one message from a sandbox (the solution's process writes its own): 2 MiB and 2**16
+#: items, a few milliseconds of decoding on the event loop at most (README, "Reward integrity", I4). A HumanEval
+#: call's arguments and value are far smaller.
+HOST_MESSAGE_BOUNDS = bounded_json.JsonBounds(max_bytes=2 << 20, max_items=1 << 16)
+
+
 class _Peer:
-    """One accepted connection: newline-delimited JSON messages of at most ``plain.MAX_MESSAGE_BYTES``."""
+    """One accepted connection: newline-delimited JSON messages of at most :data:`HOST_MESSAGE_BOUNDS`."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
@@ -115,7 +122,15 @@ class _Peer:
             raise plain.PlainDataError(f"message longer than {plain.MAX_MESSAGE_BYTES} bytes") from None
         if not line.endswith(b"\n"):
             raise EOFError("connection closed")
-        return plain.loads_line(line)
+        if len(line) > HOST_MESSAGE_BOUNDS.max_bytes:
+            raise plain.PlainDataError(f"message longer than {HOST_MESSAGE_BOUNDS.max_bytes} bytes")
+        try:  # what the solution's process writes is decoded within bounds, scanning with yields (I4)
+            msg = await bounded_json.aloads(line, HOST_MESSAGE_BOUNDS)
+        except ValueError as e:
+            raise plain.PlainDataError(f"malformed message: {e}") from None
+        if type(msg) is not dict:
+            raise plain.PlainDataError("malformed message: not an object")
+        return msg
 
     def close(self) -> None:
         self.writer.close()

@@ -153,6 +153,26 @@ async def test_host_treats_any_malformed_candidate_answer_as_a_failed_call(answe
     cand_sock.close()
 
 
+@pytest.mark.parametrize("answer", [
+    b'{"id": 1, "value": ["s", "' + b"x" * (3 << 20) + b'"]}\n',  # 3 MiB: under the old 8 MiB line cap
+    b'{"id": 1, "value": ["l", [' + b",".join([b'["i","1"]'] * 100_000) + b']]}\n',  # 300k items
+    b'{"id": 1, "value": ' + b"[" * 5000 + b"]" * 5000 + b"}\n"],  # deeper than any decoder's recursion
+    ids=["3MiB", "300k-items", "5000-deep"])
+async def test_a_hostile_candidate_answer_is_refused_before_it_is_built(answer):
+    """The solution's process writes its answers: one the host would spend tens of milliseconds building on its
+    event loop (or a RecursionError) is a failed call, refused by the bounded decoder (I4)."""
+    import time
+
+    peer, cand_sock, answering = await _fake_candidate(answer)
+    t0 = time.perf_counter()
+    with pytest.raises(_Fault):
+        await _call(peer, 1, {"args": [], "kwargs": {}}, asyncio.get_running_loop().time() + 30)
+    assert time.perf_counter() - t0 < 5  # refused, not stalled on
+    answering.cancel()
+    peer.close()
+    cand_sock.close()
+
+
 async def test_host_relays_an_honest_answer_decoded_and_encoded_afresh():
     peer, cand_sock, answering = await _fake_candidate(b'{"id": 1, "value": ["l", [["i", "ff"], ["f", "nan"]]]}\n')
     reply = await _call(peer, 1, {"args": [["i", "2"]], "kwargs": {}}, asyncio.get_running_loop().time() + 30)
