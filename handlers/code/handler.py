@@ -73,11 +73,16 @@ class CodeHandler(AgentHandler):
         job.extra["eval"] = info
 
 
+#: Largest solution file read back from the sandbox, bytes (the host decodes it: bounded, I4). A HumanEval
+#: solution is a few kilobytes.
+MAX_SOLUTION_BYTES = 1 << 20
+
+
 async def _read_solution(handle) -> Optional[str]:
-    """The agent's solution file, or None when it wrote none (a missing or unreadable file is the agent's
-    doing: graded as no solution). A dead sandbox is not: its SandboxError propagates and fails the job as
-    an infrastructure fault (``failure_kind="sandbox"``), never a trained-on 0.0."""
+    """The agent's solution file, or None when it wrote none (a missing or unreadable file, or one over
+    :data:`MAX_SOLUTION_BYTES`, is the agent's doing: graded as no solution). A dead sandbox propagates its
+    SandboxError: after the model acted, a scored ``model_crashed_sandbox`` (:mod:`prorl_server.failures`)."""
     try:
-        return (await handle.download(SOLUTION)).decode("utf-8", errors="replace")
+        return (await handle.download(SOLUTION, max_bytes=MAX_SOLUTION_BYTES)).decode("utf-8", errors="replace")
     except ToolError:
         return None
