@@ -29,9 +29,12 @@ Why a relay, not verl's replica addresses (verl 0.9.1, read in ``workers/rollout
   ``set_global_steps`` on the replicas). ``TokenOutput.extra_fields`` carries ``global_steps`` (and
   ``min_global_steps``/``max_global_steps``) for every turn, so the relay reports the exact version of the
   weights that generated each turn, with no hook in verl's trainer.
-- verl's global load balancer (least in-flight, sticky ``request_id``) keeps spreading the turns over every
-  replica; the relay's ``request_id`` is a hash of the prompt's first tokens, so the turns of one job and the
-  samples of one group (same prompt) stay on one replica (its prefix cache).
+- verl's global load balancer (least in-flight, sticky ``request_id``) spreads the jobs over every replica;
+  the relay's ``request_id`` (:class:`StickyKeys`) is the hash of a job's whole first prompt, carried on to
+  its later turns (recognised by their context extending an earlier turn's prompt and output), so the
+  samples of one group (same prompt) and every turn of a job stay on one replica (its prefix cache), while
+  different prompts spread by load. (A hash of the first 256 tokens, as before, sent every job whose prompts
+  share a long system prompt and tool schema to one replica: 1/N of the rollout throughput.)
 
 Registration is ``add`` without ``clear``: every worker's relay is registered with every rollout server (each
 relay reaches every replica through verl's balancer, so which relay a rollout server uses decides only one
@@ -45,7 +48,6 @@ unless ``host`` says otherwise.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -64,8 +66,70 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                  "include_stop_str_in_output", "skip_special_tokens")
-#: prompt tokens hashed into verl's sticky ``request_id`` (a job's turns and a group's samples share them)
-STICKY_PREFIX_TOKENS = 256
+#: contexts :class:`StickyKeys` remembers (one per job in flight; the oldest are forgotten first)
+STICKY_MAX_CONTEXTS = 65536
+_HASH_MOD = (1 << 61) - 1
+_HASH_BASE = 1_000_003
+
+
+class StickyKeys:
+    """verl's sticky ``request_id`` for each turn, per job, from the token ids alone (the rollout server sends
+    no job id to a backend).
+
+    A turn whose prompt extends a context remembered earlier (an earlier turn's prompt + its generated tokens:
+    the rollout server keeps tokens as generated and appends only new messages) gets that context's id: every
+    turn of a job reaches the same replica. A prompt that extends none is a job's first turn; its id is the
+    hash of the whole prompt, so the n samples of one group (same prompt) share one replica and its prefix
+    cache, and different prompts are spread by verl's least-in-flight choice.
+
+    Cost: one pass over the prompt and output (a rolling hash), O(tokens) per turn.
+    """
+
+    def __init__(self, max_contexts: int = STICKY_MAX_CONTEXTS) -> None:
+        self.max_contexts = int(max_contexts)
+        self._ids: dict[tuple[int, int], str] = {}  # (length, hash of the first `length` tokens) -> request id
+        self._lengths: Counter = Counter()  # lengths of the remembered contexts
+        self.stats: Counter = Counter()  # new_jobs, continued
+
+    @staticmethod
+    def _roll(h: int, tokens: Sequence[int]) -> int:
+        for t in tokens:
+            h = (h * _HASH_BASE + int(t) + 1) % _HASH_MOD
+        return h
+
+    def key(self, prompt: Sequence[int]) -> tuple[str, Optional[tuple[int, int]]]:
+        """``(request_id, the remembered context it continues or None)`` for a turn with ``prompt``."""
+        h, found = 0, None
+        lengths = self._lengths
+        for i, t in enumerate(prompt, 1):
+            h = (h * _HASH_BASE + int(t) + 1) % _HASH_MOD
+            if i in lengths and (i, h) in self._ids:
+                found = (i, h)  # the longest match wins (the job's latest turn)
+        if found is not None:
+            self.stats["continued"] += 1
+            return self._ids[found], found
+        self.stats["new_jobs"] += 1
+        return f"prorl-{len(prompt)}-{h:016x}", None
+
+    def remember(self, prompt: Sequence[int], output: Sequence[int], request_id: str,
+                 continues: Optional[tuple[int, int]] = None) -> None:
+        """After a turn: the context ``prompt + output`` carries ``request_id`` (the context the turn continued
+        is forgotten: a job keeps one entry)."""
+        if continues is not None and self._ids.pop(continues, None) is not None:
+            self._drop_length(continues[0])
+        key = (len(prompt) + len(output), self._roll(self._roll(0, prompt), output))
+        if key not in self._ids:
+            self._lengths[key[0]] += 1
+        self._ids[key] = request_id
+        while len(self._ids) > self.max_contexts:  # dicts keep insertion order: the oldest go first
+            old = next(iter(self._ids))
+            del self._ids[old]
+            self._drop_length(old[0])
+
+    def _drop_length(self, length: int) -> None:
+        self._lengths[length] -= 1
+        if self._lengths[length] <= 0:
+            del self._lengths[length]
 
 
 class RelayError(RuntimeError):
@@ -151,6 +215,7 @@ class Relay:
         self.probe_timeout_s = probe_timeout_s
         self.version: Optional[int] = None
         self.stats: Counter = Counter()
+        self.sticky = StickyKeys()
         self._registered: dict[str, int] = {}  # rollout server -> version it has for us
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
@@ -307,7 +372,8 @@ class Relay:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"address": self.address, "weight_version": self.version,
-                                  "registered": self._registered, "stats": dict(self.stats)})
+                                  "registered": self._registered, "stats": dict(self.stats),
+                                  "sticky": dict(self.sticky.stats)})
 
     async def _completions(self, request: web.Request) -> web.Response:
         try:
@@ -332,8 +398,10 @@ class Relay:
         extra = req.model_extra or {}
         sp = {k: extra[k] for k in SAMPLING_KEYS if extra.get(k) is not None}
         sp.update(max_tokens=max_tokens, logprobs=True)
-        request_id = req.request_id or req.user or "prorl-" + hashlib.blake2b(
-            repr(prompt[:STICKY_PREFIX_TOKENS]).encode(), digest_size=12).hexdigest()
+        continues = None
+        request_id = req.request_id or req.user
+        if not request_id:
+            request_id, continues = self.sticky.key(prompt)
         t0 = time.perf_counter()
         try:
             out = await self.server_manager.generate(request_id, prompt_ids=list(prompt), sampling_params=sp)
@@ -366,6 +434,7 @@ class Relay:
         text = ""
         if self.tokenizer is not None and ids:
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
+        self.sticky.remember(prompt, ids, request_id, continues)
         self.stats["turns"] += 1
         self.stats["tokens"] += len(ids)
         self._observe(versions)
