@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import fnmatch
 import functools
+import glob
 import hashlib
 import importlib.metadata
 import json
@@ -116,8 +117,6 @@ SYSTEM_SITE_PATTERNS = ("/usr/lib/python3*/site-packages", "/usr/lib/python3*/di
 def system_site_dirs() -> list[str]:
     """Existing directories matching :data:`SYSTEM_SITE_PATTERNS` (not symbolic links: a link leads into what
     is masked or bound anyway)."""
-    import glob
-
     return sorted(p for pat in SYSTEM_SITE_PATTERNS for p in glob.glob(pat)
                   if os.path.isdir(p) and not os.path.islink(p))
 
@@ -167,10 +166,10 @@ def closure(packages: Iterable[str], *, required: Iterable[str] = ()) -> list[st
         via = f" (required by {parent})" if parent else ""
         if name in DENIED_DISTRIBUTIONS:
             raise ValueError(f"python package {name!r}{via} is never visible in a sandbox: it carries "
-                               "benchmark data, answers or the project's own code")
+                             "benchmark data, answers or the project's own code")
         if name not in installed:
-            raise SandboxStartError(f"python package {name!r}{via} is not installed in the server's interpreter "
-                               f"({sys.executable})")
+            raise SandboxStartError(f"python package {name!r}{via} is not installed in the server's "
+                                    f"interpreter ({sys.executable})")
         seen[name] = None
         todo += [(r, name) for r in _requirements(installed[name])]
     return sorted(seen)
@@ -199,7 +198,7 @@ def _top_level(dist: importlib.metadata.Distribution) -> list[str]:
         parts = f.split("/")
         if parts[0] in DENIED_MODULES or parts[0].split(".")[0] in DENIED_MODULES:
             raise ValueError(f"python package {name!r} provides {parts[0]!r}, which is never visible in a "
-                               "sandbox")
+                             "sandbox")
         if is_dataset_file(parts[-1]):
             raise ValueError(f"python package {name!r} ships a dataset file ({f}): never visible in a sandbox")
         if parts[0] == "__pycache__":
@@ -272,6 +271,7 @@ def _materialize(src: str, dst: str, *, copy: bool) -> bool:
 
 
 def _tree_bytes(path: str, stop_above: int) -> int:
+    """Bytes of the files under ``path`` (apparent sizes), counted until they pass ``stop_above``."""
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for f in files:
@@ -322,7 +322,8 @@ def _build_skeleton(skeleton: str, entries: list[tuple[str, str]], binary: str, 
     for host, rel in entries:
         dst = os.path.join(skeleton, site, rel)
         os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
-        small = not os.path.isdir(host) or _tree_bytes(host, COPY_MAX_BYTES) <= COPY_MAX_BYTES
+        size = _tree_bytes(host, COPY_MAX_BYTES) if os.path.isdir(host) else os.path.getsize(host)
+        small = size <= COPY_MAX_BYTES
         if not _materialize(host, dst, copy=small):
             bind(host, f"{site}/{rel}")
     bind(os.path.realpath(sandbox_package), "server/sandbox")
