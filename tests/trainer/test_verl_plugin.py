@@ -136,13 +136,13 @@ async def test_output_is_truncated_and_carries_versions_and_reward_extras(cfg, w
                          **fixed_row(prompt, response, reward=1.0, versions=(3, 4)))
     assert out.prompt_ids == prompt[-PROMPT_LEN:]  # left-truncated, as verl caps prompts
     assert out.response_ids == response[:RESPONSE_LEN]
-    assert out.response_mask == [1] * RESPONSE_LEN
+    assert out.response_mask == [0] * RESPONSE_LEN  # cut: masked (truncation "mask", test_verl_truncation.py)
     assert out.response_logprobs == pytest.approx([-0.5 - 0.01 * i for i in range(RESPONSE_LEN)])
     assert out.reward_score == 1.0
     assert out.extra_fields["reward_extra_info"] == {"acc": 1.0, "score": 1.0}
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)
     assert all(type(out.extra_fields[k]) is int for k in ("min_global_steps", "max_global_steps"))
-    assert out.extra_fields["prorl"]["truncated"] is True
+    assert out.extra_fields["prorl"]["truncated"] == {"prompt": 5, "response": 9}
 
 
 async def test_the_legacy_worker_gets_the_last_segment_of_a_split_rollout(cfg, worker, tokenizer,

@@ -34,8 +34,22 @@ plugin and ``RolloutClient`` use it too; its module docstring has the full table
    reward, and ``extra_fields`` with ``reward_extra_info = {"acc": resolved, "score": reward}`` (DAPO's
    ``algorithm.filter_groups.metric``), integer ``min_global_steps`` / ``max_global_steps`` (the weight
    versions the segment was generated with; the V1 trainer's staleness tags need both) and ``prorl`` (job id,
-   backend, ``failure_kind``, ``filter``, attempts, segment index); the prompt left-truncated to
-   ``rollout.prompt_length``, the response cut to ``rollout.response_length``.
+   backend, ``failure_kind``, ``filter``, attempts, segment index, ``truncated``).
+
+Truncation is never silent. verl's rows hold at most ``rollout.prompt_length`` prompt tokens and
+``rollout.response_length`` response tokens; a segment longer than that is cut (the prompt from the left, the
+response at the end) while the reward is the whole episode's, so a cut sample would teach the policy with a
+reward earned by tokens it never sees. The ``truncation`` setting decides what happens to a sample with a cut
+segment (DAPO, Yu et al. 2025, section 3.4, "overlong filtering", is the reference):
+
+- ``"mask"`` (default): every segment of the sample gets ``response_mask`` 0: it trains nothing, its reward
+  still counts in its group's baseline (DAPO's overlong filtering);
+- ``"filter"``: the sample is a filtered row (below): ``ProRLReplayBuffer`` evicts its group and verl refills it.
+
+Either way ``extra_fields.prorl.truncated`` = ``{"prompt": tokens cut, "response": tokens cut}``, the row is
+logged, :attr:`ProRLAgentLoop.truncation_counts` counts it in the worker, and ``ProRLReplayBuffer`` reports
+``training/prorl_truncated/samples`` per step. Raise ``rollout.prompt_length`` / ``response_length`` (or
+lower the handler's turns and ``max_tokens``) when the count is not 0.
 
 Segments and rewards. verl's V1 worker (``AgentLoopWorkerTQ``, the shipped configs' ``trainer.use_v1``) passes
 ``session_id`` and accepts a list: every segment is stored as ``{uid}_{session_id}_{index}``, the last
@@ -65,6 +79,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import Counter
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -146,7 +161,14 @@ class ProRLAgentLoop(AgentLoopBase):
             out, server unreachable) is re-submitted before it becomes a filtered row (default 2).
         server_chooser: how a row's rollout server is picked (:data:`trainer_plugins.admission.SERVER_CHOOSERS`:
             ``"rendezvous"``, the default, or ``"least_in_flight"``, which counts this worker's jobs only).
+        truncation: what a sample cut to the rollout lengths becomes: ``"mask"`` (default: zero loss, DAPO's
+            overlong filtering) or ``"filter"`` (a filtered row; its group is dropped). See the module docstring.
     """
+
+    #: what a cut sample becomes (see the module docstring)
+    TRUNCATION_MODES = ("mask", "filter")
+    #: samples this process cut, by mode (``{"mask": n, "filter": n}``)
+    truncation_counts: "Counter[str]" = Counter()
 
     # server_chooser name -> the chooser every loop of this process shares (its round-robin and counts)
     _choosers: dict[str, ServerChooser] = {}
@@ -160,7 +182,7 @@ class ProRLAgentLoop(AgentLoopBase):
                  request_timeout_s: Optional[float] = None, max_tokens: Optional[int] = None,
                  backends: str = "relay", relay_host: Optional[str] = None,
                  relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
-                 server_chooser: str = "rendezvous", **kwargs: Any) -> None:
+                 server_chooser: str = "rendezvous", truncation: str = "mask", **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
         super().__init__(*args, **kwargs)
@@ -180,6 +202,9 @@ class ProRLAgentLoop(AgentLoopBase):
         if server_chooser not in SERVER_CHOOSERS:
             raise ValueError(f"server_chooser must be one of {sorted(SERVER_CHOOSERS)}, got {server_chooser!r}")
         self.chooser = self._choosers.setdefault(server_chooser, as_server_chooser(server_chooser))
+        if truncation not in self.TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {list(self.TRUNCATION_MODES)}, got {truncation!r}")
+        self.truncation = truncation
         if backends not in ("relay", "external"):
             raise ValueError(f"backends must be 'relay' or 'external', got {backends!r}")
         # relay: verl's replicas serve the jobs through this worker's relay (trainer_plugins/verl/relay.py)
@@ -337,6 +362,15 @@ class ProRLAgentLoop(AgentLoopBase):
             result = JobResult.model_validate(result)
         filtered = bool(result.filter)
         segments = [] if filtered else [t.model_dump() for t in result.trajectories if t.prompt_ids]
+        cut = self.cut_tokens(segments)
+        if cut is not None:
+            self.truncation_counts[self.truncation] += 1
+            log.warning("row (%s), job %s: %d prompt and %d response tokens beyond the rollout lengths "
+                        "(prompt_length=%d, response_length=%d): the sample is %s", row_name(row), result.job_id,
+                        cut["prompt"], cut["response"], self.prompt_length, self.response_length,
+                        "masked (zero loss)" if self.truncation == "mask" else "filtered (its group is dropped)")
+            if self.truncation == "filter":
+                filtered, segments = True, []
         reward = 0.0 if filtered else float(result.reward)
         acc = 1.0 if result.resolved and not filtered else 0.0
         timing = result.timing.model_dump()
@@ -355,9 +389,10 @@ class ProRLAgentLoop(AgentLoopBase):
             if len(logprobs) != len(response_ids):
                 raise ValueError(f"job {result.job_id} segment {i}: {len(logprobs)} logprobs for "
                                  f"{len(response_ids)} tokens")
-            truncated = len(response_ids) > self.response_length
             response_ids, response_mask, logprobs = (x[:self.response_length] for x in
                                                      (response_ids, response_mask, logprobs))
+            if cut is not None:  # truncation "mask": the sample trains nothing (DAPO's overlong filtering)
+                response_mask = [0] * len(response_mask)
             if not response_ids:  # verl writes the reward at the last response position: one untrained token
                 response_ids, response_mask, logprobs = [self._eos_id()], [0], [0.0]
             versions = self._versions(traj, result, row, generated=any(response_mask))
@@ -381,11 +416,19 @@ class ProRLAgentLoop(AgentLoopBase):
                               "failure_kind": result.failure_kind, "filter": filtered,
                               "error": result.error if filtered else None, "attempts": list(attempts),
                               "segment": i, "segments": len(segments),
-                              "finish_reason": traj.get("finish_reason"), "truncated": truncated,
+                              "finish_reason": traj.get("finish_reason"), "truncated": cut,
+                              "truncation": self.truncation if cut is not None else None,
                               "timing": timing},
                 },
             ))
         return outputs
+
+    def cut_tokens(self, segments: Sequence[dict[str, Any]]) -> Optional[dict[str, int]]:
+        """``{"prompt": tokens, "response": tokens}`` the rollout lengths would cut from ``segments`` (summed
+        over segments), or None when every segment fits."""
+        prompt = sum(max(0, len(t.get("prompt_ids") or ()) - self.prompt_length) for t in segments)
+        response = sum(max(0, len(t.get("response_ids") or ()) - self.response_length) for t in segments)
+        return {"prompt": prompt, "response": response} if prompt or response else None
 
     async def to_output(self, result: Union[JobResult, dict[str, Any]], row: dict[str, Any]) -> AgentLoopOutput:
         """The last segment of :meth:`to_outputs` (what verl's legacy worker takes)."""

@@ -29,6 +29,15 @@ import transfer_queue as tq
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 FILTERED_METRIC = "prorl_filtered/evicted_samples"
+#: samples cut to the rollout lengths (masked or filtered, per the agent loop's ``truncation`` setting)
+TRUNCATED_METRIC = "prorl_truncated/samples"
+
+
+def truncation_of(extra_fields: Any) -> Any:
+    """``extra_fields.prorl.truncated`` of a stored trajectory (None when it was not cut)."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    return prorl.get("truncated") if isinstance(prorl, dict) else None
 
 
 def is_filtered(extra_fields: Any) -> bool:
@@ -63,6 +72,7 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         # partition -> {uid: holds a filtered row}; complete groups do not change, so each is read once
         self._filtered_cache: dict[str, dict[str, bool]] = defaultdict(dict)
         self._last_filtered: set[str] = set()  # of the last _terminal_eviction_reasons, for its metric
+        self._truncated = 0  # cut samples seen since the last metrics
 
     def filtered_groups(self, partition_id: str) -> set[str]:
         """uids of the complete groups of ``partition_id`` with at least one filtered row (read from
@@ -82,6 +92,8 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             for key, fields in zip(keys, data["extra_fields"], strict=True):
                 if is_filtered(fields):
                     cache[key.split("_")[0]] = True
+                if truncation_of(fields) and key.endswith("_0"):  # one count per sample (its first segment)
+                    self._truncated += 1
         return {uid for uid, filtered in cache.items() if filtered}
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
@@ -93,6 +105,9 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         filtered = self._last_filtered & eviction_reasons[2]
         evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
             global_steps, partition_id, eviction_reasons)
+        if partition_id != "val":
+            metrics[f"{self._metrics_prefix(partition_id)}/{TRUNCATED_METRIC}"] = self._truncated
+            self._truncated = 0
         if filtered & evicted:
             metrics[f"{self._metrics_prefix(partition_id)}/{FILTERED_METRIC}"] = len(filtered & evicted)
             for uid in filtered & evicted:
