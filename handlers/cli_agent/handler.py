@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import os
 import shlex
 import shutil
@@ -66,6 +68,11 @@ CODE_FIELDS = ("prompt", "tests", "entry_point")
 # Fields that say an instance carries tests (the code handler's, and those of other test-graded datasets):
 # such an instance is graded by its tests unless it names its eval mode itself.
 TEST_FIELDS = ("tests", "test", "entry_point", "test_list", "FAIL_TO_PASS", "PASS_TO_PASS")
+#: What an agent program's Python may import by default (those installed): the OpenAI SDK agents are written
+#: with, and the sandbox's default computation and test packages. (The ``anthropic`` SDK here shares the
+#: ``opentelemetry`` namespace with packages a sandbox may not see: name it in the setting where it installs
+#: apart.)
+AGENT_PYTHON_PACKAGES = ("openai", "httpx", "numpy", "sympy", "pytest")
 LAUNCHER_FAILED = 125  # the launcher's own failure (env(1)/timeout(1) convention); 126/127 are the shell's
 NOT_FOUND_STATUSES = (126, 127)
 
@@ -138,6 +145,22 @@ class CliAgentSettings(BaseModel):
                                      "and name no mode (default reward_info)")
     sandbox_image: Optional[str] = Field(default=None, description="image of the agent's sandbox (it needs "
                                          "python3); default: the server's")
+    python_packages: Optional[tuple[str, ...]] = Field(
+        default=None, description="Python distributions the agent's sandbox may import (an image-less sandbox "
+        "sees only these, their requirements and the execution server's; README, 'Reward integrity', I2); "
+        f"default: those of {', '.join(AGENT_PYTHON_PACKAGES)} that are installed")
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_agent_packages() -> tuple[str, ...]:
+    out = []
+    for name in AGENT_PYTHON_PACKAGES:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        out.append(name)
+    return tuple(out)
 
 
 def _seconds(instance: dict[str, Any], key: str, default: float) -> float:
@@ -209,6 +232,8 @@ class CliAgentHandler(AgentHandler):
         job.add_closer(lambda: asyncio.to_thread(shutil.rmtree, gw_dir, True), "run")
         Path(gw_dir, "launcher.py").write_text(LAUNCHER_SOURCE)
         spec = sandbox_spec()
+        spec.python_packages = (settings.python_packages if settings.python_packages is not None
+                                else _installed_agent_packages())
         spec.binds = [*spec.binds, *_binds(gw_dir)]
         spec.env = {str(k): str(v) for k, v in env.items()}
         if settings.sandbox_image:

@@ -71,7 +71,7 @@ async def test_agent_script_in_bubblewrap_is_trained_through_the_gateway(tap_llm
     client, app = await gateway_server([vllm_server.address], registry=registry, runtime=bwrap_runtime)
     calls = tap_llm(app[GATEWAY])
     problem = humaneval_problems()["HumanEval/0"]
-    solved = {**to_instance(problem), "data_source": "cli_agent", "command": f"{sys.executable} agent.py",
+    solved = {**to_instance(problem), "data_source": "cli_agent", "command": "python3 agent.py",
               "files": {"agent.py": AGENT, "answer.txt": problem["prompt"] + problem["canonical_solution"]},
               "env": {"SERVER_PORT": str(client.port)}}
     wrong = {**solved, "instance_id": "wrong", "files": {**solved["files"], "answer.txt": problem["prompt"] + "    return True\n"}}
