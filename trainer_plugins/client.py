@@ -70,7 +70,7 @@ import aiohttp
 from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
-from trainer_plugins.jobs import (InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result,
+from trainer_plugins.jobs import (CONFIGURATION_FAULTS, InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result,
                                   process_request)
 from trainer_plugins.servers import ServersFile, load_servers
 
@@ -569,7 +569,7 @@ class RolloutClient:
         try:
             result = await self._jobs.submit(sample.server, request, what=f"dataset item {group.index} of "
                                              f"epoch {group.epoch} ({_describe(group.instance)})")
-        except (InvalidInstanceError, RolloutAuthError) as e:
+        except CONFIGURATION_FAULTS as e:  # token, handler unavailable or unknown, refused instance
             self._error = self._error or e
             sample.result = filtered_result(sample.job_id, "invalid_instance", str(e))
             sample.finished_at = time.monotonic()

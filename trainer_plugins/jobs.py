@@ -15,6 +15,9 @@ the rollout server answers              outcome
 503 (no LLM backend yet, stopped)       offered again on the same server every 0.25 s for
                                         ``unavailable_retry_s``, then a filtered ``rollout_server`` result
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
+400 ``handler_unavailable``             :class:`HandlerUnavailableError` (the server cannot run the handler,
+                                        e.g. no sandbox runtime: a configuration error), the server's message
+400 ``unknown_handler``                 :class:`UnknownHandlerError` (no such handler on the server)
 any other 4xx but 408 / 429             :class:`InvalidInstanceError` naming the instance and the server's reason
 408, 429, other 5xx                     a filtered ``rollout_server`` result (another attempt, elsewhere)
 no answer (refused, reset, died)        a filtered ``rollout_server`` result
@@ -23,6 +26,10 @@ the job was cancelled (:meth:`cancel`)  the server's result (``critical_error: c
                                         request was not sent yet, a filtered ``cancelled`` result
 the caller is cancelled                 the job is cancelled on the server (shielded), then CancelledError
 ======================================  ==================================================================
+
+:data:`CONFIGURATION_FAULTS` are the errors no retry can fix: a trainer stops on them with their message (the
+verl plugin carries them through verl's V1 worker, which would otherwise swallow them; see
+``trainer_plugins/verl/agent_loop.py``). Everything that ends as a filtered result is a job fault, retried.
 
 A *filtered result* made here has the server's shape (``reward 0.0, critical_error, error, failure_kind,
 filter: true, trajectories: []``), so callers treat a dead server exactly like a job the server failed.
@@ -70,14 +77,34 @@ ROLLOUT_SERVER = "rollout_server"
 _TOMBSTONES = 65536
 
 
+class ConfigurationError(RuntimeError):
+    """A fault of the setup, not of one job: no retry can fix it, so the trainer must stop with this message
+    (wrong token, a handler the server cannot run or does not have, an unreachable relay, a turn with no
+    weight version)."""
+
+
 class InvalidInstanceError(ValueError):
     """The rollout server refused an instance (4xx) or its handler did (``failure_kind="invalid_instance"``).
     The message names the instance (``what``: the caller's description, e.g. the prompt or the dataset row)
     and the server's reason. Retrying cannot help: it is the dataset's or the mapping's fault."""
 
 
-class RolloutAuthError(RuntimeError):
+class RolloutAuthError(ConfigurationError):
     """A rollout server refused the bearer token (401/403)."""
+
+
+class HandlerUnavailableError(ConfigurationError):
+    """A rollout server has the handler but cannot run it (HTTP 400 ``handler_unavailable``: e.g. it needs a
+    sandbox and the server has no sandbox runtime). The message is the server's."""
+
+
+class UnknownHandlerError(ConfigurationError, InvalidInstanceError):
+    """A rollout server has no handler of the instance's ``data_source`` (HTTP 400 ``unknown_handler``)."""
+
+
+#: errors that stop a trainer (retrying cannot help): the setup's (:class:`ConfigurationError`) and the
+#: dataset's (:class:`InvalidInstanceError`: a row that maps to no instance the server accepts)
+CONFIGURATION_FAULTS: tuple[type[BaseException], ...] = (ConfigurationError, InvalidInstanceError)
 
 
 def process_request(instance: Mapping[str, Any], sampling_params: Optional[Mapping[str, Any]] = None, *,
@@ -241,6 +268,12 @@ class JobSubmitter:
         message = _error_message(data)
         if status in (401, 403):
             raise RolloutAuthError(f"rollout server {server} refused our bearer token (HTTP {status}): {message}")
+        if 400 <= status < 500 and _error_type(data) == "handler_unavailable":
+            raise HandlerUnavailableError(f"rollout server {server} cannot run the {_handler(request)!r} handler "
+                                          f"(HTTP {status} handler_unavailable): {message}")
+        if 400 <= status < 500 and _error_type(data) == "unknown_handler":
+            raise UnknownHandlerError(f"rollout server {server} has no {_handler(request)!r} handler "
+                                      f"(HTTP {status} unknown_handler), for {what or 'the instance'}: {message}")
         if 400 <= status < 500 and status not in (408, 429):
             raise InvalidInstanceError(f"rollout server {server} refused {what or 'the instance'}: HTTP {status} "
                                        f"{message}")
@@ -382,6 +415,14 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
 def _handler(request: ProcessRequest) -> str:
     ds = request.instance.get("data_source") if isinstance(request.instance, Mapping) else None
     return ds if isinstance(ds, str) else ""
+
+
+def _error_type(data: Any) -> Optional[str]:
+    """``error.type`` of a 4xx body (``{"error": {"type", "message", "field"?}}``), or None."""
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        t = data["error"].get("type")
+        return t if isinstance(t, str) else None
+    return None
 
 
 def _error_message(data: Any) -> str:

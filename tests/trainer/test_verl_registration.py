@@ -388,7 +388,7 @@ async def test_a_missing_weight_version_is_an_error_not_a_fallback(cfg, tokenize
     replica = ScriptedReplica(global_steps=None)  # a trainer that never called update_weights(global_steps)
     loop = make_loop(cfg, tokenizer, verl_client(cfg, replica))
     with pytest.raises(RelayError, match="no weight version"):
-        await loop.run(SP, **row())
+        await loop.run_row(SP, **row())  # the error itself (V1's run returns it as a fatal row)
     assert await backends_of(url) == {}  # nothing was registered
     # a relay that has a version refuses a turn verl returns without one (HTTP 500), never guesses
     replica.global_steps = 3
@@ -415,7 +415,7 @@ async def test_registering_an_unreachable_server_is_a_clear_error(cfg, tokenizer
     monkeypatch.setenv("PRORL_SERVERS", dead)
     loop = make_loop(cfg, tokenizer, verl_client(cfg, ScriptedReplica()))
     with pytest.raises(RelayError, match=f"rollout server {dead} is unreachable"):
-        await loop.run(SP, **row())
+        await loop.run_row(SP, **row())  # the error itself (V1's run returns it as a fatal row)
     # an LLM backend that does not answer is not registered
     url = await rollout_server()
     async with aiohttp.ClientSession() as s:
@@ -429,7 +429,7 @@ async def test_registering_an_unreachable_server_is_a_clear_error(cfg, tokenizer
     monkeypatch.setattr(relay_mod.Relay, "address", property(lambda self: dead))
     loop = make_loop(cfg, tokenizer, verl_client(cfg, ScriptedReplica()))
     with pytest.raises(RelayError, match=f"LLM backend {dead} is unreachable"):
-        await loop.run(SP, **row())
+        await loop.run_row(SP, **row())  # the error itself (V1's run returns it as a fatal row)
     assert await backends_of(url) == {}
 
 
@@ -440,7 +440,7 @@ async def test_a_rollout_server_with_an_unversioned_backend_is_refused(cfg, toke
     monkeypatch.setenv("PRORL_SERVERS", url)
     loop = make_loop(cfg, tokenizer, verl_client(cfg, ScriptedReplica()))
     with pytest.raises(RelayError, match="no weight version.*--no-vllm"):
-        await loop.run(SP, **row())
+        await loop.run_row(SP, **row())  # the error itself (V1's run returns it as a fatal row)
 
 
 async def test_external_backends_keep_the_rollout_servers_own(cfg, tokenizer, rollout_server, monkeypatch):

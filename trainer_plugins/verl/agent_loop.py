@@ -71,6 +71,20 @@ sampler) the row trains nothing itself, but its reward 0 enters its group's GRPO
 ``filter_groups`` cannot drop a group for one row (it drops groups whose metric is the same on every row), so
 the filtered row's ``acc`` is 0.0 like any unsolved row.
 
+Configuration faults. A fault no retry can fix stops training with its message: a refused bearer token
+(:class:`trainer_plugins.jobs.RolloutAuthError`), a handler the rollout server cannot run (HTTP 400
+``handler_unavailable``, e.g. no sandbox runtime: :class:`trainer_plugins.jobs.HandlerUnavailableError`) or
+does not have (``unknown_handler``), a row that maps to no valid instance (:class:`InvalidRowError`), a relay
+that cannot serve or register (:class:`trainer_plugins.verl.relay.RelayError`: verl reports no version, a
+rollout server is unreachable, or the rollout server cannot reach the relay), a turn with no weight version
+(:class:`MissingWeightVersionError`). Under verl's legacy worker the exception does it. verl's V1 worker
+(``AgentLoopWorkerTQ._run_prompt``) catches every exception of a session and only marks its group failed, so
+there :meth:`ProRLAgentLoop.run` returns a row marked ``extra_fields.prorl.fatal`` instead, and
+``ProRLReplayBuffer`` (the V1 sampler of ``prorl_base.yaml``) raises it in the trainer process when it reads
+the row: ``main_ppo`` ends with the fault's message. (Another V1 sampler would train that row as a zero-loss
+row: keep ``ProRLReplayBuffer``.) Job faults (``filter: true``: a dead sandbox, a timeout, an unreachable
+backend) are retried as above.
+
 The reward is the rollout server's (its handler's eval stage), so verl's reward loop is not needed for these
 rows; verl only computes one for rows whose ``reward_score`` is None.
 """
@@ -88,8 +102,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from prorl_server.types import JobResult
 from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
-from trainer_plugins.jobs import InvalidInstanceError, JobSubmitter, RolloutAuthError, process_request
-from trainer_plugins.verl.relay import relay_for_loop
+from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
+                                  RolloutAuthError, process_request)
+from trainer_plugins.verl.relay import RelayError, relay_for_loop
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +116,11 @@ VERL_MATH_SOURCES = ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH
                      "math_dapo", "math_dapo_reasoning")
 #: ``extra_info`` keys that are verl's bookkeeping, not task fields (everything else passes into the instance)
 EXTRA_INFO_META = ("instance", "index", "split", "tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
+
+
+class MissingWeightVersionError(ConfigurationError, ValueError):
+    """A turn was generated with no weight version although verl's replicas serve the jobs (the relay): its
+    staleness cannot be known. verl's trainer never set a step on its replicas; retrying cannot help."""
 
 
 class InvalidRowError(InvalidInstanceError):
@@ -144,10 +164,16 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+#: errors that stop training (retrying cannot help): see "Configuration faults" in the module docstring
+STOPS_TRAINING: tuple[type[BaseException], ...] = (*CONFIGURATION_FAULTS, RelayError)
+
+
 class ProRLAgentLoop(AgentLoopBase):
     """``AgentLoopBase`` whose rollouts run on ProRL rollout servers.
 
-    Keyword settings (from the YAML entry; the other arguments are verl's, passed by ``AgentLoopWorker``):
+    Keyword settings (from the YAML entry; a setting the entry leaves null comes from the ``prorl`` section of
+    verl's config, ``prorl_base.yaml``, which is resolved in the trainer's process and shipped to every worker;
+    the other arguments are verl's, passed by ``AgentLoopWorker``):
         servers: rollout servers: a comma-separated URL list, a list of URLs, or the path of ``servers.json``
             (file or directory; token and same-node ordering come from it). Required.
         token: bearer token (servers.json brings its own).
@@ -163,6 +189,15 @@ class ProRLAgentLoop(AgentLoopBase):
             ``"rendezvous"``, the default, or ``"least_in_flight"``, which counts this worker's jobs only).
         truncation: what a sample cut to the rollout lengths becomes: ``"mask"`` (default: zero loss, DAPO's
             overlong filtering) or ``"filter"`` (a filtered row; its group is dropped). See the module docstring.
+        backends: ``"relay"`` (default: verl's replicas, through the relay) or ``"external"``.
+        relay_host: where the relay binds and what it advertises, per node
+            (:func:`trainer_plugins.verl.relay.resolve_relay_host`): null (each worker's Ray node IP), an
+            interface name (``ib0``) or a network (``10.1.0.0/16``) resolved on each node, or one address.
+        tokenizer_path: the model id the relay reports at ``/v1/models``, from which a rollout server started
+            without ``--tokenizer`` loads its tokenizer (default: ``actor_rollout_ref.model.path``, which may
+            not exist on the rollout servers' nodes).
+        log_level: the plugin's log level in the workers (``INFO`` shows the relay's versions and one line
+            per row with its weight versions and reward).
     """
 
     #: what a cut sample becomes (see the module docstring)
@@ -180,14 +215,35 @@ class ProRLAgentLoop(AgentLoopBase):
     def __init__(self, *args: Any, servers: Servers = None, token: Optional[str] = None,
                  handler: Optional[str] = None, job_timeout_s: Optional[float] = None,
                  request_timeout_s: Optional[float] = None, max_tokens: Optional[int] = None,
-                 backends: str = "relay", relay_host: Optional[str] = None,
+                 backends: Optional[str] = None, relay_host: Optional[str] = None,
                  relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
-                 server_chooser: str = "rendezvous", truncation: str = "mask", **kwargs: Any) -> None:
+                 server_chooser: str = "rendezvous", truncation: Optional[str] = None,
+                 tokenizer_path: Optional[str] = None, log_level: Optional[str] = None, **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
         super().__init__(*args, **kwargs)
+        # The verl config's `prorl` section (prorl_base.yaml) fills every setting the YAML entry leaves null: it
+        # is resolved in the trainer's process and travels inside verl's config to every worker on every node,
+        # where a worker's own environment may differ from the driver's.
+        section = _jsonable(self.config.get("prorl") or {}) if hasattr(self.config, "get") else {}
+        section = section if isinstance(section, dict) else {}
+
+        def pick(value: Any, name: str, default: Any = None) -> Any:
+            for v in (value, section.get(name)):
+                if v not in (None, ""):
+                    return v
+            return default
+
+        servers, token, handler = pick(servers, "servers"), pick(token, "token"), pick(handler, "handler")
+        max_tokens, backends = pick(max_tokens, "max_tokens"), pick(backends, "backends", "relay")
+        relay_host, truncation = pick(relay_host, "relay_host"), pick(truncation, "truncation", "mask")
+        self.tokenizer_path = pick(tokenizer_path, "tokenizer_path")
+        level = pick(log_level, "log_level")
+        if level:  # verl sets the root logger to WARNING; the relay's versions and per-row lines are INFO
+            logging.getLogger("trainer_plugins").setLevel(str(level).upper())
         if not servers:
-            raise ValueError("ProRLAgentLoop needs `servers` (URLs or servers.json) in its agent loop YAML entry")
+            raise ValueError("ProRLAgentLoop needs `servers` (URLs or servers.json): set prorl.servers in verl's "
+                             "config (or PRORL_SERVERS where the trainer starts)")
         self.servers = servers if isinstance(servers, str) else ",".join(servers)
         self.token = token
         self.handler = handler
@@ -195,7 +251,7 @@ class ProRLAgentLoop(AgentLoopBase):
         self.request_timeout_s = request_timeout_s
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
-        self.max_tokens = max_tokens or self.response_length
+        self.max_tokens = int(max_tokens) if max_tokens not in (None, "") else self.response_length
         if int(max_sample_retries) < 0:
             raise ValueError(f"max_sample_retries must be >= 0, got {max_sample_retries!r}")
         self.max_sample_retries = int(max_sample_retries)
@@ -301,6 +357,47 @@ class ProRLAgentLoop(AgentLoopBase):
     # ------------------------------------------------------------------ run
     async def run(self, sampling_params: dict[str, Any],
                   **kwargs: Any) -> Union[AgentLoopOutput, list[AgentLoopOutput]]:
+        """Run one row as a job on a rollout server (:meth:`run_row`), with configuration faults made to stop
+        training under verl's V1 worker too (see "Configuration faults" in the module docstring).
+
+        Returns: what :meth:`run_row` returns; under V1, a row marked ``extra_fields.prorl.fatal`` for a
+        configuration fault (``ProRLReplayBuffer`` then stops training with its message).
+        Raises: what :meth:`run_row` raises, under the legacy worker (which stops training on it).
+        """
+        try:
+            return await self.run_row(sampling_params, **kwargs)
+        except STOPS_TRAINING as e:
+            if "session_id" not in kwargs:  # the legacy worker: the exception reaches the trainer and stops it
+                raise
+            message = f"{type(e).__name__}: {e}"
+            log.error("row (%s): %s; training stops (ProRLReplayBuffer raises it in the trainer)",
+                      row_name(kwargs), message)
+            return [await self.fatal_output(kwargs, message)]
+
+    async def fatal_output(self, row: dict[str, Any], message: str) -> AgentLoopOutput:
+        """A zero-loss row (the row's prompt, one EOS response token with mask 0, reward 0) whose
+        ``extra_fields.prorl.fatal`` carries ``message``: how a configuration fault leaves verl's V1 worker
+        (which catches every exception of a session) and reaches the trainer process."""
+        prompt_ids: list[int] = []
+        messages = _jsonable(row["raw_prompt"]) if row.get("raw_prompt") is not None else None
+        if messages:
+            try:
+                prompt_ids = list(await self.ct_build_initial_tokens(messages))[-self.prompt_length:]
+            except Exception:  # the fault may be the row itself; the row only has to carry the message
+                prompt_ids = []
+        eos = self._eos_id()
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids or [eos], response_ids=[eos], response_mask=[0], response_logprobs=[0.0],
+            reward_score=0.0, num_turns=1, metrics=AgentLoopMetrics(),
+            extra_fields={"reward_extra_info": {"acc": 0.0, "score": 0.0},
+                          "min_global_steps": int(_jsonable(row.get("global_steps")) or 0),
+                          "max_global_steps": int(_jsonable(row.get("global_steps")) or 0),
+                          "turn_scores": [], "tool_rewards": [],
+                          "prorl": {"fatal": message, "filter": True, "job_id": None, "truncated": None,
+                                    "segment": 0, "segments": 1}})
+
+    async def run_row(self, sampling_params: dict[str, Any],
+                      **kwargs: Any) -> Union[AgentLoopOutput, list[AgentLoopOutput]]:
         """Run one row as a job on a rollout server; see the module docstring.
 
         Returns:
@@ -313,6 +410,11 @@ class ProRLAgentLoop(AgentLoopBase):
                 with ``failure_kind="invalid_instance"``).
             trainer_plugins.jobs.RolloutAuthError: a rollout server refused our bearer token (401/403; a
                 RuntimeError).
+            trainer_plugins.jobs.HandlerUnavailableError: a rollout server cannot run the row's handler (e.g. it
+                has no sandbox runtime); the server's message.
+            trainer_plugins.verl.relay.RelayError: the relay could not serve (no version from verl, a rollout
+                server or the relay's own address unreachable).
+            MissingWeightVersionError: a turn was generated with no weight version.
         """
         urls, headers = await self._servers()
         if self.managed:  # registers the trainer's replicas (through the relay) before the first job
@@ -327,6 +429,9 @@ class ProRLAgentLoop(AgentLoopBase):
         except RolloutAuthError as e:
             raise RolloutAuthError(f"{e}; set `token` (PRORL_TOKEN) or use the servers.json that carries it") from e
         result = outcome.result
+        if outcome.filtered and self.relay is not None and self.relay.fatal:
+            # the relay refused a turn with no weight version: the job failed as an LLM fault, but it is verl's
+            raise MissingWeightVersionError(self.relay.fatal)
         attempts = [vars(a) for a in outcome.attempts]  # job_id, server, failure_kind, error
         if outcome.filtered:  # the last attempt is listed too: every job the row cost, for the metadata
             attempts.append({"job_id": result.job_id, "server": outcome.server,
@@ -334,6 +439,10 @@ class ProRLAgentLoop(AgentLoopBase):
             log.warning("row (%s): giving up after %d attempts: a filtered row", row_name(kwargs),
                         len(attempts) + 1)
         outputs = await self.to_outputs(result, kwargs, attempts)
+        log.info("row (%s): job %s reward %.4f weight versions %s filter %s truncated %s", row_name(kwargs),
+                 result.job_id, outputs[-1].reward_score,
+                 [[o.extra_fields["min_global_steps"], o.extra_fields["max_global_steps"]] for o in outputs],
+                 outputs[-1].extra_fields["prorl"]["filter"], outputs[-1].extra_fields["prorl"]["truncated"])
         if "session_id" in kwargs:  # verl's V1 worker (AgentLoopWorkerTQ) stores every output
             return outputs
         return outputs[-1]
@@ -449,7 +558,7 @@ class ProRLAgentLoop(AgentLoopBase):
             versions = [result.weight_version]
         if not versions and self.managed:  # the relay versions every turn: none is an error, not a guess
             if generated:
-                raise ValueError(f"job {result.job_id}: generated tokens with no weight version")
+                raise MissingWeightVersionError(f"job {result.job_id}: generated tokens with no weight version")
             if self.relay is not None:
                 versions = [self.relay.version]  # nothing generated: the weights current when the row ended
         if not versions:  # backends=external and the server knows no version: the row's trainer step

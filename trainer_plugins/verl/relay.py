@@ -216,6 +216,8 @@ class Relay:
         self.version: Optional[int] = None
         self.stats: Counter = Counter()
         self.sticky = StickyKeys()
+        #: a fault no retry can fix seen while serving (a turn with no version); the agent loop stops on it
+        self.fatal: Optional[str] = None
         self._registered: dict[str, int] = {}  # rollout server -> version it has for us
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
@@ -414,6 +416,8 @@ class Relay:
         versions = _version_of(out.extra_fields or {})
         if not versions:
             self.stats["unversioned"] += 1
+            self.fatal = ("verl's replica reported no weight version for a turn (TokenOutput.extra_fields."
+                          "global_steps is None): the trainer never set a step on its replicas")
             return _error(500, "verl's replica reported no weight version for this turn "
                                "(TokenOutput.extra_fields.global_steps is None)", "MissingWeightVersion")
         ids = [int(t) for t in out.token_ids]
@@ -486,16 +490,59 @@ async def close_relays() -> None:
 
 
 
+def resolve_relay_host(setting: Optional[str]) -> Optional[str]:
+    """The address this node's relay binds and advertises, from one setting shared by every node:
+
+    - None or ``""``: None (the relay uses Ray's IP of this node, :func:`_node_ip`);
+    - a network interface name of this node (``ib0``, ``eth0``): its IPv4 address (else IPv6);
+    - a network in CIDR form (``10.1.0.0/16``): this node's address in it;
+    - anything else: itself (an address or host name: one machine, or a setting per node).
+
+    Raises:
+        RelayError: an interface or network this node does not have.
+    """
+    if setting in (None, ""):
+        return None
+    import ipaddress
+    import socket
+
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    if setting in interfaces:
+        addrs = [a.address.split("%")[0] for a in interfaces[setting] if a.family in (socket.AF_INET, socket.AF_INET6)]
+        addrs.sort(key=lambda a: ":" in a)  # IPv4 first
+        if not addrs:
+            raise RelayError(f"relay_host={setting!r}: interface {setting} of this node has no IP address")
+        return addrs[0]
+    if "/" in setting:
+        try:
+            net = ipaddress.ip_network(setting, strict=False)
+        except ValueError:
+            return setting
+        for addrs in interfaces.values():
+            for a in addrs:
+                try:
+                    if ipaddress.ip_address(a.address.split("%")[0]) in net:
+                        return a.address.split("%")[0]
+                except ValueError:
+                    continue
+        raise RelayError(f"relay_host={setting!r}: this node ({socket.gethostname()}) has no address in {net}")
+    return setting
+
+
 async def relay_for_loop(loop: Any, servers: Sequence[str], headers: dict[str, str]) -> Relay:
     """The relay of a ``ProRLAgentLoop``'s worker process, started from the loop's verl config on first use:
-    model ``actor_rollout_ref.model.path``, ``max_model_len`` from the rollout config (else prompt + response
+    model id ``tokenizer_path`` (else ``actor_rollout_ref.model.path``), ``max_model_len`` from the rollout config (else prompt + response
     length), EOS from the tokenizer, the loop's ``relay_host`` / ``relay_heartbeat_s`` settings."""
     rollout = loop.rollout_config
     max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
     eos = getattr(loop.tokenizer, "eos_token_id", None)
     return await ensure_relay(
         loop.server_manager, servers=list(servers), headers=headers,
-        model=str(loop.config.actor_rollout_ref.model.path), max_model_len=int(max_model_len),
+        model=str(getattr(loop, "tokenizer_path", None) or loop.config.actor_rollout_ref.model.path),
+        max_model_len=int(max_model_len),
         default_max_tokens=int(rollout.response_length), tokenizer=loop.tokenizer,
-        stop_token_ids=[eos] if isinstance(eos, int) else list(eos or ()), host=loop.relay_host,
+        stop_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
+        host=resolve_relay_host(loop.relay_host),
         heartbeat_s=loop.relay_heartbeat_s)

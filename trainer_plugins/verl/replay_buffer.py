@@ -9,6 +9,10 @@ is complete, exactly as verl's ``ReplayBufferAsync`` evicts a failed group (a se
 refills one fresh prompt for it. The count is reported as ``training/prorl_filtered/evicted_samples`` (and in
 verl's ``training/rollout_failure/evicted_samples``).
 
+It also stops training on a configuration fault: verl's V1 worker catches every exception of a session, so the
+agent loop stores a row marked ``extra_fields.prorl.fatal`` (the fault's message) instead of raising, and this
+buffer raises :class:`ConfigurationFault` with that message in the trainer process when it reads the row.
+
 Set in ``config/prorl_base.yaml``::
 
     trainer.v1.sampler.custom_sampler: {path: pkg://trainer_plugins.verl.replay_buffer, name: ProRLReplayBuffer}
@@ -38,6 +42,18 @@ def truncation_of(extra_fields: Any) -> Any:
     fields = getattr(extra_fields, "data", extra_fields)
     prorl = fields.get("prorl") if isinstance(fields, dict) else None
     return prorl.get("truncated") if isinstance(prorl, dict) else None
+
+
+class ConfigurationFault(RuntimeError):
+    """Raised in the trainer process when a stored row carries ``extra_fields.prorl.fatal``: an agent loop hit
+    a fault no retry can fix (see :mod:`trainer_plugins.verl.agent_loop`, "Configuration faults")."""
+
+
+def fatal_of(extra_fields: Any) -> Any:
+    """``extra_fields.prorl.fatal`` of a stored trajectory: the message of a configuration fault, or None."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    return prorl.get("fatal") if isinstance(prorl, dict) else None
 
 
 def is_filtered(extra_fields: Any) -> bool:
@@ -90,11 +106,23 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         if keys:
             data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
             for key, fields in zip(keys, data["extra_fields"], strict=True):
+                fatal = fatal_of(fields)
+                if fatal:  # a configuration fault in an agent loop worker: stop training with its message
+                    raise ConfigurationFault(f"a rollout worker hit a fault no retry can fix, training stops: "
+                                             f"{fatal}")
                 if is_filtered(fields):
                     cache[key.split("_")[0]] = True
                 if truncation_of(fields) and key.endswith("_0"):  # one count per sample (its first segment)
                     self._truncated += 1
         return {uid for uid, filtered in cache.items() if filtered}
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        if partition_id != "val":
+            metrics = dict(metrics or {})
+            metrics[f"{self._metrics_prefix(partition_id)}/{TRUNCATED_METRIC}"] = self._truncated
+            self._truncated = 0
+        return batch, metrics
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
         stale, dapo, failed, dapo_counts = super()._terminal_eviction_reasons(global_steps, partition_id)
@@ -105,9 +133,6 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         filtered = self._last_filtered & eviction_reasons[2]
         evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
             global_steps, partition_id, eviction_reasons)
-        if partition_id != "val":
-            metrics[f"{self._metrics_prefix(partition_id)}/{TRUNCATED_METRIC}"] = self._truncated
-            self._truncated = 0
         if filtered & evicted:
             metrics[f"{self._metrics_prefix(partition_id)}/{FILTERED_METRIC}"] = len(filtered & evicted)
             for uid in filtered & evicted:
