@@ -86,7 +86,11 @@ row: keep ``ProRLReplayBuffer``.) Job faults (``filter: true``: a dead sandbox, 
 backend) are retried as above.
 
 The reward is the rollout server's (its handler's eval stage), so verl's reward loop is not needed for these
-rows; verl only computes one for rows whose ``reward_score`` is None.
+rows, except for rows of verl's math datasets (``reward_source: auto``): the ``math`` handler reads only the
+last ``\\boxed{}``, while gsm8k asks for ``#### 42`` and DAPO/AIME for ``Answer: 42``, so a model following
+its prompt would score 0 there. Those rows get verl's own scorer for their ``data_source``
+(``verl.utils.reward_score.default_compute_score``) on the job's final assistant message, the same reward
+verl gives them; the server's is kept in ``extra_fields.prorl.server_reward``.
 """
 from __future__ import annotations
 
@@ -114,6 +118,8 @@ Servers = Union[str, Sequence[str], None]
 #: the rollout server's ``math`` handler
 VERL_MATH_SOURCES = ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
                      "math_dapo", "math_dapo_reasoning")
+#: characters of the final answer verl's scorers read (its end; they look for the last answer in it)
+VERL_SCORE_MAX_CHARS = 20000
 #: ``extra_info`` keys that are verl's bookkeeping, not task fields (everything else passes into the instance)
 EXTRA_INFO_META = ("instance", "index", "split", "tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
 
@@ -196,6 +202,10 @@ class ProRLAgentLoop(AgentLoopBase):
         tokenizer_path: the model id the relay reports at ``/v1/models``, from which a rollout server started
             without ``--tokenizer`` loads its tokenizer (default: ``actor_rollout_ref.model.path``, which may
             not exist on the rollout servers' nodes).
+        reward_source: ``"auto"`` (default): rows of verl's math datasets (:data:`VERL_MATH_SOURCES`,
+            ``aime*``) get verl's own reward for their ``data_source`` (``verl.utils.reward_score``: gsm8k's
+            ``#### 42``, MATH's ``\\boxed{}``, DAPO/AIME's ``Answer: 42``) on the job's final answer, every other
+            row the rollout server's; ``"server"``: always the server's; ``"verl"``: always verl's.
         log_level: the plugin's log level in the workers (``INFO`` shows the relay's versions and one line
             per row with its weight versions and reward).
     """
@@ -218,7 +228,8 @@ class ProRLAgentLoop(AgentLoopBase):
                  backends: Optional[str] = None, relay_host: Optional[str] = None,
                  relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
                  server_chooser: str = "rendezvous", truncation: Optional[str] = None,
-                 tokenizer_path: Optional[str] = None, log_level: Optional[str] = None, **kwargs: Any) -> None:
+                 tokenizer_path: Optional[str] = None, log_level: Optional[str] = None,
+                 reward_source: Optional[str] = None, **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
         super().__init__(*args, **kwargs)
@@ -238,6 +249,9 @@ class ProRLAgentLoop(AgentLoopBase):
         max_tokens, backends = pick(max_tokens, "max_tokens"), pick(backends, "backends", "relay")
         relay_host, truncation = pick(relay_host, "relay_host"), pick(truncation, "truncation", "mask")
         self.tokenizer_path = pick(tokenizer_path, "tokenizer_path")
+        self.reward_source = pick(reward_source, "reward_source", "auto")
+        if self.reward_source not in ("auto", "server", "verl"):
+            raise ValueError(f"reward_source must be auto, server or verl, got {self.reward_source!r}")
         level = pick(log_level, "log_level")
         if level:  # verl sets the root logger to WARNING; the relay's versions and per-row lines are INFO
             logging.getLogger("trainer_plugins").setLevel(str(level).upper())
@@ -482,6 +496,10 @@ class ProRLAgentLoop(AgentLoopBase):
                 filtered, segments = True, []
         reward = 0.0 if filtered else float(result.reward)
         acc = 1.0 if result.resolved and not filtered else 0.0
+        server_reward = reward
+        scorer = self.verl_scorer_source(row)
+        if scorer is not None and not filtered:
+            reward, acc = await self.verl_score(scorer, result, row)
         timing = result.timing.model_dump()
         if not segments:
             messages = self.build_instance(row).get("messages") or []
@@ -527,10 +545,42 @@ class ProRLAgentLoop(AgentLoopBase):
                               "segment": i, "segments": len(segments),
                               "finish_reason": traj.get("finish_reason"), "truncated": cut,
                               "truncation": self.truncation if cut is not None else None,
+                              "reward_source": "verl" if scorer is not None else "server",
+                              "server_reward": server_reward,
                               "timing": timing},
                 },
             ))
         return outputs
+
+    def verl_scorer_source(self, row: dict[str, Any]) -> Optional[str]:
+        """The row's ``data_source`` when its reward comes from verl's own scorer (``reward_source``), else None."""
+        source = _jsonable(row.get("data_source"))
+        if self.reward_source == "server" or not isinstance(source, str):
+            return None
+        if self.reward_source == "verl" or source in VERL_MATH_SOURCES or source.startswith("aime"):
+            return source
+        return None
+
+    async def verl_score(self, data_source: str, result: JobResult, row: dict[str, Any]) -> tuple[float, float]:
+        """``(reward, acc)`` of a job by ``verl.utils.reward_score.default_compute_score`` for ``data_source``, on
+        the text of the job's last assistant message (at most :data:`VERL_SCORE_MAX_CHARS`, its end) and the
+        row's ``reward_model.ground_truth``; run in a thread (string processing only, no evaluation)."""
+        from verl.utils.reward_score import default_compute_score
+
+        text = next((m.get("content") for m in reversed(result.messages or [])
+                     if isinstance(m, dict) and m.get("role") == "assistant"), None)
+        if isinstance(text, list):
+            text = "".join(p.get("text", "") for p in text if isinstance(p, dict))
+        text = text[-VERL_SCORE_MAX_CHARS:] if isinstance(text, str) else ""
+        truth = _jsonable(row.get("reward_model") or {})
+        truth = truth.get("ground_truth") if isinstance(truth, dict) else None
+        if truth is None or not text:
+            return 0.0, 0.0
+        res = await asyncio.to_thread(default_compute_score, data_source, text, str(truth))
+        if isinstance(res, dict):
+            score = float(res.get("score", 0.0))
+            return score, float(bool(res.get("acc", score >= 1.0)))
+        return float(res), float(float(res) >= 1.0)
 
     def cut_tokens(self, segments: Sequence[dict[str, Any]]) -> Optional[dict[str, int]]:
         """``{"prompt": tokens, "response": tokens}`` the rollout lengths would cut from ``segments`` (summed
