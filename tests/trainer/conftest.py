@@ -53,6 +53,10 @@ class VariedHandler(AgentHandler):
         job.resolved = job.reward > 0
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "verl_cpu: the real verl run on CPU (run_cpu.sh; select alone with -m verl_cpu)")
+
+
 @pytest.fixture
 def varied():
     return VariedHandler()

@@ -301,6 +301,9 @@ def _restore_packed_weights(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+_SYNCS = {"count": 0}
+
+
 @_patch("vllm_cpu_repack_on_weight_sync",
         "verl's vLLMColocateWorkerExtension.update_weights_from_ipc (verl/workers/rollout/vllm_rollout/utils.py:248) "
         "loads the trainer's weights with model.load_weights, then runs process_weights_after_loading once. On CPU "
@@ -317,7 +320,11 @@ def _vllm_cpu_repack() -> None:
 
         def update_weights_from_ipc(self, *args: Any, **kwargs: Any):
             restored = sum(_restore_packed_weights(m) for m in self._iter_all_models())
-            log.info("cpu platform: %d packed linear layers restored before the weight sync", restored)
+            _SYNCS["count"] += 1
+            # the first sync of a process is said at WARNING (verl's root level): the run's log shows it happened
+            (log.warning if _SYNCS["count"] == 1 else log.info)(
+                "cpu platform: weight sync %d: %d packed linear layers restored, repacked after the load",
+                _SYNCS["count"], restored)
             return original(self, *args, **kwargs)
 
         update_weights_from_ipc._prorl_cpu = True  # type: ignore[attr-defined]

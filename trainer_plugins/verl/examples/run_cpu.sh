@@ -80,6 +80,9 @@ VERL_ARGS=(
     +actor_rollout_ref.model.override_config.attn_implementation=sdpa
     actor_rollout_ref.actor.fsdp_config.dtype=float32
     actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
+    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32
+    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32
+    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32
     actor_rollout_ref.actor.use_torch_compile=false
     actor_rollout_ref.actor.fsdp_config.use_torch_compile=false
     actor_rollout_ref.actor.optim.lr=1e-4
@@ -108,6 +111,7 @@ VERL_ARGS=(
     trainer.logger='[console]'
     trainer.project_name=prorl trainer.experiment_name=run_cpu
     trainer.default_local_dir="$OUT/checkpoints"
+    hydra.run.dir="$OUT/hydra"
 )
 
 if [ "$DRY_RUN" = 1 ]; then
