@@ -10,7 +10,7 @@
 #   2. writes a parquet dataset of `math` problems ("What is 17 + 25?", answer 42) in verl's RLHFDataset format,
 #      each row carrying its rollout-server instance in extra_info.instance;
 #   3. starts a rollout server on loopback with NO backend of its own (what `slurm/launch_rollout.sh --no-vllm`
-#      does on a cluster);
+#      does on a cluster), with bubblewrap sandboxes (SANDBOX_RUNTIME) and the tokenizer given explicitly;
 #   4. runs `python -m verl.trainer.main_ppo` with trainer_plugins/verl/config/prorl_dapo.yaml (async DAPO, V1
 #      colocate_async trainer): verl starts its vLLM replica on the GPU; each agent loop worker's relay registers
 #      it with the rollout server at the trainer's step (no manual registration) and every turn comes back
@@ -36,6 +36,10 @@ DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # Ray workers import trainer_plugins from here
 export HF_HUB_OFFLINE=1
+# verl loads this module in every process; its patches that are not about the CPU (verl's TRL value-head import,
+# which fails with TRL 1.x) apply here too; its CPU platform is chosen only with VERL_PLATFORM=cpu (run_cpu.sh)
+export VERL_USE_EXTERNAL_MODULES=trainer_plugins.verl.cpu_platform
+SANDBOX_RUNTIME=${SANDBOX_RUNTIME:-bubblewrap}   # the math handler runs its tools in a sandbox
 
 # 1. model
 MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.tiny_model import build; print(build(sys.argv[1]))' \
@@ -84,6 +88,9 @@ VERL_ARGS=(
     trainer.logger='[console]'
     trainer.project_name=prorl trainer.experiment_name=run_gpu
     trainer.default_local_dir="$OUT/checkpoints"
+    hydra.run.dir="$OUT/hydra"
+    # the tokenizer's location the rollout servers load (reported by the relay), and the relay's version lines
+    prorl.tokenizer_path="$MODEL" prorl.log_level=INFO
 )
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -97,8 +104,8 @@ llm_timeout_s: 3600
 backend_wait_s: 600
 YAML
 rm -f "$OUT/server.ready.json"
-"$PY" -m prorl_server --config "$OUT/server.yaml" --host 127.0.0.1 --port 0 \
-    --ready-file "$OUT/server.ready.json" >"$OUT/server.log" 2>&1 &
+"$PY" -m prorl_server --config "$OUT/server.yaml" --host 127.0.0.1 --port 0 --sandbox-runtime "$SANDBOX_RUNTIME" \
+    --tokenizer "$MODEL" --ready-file "$OUT/server.ready.json" >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null' EXIT
 for _ in $(seq 600); do [ -s "$OUT/server.ready.json" ] && break; sleep 0.1; done
@@ -116,7 +123,7 @@ set -e
 
 # 5. what to look at
 echo "---- relay registrations and version changes"
-grep -hE "relay .*(serves verl|weights v)" "$OUT/verl.log" || true
+grep -hoE "relay http[^ ]* (serves verl.*|weights v.*)" "$OUT/verl.log" || true
 echo "---- per step: reward and weight-version staleness"
 grep -hoE "step:[0-9]+|critic/score/mean:[-0-9.e]+|critic/rewards/mean:[-0-9.e]+|[a-z_/]*global_steps[a-z_/]*:[-0-9.e]+" \
     "$OUT/verl.log" | paste -sd' ' | sed 's/ step:/\nstep:/g' || true

@@ -1,0 +1,94 @@
+"""Recipes are tests (issue #22 item 2): every ``bash`` block of the README's "Training with verl" and "Running
+on a cluster" sections runs as written, extracted from the README so the two cannot drift; ``run_gpu.sh`` and
+``run_cpu.sh`` compose verl's config (``DRY_RUN=1``; ``run_cpu.sh``'s real run is ``test_verl_cpu_run.py``).
+
+What cannot run here is stood in for by a shell function of the same name, each saying what it stands for:
+``sbatch`` (no Slurm in this tier: the launcher's own ``--dry-run`` plan of the job), ``python -m
+verl.trainer.main_ppo`` (it needs a GPU: ``--cfg job`` composes and prints the config it would run, so every
+override and config name is checked), ``prorl-build-image`` without ``--dry-run`` (no Apptainer here: its plan),
+``source`` of the cluster's venv (this checkout's ``.venv`` is on PATH). ``/shared/`` paths go to a temporary
+directory, ``/shared/models/my-model`` to the locally built tiny model. A block that installs packages
+(``pip install``) is not run (``.ci/install`` does that).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+STAND_INS = r'''
+set -eo pipefail
+export PATH="$ROOT/.venv/bin:$PATH"
+sbatch() {  # stands in for Slurm: the launcher's own plan (--dry-run) of what the job would run
+  while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do
+    case "$1" in -N|-n|-t|-p|-A|-J|-o|-e|--gres|--cpus-per-task|--time|--nodes) shift 2 ;; *) shift ;; esac
+  done
+  bash "$@" --dry-run
+}
+python() {  # `python -m verl.trainer.main_ppo` needs a GPU here: compose and print the config it would run
+  if [ "$1 $2" = "-m verl.trainer.main_ppo" ]; then "$ROOT/.venv/bin/python" "$@" --cfg job
+  else "$ROOT/.venv/bin/python" "$@"; fi
+}
+prorl-build-image() {  # no Apptainer here: the plan of the build
+  case " $* " in *" --dry-run "*) command prorl-build-image "$@" ;; *) command prorl-build-image "$@" --dry-run ;; esac
+}
+source() { :; }  # the cluster's venv: this checkout's .venv is on PATH
+export DRY_RUN=1  # run_gpu.sh / run_cpu.sh: compose verl's config (run_cpu.sh runs for real in test_verl_cpu_run.py)
+'''
+
+
+def section(name: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {name}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def bash_blocks(name: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", section(name), re.S)
+
+
+BLOCKS = [(name, i, block) for name in ("Training with verl", "Running on a cluster")
+          for i, block in enumerate(bash_blocks(name))]
+
+
+def test_the_sections_have_their_command_blocks():
+    names = {name for name, _, _ in BLOCKS}
+    assert names == {"Training with verl", "Running on a cluster"}
+    assert any("verl.trainer.main_ppo" in b for _, _, b in BLOCKS)
+    assert any("run_cpu.sh" in b for _, _, b in BLOCKS)
+
+
+@pytest.mark.parametrize("name, index, block", BLOCKS, ids=[f"{n.split()[-1]}-{i}" for n, i, _ in BLOCKS])
+def test_readme_block_runs_as_written(name, index, block, tmp_path, tiny_model_dir):
+    if "pip install" in block:
+        pytest.skip("installs packages (.ci/install does it)")
+    script = block.replace("/shared/models/my-model", str(tiny_model_dir)).replace("/shared/", f"{tmp_path}/shared/")
+    (tmp_path / "shared" / "run1").mkdir(parents=True)
+    env = {**os.environ, "ROOT": str(ROOT), "OUT": str(tmp_path / "out"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", "-c", STAND_INS + "\n" + script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"README block {name}[{index}] failed:\n{script}\n---\n{proc.stdout[-3000:]}" \
+                                 f"\n{proc.stderr[-3000:]}"
+    if "verl.trainer.main_ppo" in block:  # the composed config has the block's settings
+        assert "servers: " + f"{tmp_path}/shared/run1/servers.json" in proc.stdout
+        assert f"tokenizer_path: {tiny_model_dir}" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["run_gpu.sh", "run_cpu.sh"])
+def test_example_scripts_compose_verls_config(script, tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / "trainer_plugins/verl/examples" / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "trainer_mode: colocate_async" in proc.stdout and "default_agent_loop: prorl" in proc.stdout
+    if script == "run_cpu.sh":
+        assert "device: cpu" in proc.stdout and "param_dtype: fp32" in proc.stdout
