@@ -31,8 +31,12 @@ import numpy as np  # noqa: E402
 import uuid  # noqa: E402
 
 from handlers.math.handler import MathHandler  # noqa: E402
-from trainer_plugins.jobs import HandlerUnavailableError, RolloutAuthError, UnknownHandlerError  # noqa: E402
-from trainer_plugins.verl.replay_buffer import ConfigurationFault  # noqa: E402
+from trainer_plugins import jobs  # noqa: E402
+from trainer_plugins.verl import replay_buffer  # noqa: E402
+
+# (looked up when a test runs, so that on code without them each test fails on its own assertion)
+def _err(module, name):
+    return getattr(module, name, type(f"Missing{name}", (Exception,), {}))
 from verl.utils import tensordict_utils as tu  # noqa: E402
 
 
@@ -104,7 +108,7 @@ async def test_a_configuration_fault_stops_v1_training_with_the_servers_message(
     fatal = rows[0]["extra_fields"]["prorl"]["fatal"]
     assert fatal and __import__("re").search(expected, fatal), fatal
     # the trainer process stops with that message when its sampler reads the group
-    with pytest.raises(ConfigurationFault, match=expected):
+    with pytest.raises(_err(replay_buffer, "ConfigurationFault"), match=expected):
         buffer_of(v1_cfg).get_sampleable_count(3, "train")
 
 
@@ -126,13 +130,14 @@ async def test_under_the_legacy_worker_the_fault_is_raised_with_the_servers_mess
     loop = plugin.make_loop(v1_cfg, tokenizer)
     row = {"raw_prompt": np.array([{"role": "user", "content": "What is 2 + 3?"}], dtype=object),
            "data_source": "math", "reward_model": {"ground_truth": "5"}, "extra_info": {"index": 0}}
-    with pytest.raises(HandlerUnavailableError, match="handler_unavailable.*sandbox"):
+    with pytest.raises(_err(jobs, "HandlerUnavailableError"), match="handler_unavailable.*sandbox"):
         await loop.run({}, **row)  # no session_id: verl's legacy AgentLoopWorker, which raises it to the trainer
 
 
 async def test_job_client_tells_configuration_faults_from_instance_faults(no_sandbox_server):
     from prorl_server.types import ProcessRequest
-    from trainer_plugins.jobs import CONFIGURATION_FAULTS, InvalidInstanceError, JobSubmitter
+    from trainer_plugins.jobs import CONFIGURATION_FAULTS, HandlerUnavailableError, InvalidInstanceError, JobSubmitter
+    from trainer_plugins.jobs import RolloutAuthError, UnknownHandlerError
 
     url = await no_sandbox_server()
     async with JobSubmitter() as jobs:

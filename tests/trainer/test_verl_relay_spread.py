@@ -26,8 +26,6 @@ reg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(reg)
 turns, rollout_server = reg.turns, reg.rollout_server  # fixtures
 
-from trainer_plugins.verl.relay import StickyKeys  # noqa: E402
-
 SHARED = list(range(100, 400))  # a 300-token system prompt and tool schema every job's prompt starts with
 
 
@@ -78,6 +76,8 @@ async def test_jobs_sharing_a_long_prefix_use_both_replicas_and_each_job_keeps_i
     assert dict(loop.relay.sticky.stats) == {"new_jobs": 3, "continued": 3}
 
 def test_sticky_keys_follow_a_job_through_its_turns_and_forget_the_oldest():
+    from trainer_plugins.verl.relay import StickyKeys
+
     keys = StickyKeys(max_contexts=2)
     rid_a, cont = keys.key(SHARED + [1])
     assert cont is None and keys.key(SHARED + [1])[0] == rid_a  # the same prompt: the same id (a group)

@@ -23,8 +23,6 @@ plugin = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plugin)
 cfg, worker = plugin.cfg, plugin.worker  # fixtures
 
-from trainer_plugins.verl.relay import RelayError, resolve_relay_host  # noqa: E402
-
 
 def test_a_worker_without_the_drivers_environment_gets_the_settings_from_verls_config(cfg, worker, tokenizer,
                                                                                      monkeypatch):
@@ -52,6 +50,8 @@ def test_settings_can_be_given_on_verls_command_line(compose_verl, worker, token
 
 
 def test_relay_host_is_resolved_on_each_node():
+    from trainer_plugins.verl.relay import RelayError, resolve_relay_host
+
     assert resolve_relay_host(None) is None and resolve_relay_host("") is None  # each node's Ray IP
     assert resolve_relay_host("lo") == "127.0.0.1"  # an interface name: this node's address on it
     assert resolve_relay_host("127.0.0.0/8") == "127.0.0.1"  # a network: this node's address in it
