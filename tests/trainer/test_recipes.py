@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("verl")
+pytestmark = pytest.mark.real  # runs bash, the launcher and verl's main_ppo as processes (about a minute)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
