@@ -26,8 +26,9 @@ Per row, :meth:`ProRLAgentLoop.run`:
 
 Steps 2-4 are :meth:`trainer_plugins.jobs.JobSubmitter.run`, the one rollout client (``prorl-run``, the TRL
 plugin and ``RolloutClient`` use it too; its module docstring has the full table and the cancel rule). A
-401/403 is a :class:`trainer_plugins.jobs.RolloutAuthError`; a 4xx or ``failure_kind="invalid_instance"`` an
-:class:`InvalidRowError`.
+401/403 is a :class:`trainer_plugins.jobs.RolloutAuthError`; a 400 ``handler_unavailable`` a
+:class:`trainer_plugins.jobs.HandlerUnavailableError`; another 4xx or ``failure_kind="invalid_instance"`` an
+:class:`InvalidRowError`: all configuration faults, which stop training (below).
 5. returns every segment of the job's trajectory (a rollout split by a template or context rewrite has
    several), each an ``AgentLoopOutput``: the server's tokens (``prompt_ids``, ``response_ids``,
    ``response_mask`` = our ``loss_mask``, per-token ``response_logprobs``), ``reward_score`` = the job's
