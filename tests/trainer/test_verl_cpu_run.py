@@ -5,7 +5,7 @@ with Ray, TransferQueue, FSDP2 (fp32, gloo) and verl's own vLLM replica on vllm-
 ``trainer_plugins/verl/cpu_platform.py``; the plugin's agent loop, relay and replay buffer; a ``prorl-server``
 process with bubblewrap sandboxes and the ``shout`` handler; the tiny Qwen2 model built locally.
 
-Run alone: ``pytest -m verl_cpu`` (about 2-4 minutes on 2 cores; peak memory about 6-8 GB).
+Run alone: ``pytest -m verl_cpu`` (about 2-3 minutes on 2 cores; it prints its wall time and peak memory).
 """
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ pytestmark = [pytest.mark.real, pytest.mark.verl_cpu,
 
 
 class PeakMemory:
-    """Samples the resident memory of a process and all its descendants (Ray, vLLM, the rollout server) every
-    ``interval_s`` seconds; ``peak`` is the largest sum seen, in bytes."""
+    """Samples the memory of a process and all its descendants (Ray, vLLM, the rollout server) every
+    ``interval_s`` seconds: the proportional set size (PSS: a page shared by k processes counts 1/k in each, so
+    the sum is the memory the run really holds; RSS where PSS cannot be read); ``peak`` is the largest sum seen,
+    in bytes."""
 
     def __init__(self, pid: int, interval_s: float = 0.5) -> None:
         self.pid, self.interval_s, self.peak = pid, interval_s, 0
@@ -51,9 +53,12 @@ class PeakMemory:
             total = 0
             for p in procs:
                 try:
-                    total += p.memory_info().rss
-                except psutil.Error:
-                    pass
+                    total += p.memory_full_info().pss
+                except (psutil.Error, AttributeError):
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
             self.peak = max(self.peak, total)
             self._stop.wait(self.interval_s)
 
@@ -85,7 +90,8 @@ def test_verl_trains_on_cpu_through_the_rollout_servers(tmp_path):
     (tmp_path / "run_cpu.out").write_text(out)
     log = (tmp_path / "verl.log").read_text()
     summary = out[out.find("---- relay registrations"):]
-    print(f"\n{summary}\nwall {wall:.0f} s, peak memory {peak / 2**30:.2f} GiB (run_cpu.sh and all its processes)")
+    print(f"\n{summary}\nwall {wall:.0f} s, peak memory {peak / 2**30:.2f} GiB (PSS of run_cpu.sh and all its "
+          "processes)")
     assert proc.returncode == 0, out[-4000:]
 
     # every step completed, with its reward logged

@@ -419,7 +419,7 @@ async def test_default_row_mapping_is_accepted_by_the_real_math_and_code_handler
 
 @pytest.mark.real
 async def test_verl_rows_solve_real_math_and_code_jobs_through_the_default_mapping(
-        cfg, worker, tokenizer, serve_handlers, scripted_policy, bwrap_runtime, sandbox_procs, monkeypatch):
+        compose_verl, worker, tokenizer, serve_handlers, scripted_policy, bwrap_runtime, sandbox_procs, monkeypatch):
     # verl-shaped rows (gsm8k, MATH, HumanEval) -> the default mapping -> real math and code handlers in
     # bubblewrap sandboxes, answered by the scripted policy (a test double standing for a capable model)
     from handlers.code import CodeHandler
@@ -435,12 +435,15 @@ async def test_verl_rows_solve_real_math_and_code_jobs_through_the_default_mappi
             if turn > 0:
                 call = {"name": "finish", "arguments": {"answer": "done"}}
         else:
-            call = {"name": "finish", "arguments": {"answer": "\\boxed{72}" if "6 * 12" in prompt else "\\boxed{5}"}}
+            # each in its dataset's format: gsm8k's "#### 72" (verl's gsm8k scorer), MATH's \boxed{}
+            call = {"name": "finish", "arguments": {"answer": "#### 72" if "6 * 12" in prompt else "\\boxed{5}"}}
         return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 
     llm = await scripted_policy(script)
     url = await serve_handlers(MathHandler, CodeHandler, backends=[llm], sandbox_runtime=bwrap_runtime)
     monkeypatch.setenv("PRORL_SERVERS", url)
+    # rollout lengths that hold these episodes (a longer one would be masked: truncation, test_verl_truncation.py)
+    cfg = compose_verl("prorl_dapo", prompt_length=2048, response_length=2048)
     loop = make_loop(cfg, tokenizer, max_tokens=1024)
     outs = {name: await loop.run({}, **row) for name, row in verl_rows().items()}
     for name, out in outs.items():

@@ -128,11 +128,9 @@ rm -f "$OUT/server.ready.json"
 "$PY" -m prorl_server --config "$OUT/server.yaml" --host 127.0.0.1 --port 0 --sandbox-runtime bubblewrap \
     --tokenizer "$MODEL" --ready-file "$OUT/server.ready.json" >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
-cleanup() {
-    kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
-    "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
+# (main_ppo's ray.init starts a Ray cluster of its own and ends it when it exits: no `ray stop`, which would
+# also stop other Ray clusters on this machine)
+trap 'kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null' EXIT
 for _ in $(seq 600); do [ -s "$OUT/server.ready.json" ] && break; sleep 0.1; done
 [ -s "$OUT/server.ready.json" ] || { echo "rollout server did not start; see $OUT/server.log" >&2; exit 1; }
 export PRORL_SERVERS
