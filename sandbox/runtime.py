@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import stat
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from .client import SERVER_GRACE_S, ExecClient
 from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
+from .remove import remove_tree
 from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, marked_launchers,
                         pid_namespace, process_identity, same_process)
 from .protocol import MAX_TRANSFER_BYTES
@@ -603,30 +603,38 @@ class SandboxRuntime(abc.ABC):
         for rec in await asyncio.to_thread(self.store.records):
             if same_process(rec.get("owner_pid"), rec.get("owner_create_time")):
                 continue  # its server is alive (this one or another): not an orphan
-            run_dir = rec.get("run_dir") or ""
-            sessions = (_trusted_sessions(rec.get("runtime"), run_dir, rec["sandbox_id"]) if self._owns(run_dir)
-                        else set())
-            survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
-                                           sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
-            # What the record cannot name: a launcher its server died before recording (a provisional record),
-            # or a launcher's forked children (bwrap's namespace init) that outlived it before the sandbox's
-            # pid namespace was recorded (die-with-parent races a parent's death). They carry the marker the
-            # host put in the launcher's environment.
-            for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
-                survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s, not_before=rec.get("started_at"))
-            if survivors:
-                log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
-                          [p.pid for p in survivors])
-                continue
-            if rec.get("cgroup") and os.path.basename(rec["cgroup"]) == bounds.CGROUP_PREFIX + rec["sandbox_id"]:
-                await asyncio.to_thread(bounds.remove_cgroup, rec["cgroup"], rec.get("cgroup_version") or 2)
-            await asyncio.to_thread(self._cleanup_dirs, run_dir if self._owns(run_dir) else None,
-                                    rec.get("workspace") if rec.get("workspace_created") else None)
-            await asyncio.to_thread(self.store.remove, rec["sandbox_id"])
-            log.warning("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
-                        rec["sandbox_id"], rec.get("runtime"), rec.get("pid"))
-            reaped += 1
+            try:
+                reaped += await self._reap(rec)
+            except Exception:  # what one orphan left (shaped by its sandbox) never stops a server from starting
+                log.exception("reaping orphan sandbox %s failed; its record is kept for the next start",
+                              rec.get("sandbox_id"))
         return reaped
+
+    async def _reap(self, rec: dict) -> int:
+        """Kill and clean up one orphan's record (see :meth:`reap_orphans`); 1 if it was reaped."""
+        run_dir = rec.get("run_dir") or ""
+        sessions = (_trusted_sessions(rec.get("runtime"), run_dir, rec["sandbox_id"]) if self._owns(run_dir)
+                    else set())
+        survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
+                                       sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
+        # What the record cannot name: a launcher its server died before recording (a provisional record),
+        # or a launcher's forked children (bwrap's namespace init) that outlived it before the sandbox's
+        # pid namespace was recorded (die-with-parent races a parent's death). They carry the marker the
+        # host put in the launcher's environment.
+        for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
+            survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s, not_before=rec.get("started_at"))
+        if survivors:
+            log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
+                      [p.pid for p in survivors])
+            return 0
+        if rec.get("cgroup") and os.path.basename(rec["cgroup"]) == bounds.CGROUP_PREFIX + rec["sandbox_id"]:
+            await asyncio.to_thread(bounds.remove_cgroup, rec["cgroup"], rec.get("cgroup_version") or 2)
+        await asyncio.to_thread(self._cleanup_dirs, run_dir if self._owns(run_dir) else None,
+                                rec.get("workspace") if rec.get("workspace_created") else None)
+        await asyncio.to_thread(self.store.remove, rec["sandbox_id"])
+        log.warning("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
+                    rec["sandbox_id"], rec.get("runtime"), rec.get("pid"))
+        return 1
 
     async def close_all(self) -> None:
         """Close every sandbox this runtime started and has not closed yet (concurrently), including those
@@ -786,9 +794,10 @@ class SandboxRuntime(abc.ABC):
 
     @staticmethod
     def _cleanup_dirs(run_dir: Optional[str], workspace: Optional[str]) -> None:
+        # the sandbox shaped both: however deep or odd, they go (shutil.rmtree recursed into a RecursionError)
         for d in (run_dir, workspace):
             if d:
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d)
 
     @staticmethod
     def _log_tail(run_dir: str, n: int = 4000) -> str:
