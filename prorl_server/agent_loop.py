@@ -104,7 +104,9 @@ class AgentConfig:
     backend's ``max_model_len`` and the tokenizer's ``model_max_length`` (:func:`prorl_server.turn.context_limit`). ``max_tokens_per_turn``: default
     ``sampling_params["max_tokens"]``, else whatever room is left. ``finish_tool``: name of the tool that ends
     the rollout (added with :data:`FINISH_SCHEMA` if the tools do not define it; None: no finish tool).
-    ``max_observation_chars``: longer tool outputs are cut (None: never). ``tool_timeout_s``: a tool call
+    ``max_observation_chars``: longer tool outputs are cut to it (default 32768; None: never): every
+    observation is rendered and tokenized, and a tool's output is the model's to shape (a ``print`` of ten
+    megabytes cost the server ~38 s of tokenizing). ``tool_timeout_s``: a tool call
     that has not answered by then fails the rollout as an infrastructure fault (see the module docstring);
     a tool function with a ``timeout_s`` attribute (its own limit on the model's work, which it reports as
     output) gets at least that plus :data:`TOOL_GRACE_S` (None: no limit). ``parser``: the tool-call parser,
@@ -120,7 +122,7 @@ class AgentConfig:
     no_tool_call_message: str = ("No tool was called. Call one of the tools, or call the finish tool when "
                                  "the task is complete.")
     tool_timeout_s: Optional[float] = 300.0
-    max_observation_chars: Optional[int] = None
+    max_observation_chars: Optional[int] = 32768
     parser: "str | ToolParser" = AUTO
     window: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

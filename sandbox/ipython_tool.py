@@ -25,6 +25,11 @@ from .sessions import record_session
 
 KERNEL_START_TIMEOUT_S = 60.0
 INTERRUPT_GRACE_S = 3.0
+#: Characters of a cell's printed output and error kept (the rest is counted): the same 1 MiB as bash's output.
+MAX_OUTPUT_CHARS = 1 << 20
+#: Images (base64 PNG) kept per cell, and the largest kept, in characters.
+MAX_IMAGES = 8
+MAX_IMAGE_CHARS = 4 << 20
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 Done = Callable[[Optional[dict[str, Any]], Optional[BaseException]], None]
@@ -154,6 +159,17 @@ class IPythonSession:
         msg_id = kc.execute(code, store_history=True, allow_stdin=False)
         text: list[str] = []
         images: list[str] = []
+        kept, dropped = 0, 0  # characters of output kept / beyond MAX_OUTPUT_CHARS (counted, not kept)
+
+        def add(s: str) -> None:
+            nonlocal kept, dropped
+            room = MAX_OUTPUT_CHARS - kept
+            if len(s) > room:
+                dropped += len(s) - max(room, 0)
+                s = s[:max(room, 0)]
+            if s:
+                text.append(s)
+                kept += len(s)
         error: Optional[str] = None
         timed_out = False
         deadline = time.monotonic() + timeout_s
@@ -184,13 +200,13 @@ class IPythonSession:
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
-                text.append(content.get("text", ""))
+                add(content.get("text", ""))
             elif kind in ("execute_result", "display_data"):
                 data = content.get("data", {})
-                if "image/png" in data:
+                if "image/png" in data and len(images) < MAX_IMAGES and len(data["image/png"]) <= MAX_IMAGE_CHARS:
                     images.append(data["image/png"].replace("\n", ""))
                 if "text/plain" in data and (kind == "execute_result" or "image/png" not in data):
-                    text.append(data["text/plain"] + "\n")
+                    add(data["text/plain"] + "\n")
             elif kind == "error":
                 tb = _ANSI.sub("", "\n".join(content.get("traceback", [])))
                 error = f"{content.get('ename')}: {content.get('evalue')}\n{tb}"
@@ -198,5 +214,9 @@ class IPythonSession:
                 break
         if timed_out and error is None or (timed_out and error and error.startswith("KeyboardInterrupt")):
             error = f"TimeoutError: the cell ran longer than {timeout_s:g} s and was interrupted"
+        if dropped:
+            text.append(f"\n[... {dropped} characters of output not kept]\n")
+        if error is not None and len(error) > MAX_OUTPUT_CHARS:
+            error = error[:MAX_OUTPUT_CHARS] + f"\n[... {len(error) - MAX_OUTPUT_CHARS} characters not kept]"
         return {"text": "".join(text), "images": images, "error": error, "timed_out": timed_out,
                 "duration_s": time.monotonic() - t0}

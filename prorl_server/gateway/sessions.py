@@ -43,6 +43,27 @@ if TYPE_CHECKING:
     from prorl_server.llm_context import LLMContext
 
 
+#: Characters per token of the context beyond which a gateway request is refused unread: tokens average about
+#: 4 characters of text, and more than 16 in a whole conversation needs text made of long runs one token each.
+MAX_CHARS_PER_TOKEN = 16
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the strings in ``value`` (a decoded, already bounded JSON value), without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif hasattr(v, "model_dump"):
+            stack.append(v.model_dump())
+    return total
+
+
 def _comparable(m: dict[str, Any]) -> dict[str, Any]:
     """What must match for a message to count as "the same": tool-call ids are left out (an id is not part
     of what the model generated, and some agent frameworks mint their own)."""
@@ -530,8 +551,18 @@ class Gateway:
         s.last_finish = comp.finish_reason
 
     async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
-        """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split."""
+        """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split.
+
+        A request whose text is longer than :data:`MAX_CHARS_PER_TOKEN` characters per token of the context
+        cannot fit and is refused before it is rendered or tokenized (tokenizing a megabyte costs ~1.7 s of
+        CPU: an agent in a sandbox could stall the server with a few)."""
         messages = req.messages
+        if max_model_len:
+            chars = _text_chars(messages) + _text_chars(req.tools)
+            if chars > max_model_len * MAX_CHARS_PER_TOKEN:
+                raise GatewayError(400, f"the request's {chars} characters cannot fit in the model's context of "
+                                   f"{max_model_len} tokens (more than {MAX_CHARS_PER_TOKEN} characters per token)",
+                                   "context_length_exceeded", "messages")
         reason: Optional[str] = None
         self._resolve_choices(s, messages)
         if s.conv is not None:

@@ -408,3 +408,35 @@ async def test_a_killed_sandbox_ends_a_code_rollout_scored_while_an_editor_error
         assert "SandboxDeadError" in body["error"] and body["trajectories"]
     await bwrap_runtime.close_all()
     assert not sandbox_procs()
+
+
+class LoudToolHandler(AgentHandler):
+    """The agent loop with a tool whose output the model shapes: ``print(' the' * 2_500_000)`` in its kernel."""
+
+    name = "loud_tool"
+    needs_llm = True
+
+    async def run(self, job):
+        from prorl_server.plugin.toolkit import run_agent
+
+        async def probe(args):
+            return " the" * (10 ** 7 // 4)  # ten megabytes of a word that is one token
+
+        tools = {"probe": ({"type": "object", "properties": {}}, probe)}
+        await run_agent(job, [{"role": "user", "content": "Probe."}], tools, AgentConfig(max_turns=2))
+
+
+async def test_a_ten_megabyte_observation_is_cut_before_it_is_tokenized(registry, make_client, scripted_policy):
+    """Every observation is rendered and tokenized: ten megabytes of tool output cost the server ~38 s of
+    tokenizing (red-team case T11). The default cut keeps 32768 characters and says how many it dropped."""
+    import time
+
+    registry.register(LoudToolHandler)
+    client = await make_client(backends=[await scripted_policy(probe_then_finish)])
+    t0 = time.perf_counter()
+    body = await process(client, {"data_source": "loud_tool"}, sampling_params={"max_tokens": 256})
+    assert time.perf_counter() - t0 < 10, body
+    observations = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    assert len(observations) == 1, {k: body[k] for k in ("error", "failure_kind", "extra")}
+    obs = observations[0]
+    assert obs.startswith(" the" * (32768 // 4)) and obs.endswith(f"[... {10 ** 7 - 32768} characters cut]")

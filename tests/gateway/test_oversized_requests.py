@@ -1,0 +1,28 @@
+"""A gateway request whose text cannot fit the model's context is refused before it is rendered or tokenized.
+
+An agent in a sandbox posted ~1 MB of chat content per request: each cost ~1.6 s of tokenizing before the
+context check refused it, and eight in parallel kept ``/health`` waiting 5.75 s (red-team case A13). The
+scripted policy (tests/conftest.py) stands in for vLLM with a 16,384-token context.
+"""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from prorl_server.gateway.sessions import MAX_CHARS_PER_TOKEN
+
+
+async def test_a_request_far_past_the_context_is_refused_unread(gateway_server, open_session, scripted_policy):
+    client, _ = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    _, sdk = await open_session(client)
+    huge = "word " * (16384 * MAX_CHARS_PER_TOKEN // 5 + 1000)  # ~1.3 MB
+    t0 = time.perf_counter()
+    with pytest.raises(openai.BadRequestError) as e:
+        await sdk.chat.completions.create(model="m", max_tokens=8, messages=[{"role": "user", "content": huge}])
+    assert time.perf_counter() - t0 < 1.0  # tokenizing it took ~2 s
+    assert e.value.body["code"] == "context_length_exceeded" and "characters" in e.value.body["message"]
+    ok = await sdk.chat.completions.create(model="m", max_tokens=8,
+                                           messages=[{"role": "user", "content": "word " * 1000}])
+    assert ok.choices[0].message.content == "ok"  # a request that may fit is still served
