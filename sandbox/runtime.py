@@ -583,13 +583,20 @@ class SandboxRuntime(abc.ABC):
         now = time.monotonic()
         if quota is None or now < h._next_measure:
             return
-        used = await asyncio.to_thread(bounds.disk_usage, self._writable_host_dirs(h), quota)
+        dirs = self._writable_host_dirs(h)
+
+        def measure() -> int:
+            used = bounds.disk_usage(dirs, quota)
+            return used if used > quota else used + bounds.open_deleted_bytes(h.pid, dirs)
+
+        used = await asyncio.to_thread(measure)
         cost = time.monotonic() - now
         h._next_measure = time.monotonic() + max(0.0, bounds.MEASURE_COST_FACTOR * cost - self.watch_interval_s)
         if used > quota and h._closing is None:
             await h._end("disk_quota", f"the sandbox's workspace passed its disk quota of {quota} bytes (at "
                                        f"least {used} bytes in its workspace and other writable host "
-                                       "directories) and the sandbox was killed")
+                                       "directories, files it unlinked but holds open included) and the "
+                                       "sandbox was killed")
 
     async def reap_orphans(self) -> int:
         """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer

@@ -82,6 +82,27 @@ async def test_workspace_past_its_disk_quota_ends_the_sandbox_with_the_reason(ru
 
 
 @pytest.mark.real
+async def test_files_unlinked_but_held_open_count_against_the_disk_quota(runtime_options, procs):
+    """Open, unlink, write: a walk of the workspace never sees the data, yet it takes the host's disk until the
+    descriptor closes (red-team case D2: 6 GB past a 4 GiB quota, and the job scored 1.0)."""
+    quota = 8 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=0.1, **runtime_options)
+    h = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for p in procs.of(h)}
+    hide = ("python3 -c \"import os, time\nfs = []\nfor i in range(4):\n    f = open(f'h{i}', 'wb')\n"
+            "    os.unlink(f'h{i}')\n    f.write(b'x' * (3 << 20))\n    f.flush()\n    fs.append(f)\n"
+            "time.sleep(30)\"")
+    try:
+        with pytest.raises(SandboxDeadError) as e:
+            await h.bash(hide, timeout_s=60)
+        assert e.value.reason == "disk_quota" and "unlinked but holds open" in str(e.value), e.value
+    finally:
+        await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
 async def test_memory_past_the_sandbox_limit_kills_it_or_the_runtime_says_it_cannot(runtime_options, procs,
                                                                                    caplog):
     from sandbox import bounds
