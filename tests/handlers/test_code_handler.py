@@ -404,3 +404,36 @@ async def test_the_settings_files_code_section_sets_the_turn_limit_and_the_insta
         assert [t["num_turns"] for t in r["trajectories"]] == [turns], r["trajectories"]
         assert r["reward"] == 0.0 and r["extra"]["eval"]["passed"] is False  # the prompt alone: no body
     assert not sandbox_procs()
+
+
+async def test_a_hash_colliding_set_is_relayed_without_being_hashed_on_the_host():
+    """A solution returning ``{B + k * (2**61 - 1)}`` (ints of one hash) cost the host ~1.1 s of quadratic set
+    inserts per answer on its event loop (red-team case H2). The host checks and relays the encoded form; the
+    grader builds the set in its own sandbox."""
+    import time
+
+    from handlers.code.plain import encode
+
+    value = {10 ** 150 + k * (2 ** 61 - 1) for k in range(11000)}
+    line = plain.dumps_line({"id": 1, "value": encode(value)})
+    peer, cand_sock, answering = await _fake_candidate(line)
+    loop = asyncio.get_running_loop()
+    lag, stop = [0.0], asyncio.Event()
+
+    async def watch():  # how late a 1 ms sleep wakes while the answer is handled
+        while not stop.is_set():
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            lag[0] = max(lag[0], loop.time() - t - 0.001)
+
+    watcher = asyncio.ensure_future(watch())
+    t0 = time.perf_counter()
+    reply = await _call(peer, 1, {"args": [], "kwargs": {}}, loop.time() + 30)
+    stop.set()
+    await watcher
+    elapsed = time.perf_counter() - t0
+    assert reply["value"] == encode(value), elapsed  # relayed as sent, in canonical form
+    assert lag[0] < 0.3, (lag, elapsed)  # before: the loop was held ~1 s
+    answering.cancel()
+    peer.close()
+    cand_sock.close()
