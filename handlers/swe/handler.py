@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from handlers.swe.harness import (PASSED, ReportError, harness_paths, parse_junit, parse_nul_list, parse_numstat,
-                                  parse_status, read_report, file_of_test, report_statuses)
+from handlers.swe.harness import (ERROR, FAILED, PASSED, ReportError, harness_paths, parse_junit, parse_nul_list,
+                                  parse_numstat, parse_status, read_report, file_of_test, report_statuses)
 from handlers.swe.patch_check import MAX_PATCH_BYTES, WAIVABLE, PatchCheck, check_patch, config_files
 from handlers.swe.run_tests import TIMEOUT_EXIT
 from prorl_server.cpu_pool import CpuTimeoutError
@@ -282,6 +282,12 @@ class SweHandler(AgentHandler):
                     timed_out=r.timed_out or r.exit_code == TIMEOUT_EXIT, test_exit_code=r.exit_code,
                     output_tail=r.output[-3000:])
         tests = {**f2p, **p2p}
+        # pytest exits 1 exactly when a test failed or errored; a report that shows none then was rewritten after
+        # pytest wrote it (code the tests imported can do that at exit): its verdict is not the tests'
+        if r.exit_code == 1 and not any(st in (FAILED, ERROR) for st in report.values()):
+            info["report_inconsistent"] = ("pytest exited 1 (a test failed) and the report shows no failure: the "
+                                           "report was rewritten after pytest wrote it")
+            tests = {**tests, "<report>": FAILED}
         job.resolved = bool(tests) and all(s == PASSED for s in tests.values())
         job.reward = 1.0 if job.resolved else 0.0
         job.extra["eval"] = info

@@ -261,6 +261,9 @@ async def test_shortcut_is_flagged_before_its_tests_run(bwrap_runtime, base_repo
     assert not sandbox_procs()
 
 
+# Forgeries that rewrite the report after pytest wrote it while pytest still exits 1: the host's check of the exit
+# code against the report stops them even without the patch check (red-team case S3 did so with obfuscated names).
+REWRITES_AFTER_PYTEST = {"forge_report_from_a_process", "forge_report_through_the_execution_server"}
 # The rules each residual forgery breaks.
 RESIDUAL_FLAGGED_BY = {"forge_reports_with_pytest_internals": {"pytest_internals"},
                        "forge_report_from_a_process": {"harness_names"},
@@ -270,12 +273,16 @@ RESIDUAL_FLAGGED_BY = {"forge_reports_with_pytest_internals": {"pytest_internals
 @pytest.mark.parametrize("name", sorted(RESIDUAL))
 async def test_source_that_forges_the_verdict_scores_one_on_the_clean_harness_alone(bwrap_runtime, base_repo,
                                                                                    tmp_path, name, sandbox_procs):
-    """The residual risk, measured: the bug is not fixed, pytest fails the test, and the forgery still gets
-    1.0 past the clean harness (so the check below is what stops it). If this ever fails, the harness closed
-    a way: say so in the README's residual risk."""
+    """The residual risk, measured: the bug is not fixed, pytest fails the test, and a forgery that makes pytest
+    itself report a pass still gets 1.0 past the clean harness (so the patch check is what stops it); one that
+    rewrites the report after pytest wrote it is caught by pytest's exit code. If this ever fails, the harness
+    closed a way: say so in the README's residual risk."""
     patch = make_patch(base_repo, tmp_path, RESIDUAL[name])
     reward, ev = await grade(bwrap_runtime, instance(base_repo, check=False), patch)
-    assert reward == 1.0 and ev["FAIL_TO_PASS"] == {F2P: "PASSED"}, ev
+    if name in REWRITES_AFTER_PYTEST:  # pytest still exits 1 under the rewritten report: the host sees that
+        assert reward == 0.0 and "report_inconsistent" in ev and ev["test_exit_code"] == 1, ev
+    else:
+        assert reward == 1.0 and ev["FAIL_TO_PASS"] == {F2P: "PASSED"}, ev
     assert not sandbox_procs()
 
 
