@@ -43,6 +43,10 @@ Filtered kinds (``filter: true``):
     any other exception of a handler's stage before the model acted: a handler bug.
 ``internal``
     a bug of the rollout server itself (a stage worker crashed).
+``configuration``
+    the server's setup cannot run the job and no retry will (the served model's tokenizer cannot be loaded:
+    :class:`~prorl_server.llm_context.TokenizerUnavailableError`); trainer clients stop on it
+    (``trainer_plugins.jobs.ConfigurationError``) instead of regenerating the sample forever.
 
 Scored kinds (``filter: false``, reward 0.0, trajectories kept):
 
@@ -81,6 +85,7 @@ FAILURE_KINDS: "MappingProxyType[str, str]" = MappingProxyType({
     "invalid_instance": "the instance is malformed (the trainer's bug)",
     "handler": "a handler stage raised an unexpected exception (a handler bug)",
     "internal": "the rollout server itself failed",
+    "configuration": "the server's setup cannot run this job (no tokenizer for the served model); a trainer stops",
     "model_crashed_sandbox": "the model's sandbox died or broke after the model acted (scored 0.0)",
     "model_stalled_sandbox": "a tool of the model's sandbox stopped answering after the model acted (scored 0.0)",
     "model_timeout": "the job's timeout_s ran out after the model acted (scored 0.0)",
@@ -186,6 +191,10 @@ def _classify(exc: BaseException, stage: Optional[str], seen: set[int]) -> str:
         return next((k for k in kinds if k != "handler"), "handler")
     if isinstance(exc, InfrastructureError):
         return exc.kind
+    from prorl_server.llm_context import TokenizerUnavailableError
+
+    if isinstance(exc, TokenizerUnavailableError):
+        return "configuration"
     if isinstance(exc, (InvalidInstanceError, ContextLengthError)):
         return "invalid_instance"
     if isinstance(exc, SandboxError) and not isinstance(exc, ToolError):

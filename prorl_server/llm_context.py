@@ -47,8 +47,8 @@ class LLMContext:
 
         Raises:
             prorl_server.llm_client.LLMUnavailableError: the backend does not answer ``/v1/models``.
-            TokenizerUnavailableError: a name from the backend is not loadable from local files.
-            OSError: the ``tokenizer`` setting cannot be loaded.
+            TokenizerUnavailableError: a name from the backend is not loadable from local files, or the
+                ``tokenizer`` setting cannot be loaded (``failure_kind="configuration"``: a trainer stops).
         """
         name, local_only = self.tokenizer_name, False
         if name is None:
@@ -91,12 +91,16 @@ def _load_tokenizer(name: str, local_only: bool = False) -> Any:
     """``AutoTokenizer.from_pretrained(name)``; ``local_only``: a directory or the HF cache, never the hub.
 
     Raises:
-        TokenizerUnavailableError: ``local_only`` and ``name`` is not available locally.
+        TokenizerUnavailableError: ``name`` cannot be loaded (``local_only``: not available locally).
     """
     from transformers import AutoTokenizer
 
     if not local_only:
-        return AutoTokenizer.from_pretrained(name)
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e:
+            raise TokenizerUnavailableError(f"the tokenizer setting {name!r} cannot be loaded "
+                                            f"({type(e).__name__}: {e})") from None
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as e:

@@ -286,6 +286,9 @@ class JobSubmitter:
             return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} answered 200 with no job "
                                    f"result ({e.error_count()} error(s): {e.errors()[0]['msg']}): {message}",
                                    handler=_handler(request))
+        if result.failure_kind == "configuration":  # the server cannot run any job like it: stop, never retry
+            raise ConfigurationError(f"rollout server {server} cannot run the {_handler(request)!r} handler's "
+                                     f"jobs: {result.error}")
         if result.failure_kind == "invalid_instance":
             raise InvalidInstanceError(f"the {_handler(request)!r} handler refused {what or 'the instance'} "
                                        f"(instance fields: {sorted(request.instance)}): {result.error}")

@@ -83,3 +83,33 @@ def test_prorl_run_token_falls_back_to_prorl_token(monkeypatch):
     assert build_parser().parse_args(["--dataset", "arithmetic", "--token", "flag"]).token == "flag"
     monkeypatch.delenv("PRORL_TOKEN")
     assert build_parser().parse_args(["--dataset", "arithmetic"]).token is None
+
+
+async def test_a_missing_tokenizer_is_a_configuration_fault_a_trainer_stops_on(models_endpoint, monkeypatch,
+                                                                              tmp_path, aiohttp_client):
+    """Before, the job failed with a filtered ``handler``/``llm_backend`` kind and a trainer regenerated it
+    forever; a tokenizer that cannot be loaded fails it as ``configuration``, and the trainer's client raises
+    :class:`trainer_plugins.jobs.ConfigurationError` with the server's message."""
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+    from prorl_server.plugin.registry import HandlerRegistry
+    from prorl_server.types import ProcessRequest
+    from trainer_plugins.jobs import ConfigurationError, JobSubmitter
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    address = await models_endpoint({"id": "policy", "root": "some-org/not-a-local-model"})
+    registry = HandlerRegistry()
+    registry.load_entry_points()
+    client = await aiohttp_client(create_app(ServerSettings(backends=[address], health_interval_s=3600,
+                                                            sandbox_runtime="none"), registry=registry))
+    r = await client.post("/process", json={"instance": {"data_source": "shout", "prompt": "hi"}})
+    body = await r.json()
+    assert (body["failure_kind"], body["filter"]) == ("configuration", True), body
+    assert "--tokenizer" in body["error"]
+    jobs = JobSubmitter()
+    try:
+        with pytest.raises(ConfigurationError, match="--tokenizer"):
+            await jobs.submit(str(client.make_url("")).rstrip("/"),
+                              ProcessRequest(instance={"data_source": "shout", "prompt": "hi"}, job_id="cfg-1"))
+    finally:
+        await jobs.close()
