@@ -558,8 +558,15 @@ class ProRLAgentLoop(AgentLoopBase):
         source = _jsonable(row.get("data_source"))
         if self.reward_source == "server" or not isinstance(source, str):
             return None
-        if self.reward_source == "verl" or source in VERL_MATH_SOURCES or source.startswith("aime"):
+        if source in VERL_MATH_SOURCES or source.startswith("aime"):
             return source
+        if self.reward_source == "verl":
+            # verl's scorers for other sources parse the answer with what can execute (prime_math: sympy's
+            # parse_expr) or run it (sandbox_fusion): not on model-written text in the trainer (README,
+            # "Reward integrity", I1). These are string and regex work only.
+            raise ValueError(f"reward_source=verl: verl's scorer for data_source {source!r} is not one this plugin "
+                             f"runs on model-written text (only {', '.join(VERL_MATH_SOURCES)}, aime*); use "
+                             "reward_source=server for it")
         return None
 
     async def verl_score(self, data_source: str, result: JobResult, row: dict[str, Any]) -> tuple[float, float]:
