@@ -7,6 +7,7 @@ from them). The contract is compatible with ProRL Agent Server clients: ``POST /
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Any, Literal, Optional, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
@@ -66,6 +67,8 @@ def _at_most(n: int, ids: bool = False) -> BeforeValidator:
             raise ValueError(f"at most {n} entries, not {len(v)}")
         if ids and isinstance(v, list):
             for i, x in enumerate(v):
+                if type(x) is float and x.is_integer():  # JSON's 2510.0 is an integer (JSON Schema, pydantic)
+                    x = int(x)
                 if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
                     raise ValueError(f"entry {i} ({str(x)[:24]}) is not a token id (an integer 0..{MAX_TOKEN_ID})")
         return v
@@ -81,14 +84,22 @@ def _token_ids(n: int) -> Any:
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
+#: A token id 0..:data:`MAX_TOKEN_ID` (2147483647) written in decimal, up to 10 leading zeros: the pattern the
+#: OpenAPI schema states (``propertyNames``) and the check applies, so that the two agree.
+TOKEN_ID_KEY_PATTERN = (r"^0{0,10}(?:[0-9]{1,9}|1[0-9]{9}|20[0-9]{8}|21[0-3][0-9]{7}|214[0-6][0-9]{6}"
+                        r"|2147[0-3][0-9]{5}|21474[0-7][0-9]{4}|214748[0-2][0-9]{3}|2147483[0-5][0-9]{2}"
+                        r"|21474836[0-3][0-9]|214748364[0-7])$")
+_TOKEN_ID_KEY = re.compile(TOKEN_ID_KEY_PATTERN, re.ASCII)
+
+
 def _token_id_key(k: str) -> str:
-    if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) <= MAX_TOKEN_ID):
+    if not _TOKEN_ID_KEY.fullmatch(k):
         raise ValueError(f"logit_bias key {k[:24]!r} is not a token id (a decimal integer 0..{MAX_TOKEN_ID})")
     return k
 
 
 #: A ``logit_bias`` key: a token id written in decimal (JSON object keys are strings).
-TokenIdKey = Annotated[str, AfterValidator(_token_id_key)]
+TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_KEY_PATTERN), AfterValidator(_token_id_key)]
 
 _T = TypeVar("_T")
 #: A list sampling parameter of at most :data:`MAX_SAMPLING_ENTRIES` entries.
@@ -159,7 +170,11 @@ class SamplingParams(BaseModel):
     bad_words: Optional[_Entries[str]] = None
     allowed_token_ids: Optional[_token_ids(MAX_ALLOWED_TOKEN_IDS)] = None
     logit_bias: Optional[Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]],
-                                   _at_most(MAX_SAMPLING_ENTRIES)]] = None
+                                   _at_most(MAX_SAMPLING_ENTRIES),
+                                   WithJsonSchema({"type": "object", "maxProperties": MAX_SAMPLING_ENTRIES,
+                                                   "propertyNames": {"pattern": TOKEN_ID_KEY_PATTERN},
+                                                   "additionalProperties": {"type": "number", "minimum": -100,
+                                                                            "maximum": 100}})]] = None
     ignore_eos: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None

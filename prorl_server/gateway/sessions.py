@@ -43,19 +43,23 @@ if TYPE_CHECKING:
     from prorl_server.llm_context import LLMContext
 
 
-#: Characters per token of the context beyond which a gateway request is refused unread: tokens average about
-#: 4 characters of text, and more than 16 in a whole conversation needs text made of long runs one token each.
-MAX_CHARS_PER_TOKEN = 16
+#: UTF-8 bytes of text per token of the context beyond which a gateway request is refused unread: a token of
+#: English averages about 4 bytes, and more than 8 over a whole conversation needs text made of long runs one
+#: token each. Bytes, not characters: tokenizing costs per byte, and a CJK character is 3 bytes and may be 3
+#: tokens.
+MAX_BYTES_PER_TOKEN = 8
 
 
-def _text_chars(value: Any) -> int:
-    """Characters of the strings in ``value`` (a decoded, already bounded JSON value), without recursion."""
+def _text_bytes(value: Any) -> int:
+    """UTF-8 bytes of the strings in ``value`` (a decoded, already bounded JSON value), dictionary keys
+    included (a key is rendered and tokenized too), without recursion."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            total += len(v)
+            total += len(v.encode("utf-8", "surrogatepass"))
         elif isinstance(v, dict):
+            stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
@@ -553,15 +557,16 @@ class Gateway:
     async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
         """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split.
 
-        A request whose text is longer than :data:`MAX_CHARS_PER_TOKEN` characters per token of the context
-        cannot fit and is refused before it is rendered or tokenized (tokenizing a megabyte costs ~1.7 s of
-        CPU: an agent in a sandbox could stall the server with a few)."""
+        A request whose text (message contents, tool schemas, dictionary keys included) is longer than
+        :data:`MAX_BYTES_PER_TOKEN` UTF-8 bytes per token of the context cannot fit and is refused before it is
+        rendered or tokenized (tokenizing a megabyte costs ~1.7 s of CPU: an agent in a sandbox could stall the
+        server with a few)."""
         messages = req.messages
         if max_model_len:
-            chars = _text_chars(messages) + _text_chars(req.tools)
-            if chars > max_model_len * MAX_CHARS_PER_TOKEN:
-                raise GatewayError(400, f"the request's {chars} characters cannot fit in the model's context of "
-                                   f"{max_model_len} tokens (more than {MAX_CHARS_PER_TOKEN} characters per token)",
+            size = _text_bytes(messages) + _text_bytes(req.tools)
+            if size > max_model_len * MAX_BYTES_PER_TOKEN:
+                raise GatewayError(400, f"the request's {size} bytes of text cannot fit in the model's context of "
+                                   f"{max_model_len} tokens (more than {MAX_BYTES_PER_TOKEN} bytes per token)",
                                    "context_length_exceeded", "messages")
         reason: Optional[str] = None
         self._resolve_choices(s, messages)
