@@ -106,7 +106,9 @@ class AgentConfig:
     the rollout (added with :data:`FINISH_SCHEMA` if the tools do not define it; None: no finish tool).
     ``max_observation_chars``: longer tool outputs are cut to it (default 32768; None: never): every
     observation is rendered and tokenized, and a tool's output is the model's to shape (a ``print`` of ten
-    megabytes cost the server ~38 s of tokenizing). ``tool_timeout_s``: a tool call
+    megabytes cost the server ~38 s of tokenizing). ``max_turn_observation_chars``: the same for all the
+    observations of one turn together (default 65536; sixty calls in one turn each printing 40,000 characters
+    cost ~5 s): past it, a call's output is cut to what is left. ``tool_timeout_s``: a tool call
     that has not answered by then fails the rollout as an infrastructure fault (see the module docstring);
     a tool function with a ``timeout_s`` attribute (its own limit on the model's work, which it reports as
     output) gets at least that plus :data:`TOOL_GRACE_S` (None: no limit). ``parser``: the tool-call parser,
@@ -123,6 +125,7 @@ class AgentConfig:
                                  "the task is complete.")
     tool_timeout_s: Optional[float] = 300.0
     max_observation_chars: Optional[int] = 32768
+    max_turn_observation_chars: Optional[int] = 65536
     parser: "str | ToolParser" = AUTO
     window: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -322,6 +325,7 @@ class AgentLoop:
         """Run the turn's calls in text order (up to and including the finish tool); one observation each.
         ``hint``: the call format the parser reads, told to the model after a malformed call."""
         out: list[dict] = []
+        budget = self.config.max_turn_observation_chars
         for item in parsed.items:
             if isinstance(item, ToolCallError):
                 out.append({"role": "tool", "tool_call_id": item.id, "name": "invalid_tool_call",
@@ -330,6 +334,11 @@ class AgentLoop:
             call: ToolCall = item
             m["tool_calls"] += 1
             obs = await self._call(call, m, deadline)
+            if budget is not None:
+                if len(obs) > budget:
+                    obs = obs[:budget] + (f"\n[... {len(obs) - budget} characters cut: this turn's tool outputs "
+                                          f"passed {self.config.max_turn_observation_chars} characters]")
+                budget = max(0, budget - len(obs))
             out.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": obs})
             if call.name == self.config.finish_tool:
                 break

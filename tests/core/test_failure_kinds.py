@@ -440,3 +440,21 @@ async def test_a_ten_megabyte_observation_is_cut_before_it_is_tokenized(registry
     assert len(observations) == 1, {k: body[k] for k in ("error", "failure_kind", "extra")}
     obs = observations[0]
     assert obs.startswith(" the" * (32768 // 4)) and obs.endswith(f"[... {10 ** 7 - 32768} characters cut]")
+
+
+async def test_the_observations_of_one_turn_are_bounded_together():
+    """Sixty calls in one turn, each printing 40,000 characters: each output was cut, but 2.4 M characters were
+    tokenized for the turn (~5 s of the server's CPU: second red-team pass). The turn's outputs share a budget."""
+    from prorl_server.agent_loop import AgentLoop
+    from prorl_server.tool_parser import ParsedTurn, ToolCall
+
+    async def probe(args):
+        return "\u4e00" * 40000
+
+    loop = AgentLoop(None, None, {"probe": ({"type": "object", "properties": {}}, probe)}, AgentConfig())
+    calls = [ToolCall(name="probe", arguments={}) for _ in range(60)]
+    out = await loop._run_tools(ParsedTurn(content="", calls=calls, items=list(calls)), {
+        k: 0 for k in ("tool_calls", "tool_errors", "unknown_tool_calls", "tool_timeouts")})
+    assert len(out) == 60
+    assert sum(len(o["content"]) for o in out) < 65536 + 60 * 200, [len(o["content"]) for o in out][:5]
+    assert "this turn's tool outputs passed 65536 characters" in out[1]["content"]
