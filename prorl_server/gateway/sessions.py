@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import os
 import secrets
 import time
@@ -51,21 +52,14 @@ MAX_BYTES_PER_TOKEN = 8
 
 
 def _text_bytes(value: Any) -> int:
-    """UTF-8 bytes of the strings in ``value`` (a decoded, already bounded JSON value), dictionary keys
-    included (a key is rendered and tokenized too), without recursion."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v.encode("utf-8", "surrogatepass"))
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif hasattr(v, "model_dump"):
-            stack.append(v.model_dump())
-    return total
+    """UTF-8 bytes of ``value`` (a decoded, already bounded JSON value) written as JSON: what a chat template
+    renders of it at the least (keys, numbers and escapes included: ``tojson`` writes a control character as
+    six characters, and thirty thousand 30-digit numbers in a schema ``enum`` are ~960,000 tokens)."""
+    return len(json.dumps(value, ensure_ascii=False, default=_plain).encode("utf-8", "surrogatepass"))
+
+
+def _plain(v: Any) -> Any:
+    return v.model_dump() if hasattr(v, "model_dump") else str(v)
 
 
 def _comparable(m: dict[str, Any]) -> dict[str, Any]:
@@ -557,7 +551,7 @@ class Gateway:
     async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
         """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split.
 
-        A request whose text (message contents, tool schemas, dictionary keys included) is longer than
+        A request whose text (messages and tool schemas written as JSON: keys, numbers, escapes) is longer than
         :data:`MAX_BYTES_PER_TOKEN` UTF-8 bytes per token of the context cannot fit and is refused before it is
         rendered or tokenized (tokenizing a megabyte costs ~1.7 s of CPU: an agent in a sandbox could stall the
         server with a few)."""

@@ -28,7 +28,7 @@ async def test_a_request_far_past_the_context_is_refused_unread(gateway_server, 
     assert ok.choices[0].message.content == "ok"  # a request that may fit is still served
 
 
-@pytest.mark.parametrize("where", ["tool_schema_key", "tool_call_argument_key", "cjk"])
+@pytest.mark.parametrize("where", ["tool_schema_key", "tool_call_argument_key", "cjk", "escapes", "numbers"])
 async def test_text_in_keys_and_multibyte_text_count_too(gateway_server, open_session, scripted_policy, where):
     """A 990 KB dictionary key in a tool schema or in a tool call's arguments is rendered and tokenized like any
     text (second red-team pass: counted as 0, 1.6 s of tokenizing each); CJK text is 3 bytes a character and
@@ -44,8 +44,14 @@ async def test_text_in_keys_and_multibyte_text_count_too(gateway_server, open_se
     elif where == "tool_call_argument_key":
         messages += [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "f", "arguments": "{\"" + key + "\": 1}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
-    else:
+    elif where == "cjk":
         messages = [{"role": "user", "content": "\u4e00" * (16384 * MAX_BYTES_PER_TOKEN // 3 + 100)}]
+    elif where == "escapes":  # each control character is rendered as six (third red-team pass)
+        tools = [{"type": "function", "function": {"name": "f", "description": "\x01\x02\x03\x1f" * 31000,
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+    else:  # numbers are rendered too (third red-team pass)
+        tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer", "enum": [10 ** 29 + k for k in range(30000)]}}}}}]
     t0 = time.perf_counter()
     with pytest.raises(openai.BadRequestError) as e:
         await sdk.chat.completions.create(model="m", max_tokens=8, messages=messages,
