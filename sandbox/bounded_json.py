@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 from pydantic_core import from_json
 
@@ -174,10 +174,22 @@ def scan(data: Union[bytes, bytearray, str], bounds: JsonBounds) -> bytes:
         JsonBoundError: too large, too many items, or too long a number.
     """
     raw = _encoded(data, bounds)
+    for _ in _fed(raw, bounds):
+        pass
+    return raw
+
+
+def _fed(raw: bytes, bounds: JsonBounds) -> Iterator[None]:
+    """Feed ``raw`` to a scan chunk by chunk, yielding between chunks (where :func:`ascan` yields to the loop).
+
+    Raises:
+        JsonBoundError: as :func:`scan`.
+    """
     s = _Scan(bounds)
     for start in range(0, len(raw), SCAN_CHUNK_BYTES):
         s.feed(raw[start:start + SCAN_CHUNK_BYTES])
-    return raw
+        if start + SCAN_CHUNK_BYTES < len(raw):
+            yield
 
 
 async def ascan(data: Union[bytes, bytearray, str], bounds: JsonBounds) -> bytes:
@@ -188,11 +200,8 @@ async def ascan(data: Union[bytes, bytearray, str], bounds: JsonBounds) -> bytes
         JsonBoundError: too large, too many items, or too long a number.
     """
     raw = _encoded(data, bounds)
-    s = _Scan(bounds)
-    for start in range(0, len(raw), SCAN_CHUNK_BYTES):
-        s.feed(raw[start:start + SCAN_CHUNK_BYTES])
-        if start + SCAN_CHUNK_BYTES < len(raw):
-            await asyncio.sleep(0)
+    for _ in _fed(raw, bounds):
+        await asyncio.sleep(0)
     return raw
 
 
