@@ -26,8 +26,20 @@ knows the fused ``qkv_proj`` / ``gate_up_proj`` layouts), then runs each layer's
 update the served logprobs here too; it needs a whole model directory, and checks neither a checksum nor the
 tensor names before it starts writing.) On GPU the same call works: there is nothing to pack.
 
-The file is a safetensors file (or a directory of them) with the trainer's (Hugging Face) parameter names;
-its tensors are loaded as they are (the server's dtype is applied by the weight loaders).
+The file is a safetensors file (or a directory of them) with the trainer's (Hugging Face) parameter names, as
+``save_pretrained`` writes them (tied weights once, under the name the checkpoint keeps; fused MoE experts
+split back into per-expert tensors: :func:`trainer_plugins.trl.weights.checkpoint_state_dict`); its tensors
+are loaded as they are (the server's dtype is applied by the weight loaders). A file that still names a tied
+alias the checkpoint does not have (``lm_head.weight`` of a model with ``tie_word_embeddings``, as
+``safetensors.torch.save_model`` writes it) next to every tensor the checkpoint names has that tensor skipped
+(its values are the embedding's); one written instead of the embedding is refused.
+
+Integrity without a second full hash: :func:`weights_digest` reads the file's size, its safetensors header
+(names, dtypes, shapes, offsets and the ``__metadata__`` where the trainer writes the version and a nonce) and
+the first and last 4 KiB of every tensor's bytes, so a worker checks a multi-GB file in milliseconds. It catches
+a torn or truncated file (size, header), a file of another push or run (the nonce), another model's file
+(names, shapes), and a tensor whose start or end was not written; it does not catch corruption inside a
+tensor's middle bytes (a full SHA-256 still can: pass a 64-hex digest).
 """
 from __future__ import annotations
 
@@ -38,6 +50,75 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+
+DIGEST_PREFIX = "prorl-sampled-v1:"
+_SAMPLE = 4096
+
+
+def weights_digest(path: "str | os.PathLike") -> str:
+    """A cheap integrity digest of one safetensors file: SHA-256 over the file size, the header (8-byte length
+    + JSON: names, dtypes, shapes, offsets, ``__metadata__``) and the first and last 4 KiB of every tensor's
+    bytes (see the module docstring for what it catches). Returns ``"prorl-sampled-v1:<64 hex>"``; reads about
+    ``8 KiB x tensors`` plus the header, whatever the file's size.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a safetensors file (header length past the end of the
+            file, a header that is not JSON, or a tensor whose offsets point past the end of the file).
+    """
+    import json
+
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256()
+    h.update(size.to_bytes(8, "little"))
+    with open(p, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: {size} bytes, not a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"{path}: safetensors header of {n} bytes does not fit in a file of {size} bytes "
+                             "(torn or truncated file?)")
+        header = f.read(n)
+        h.update(head)
+        h.update(header)
+        try:
+            entries = json.loads(header)
+        except ValueError as e:
+            raise ValueError(f"{path}: the safetensors header is not JSON ({e})") from None
+        base = 8 + n
+        for name in sorted(k for k in entries if k != "__metadata__"):
+            start, end = entries[name]["data_offsets"]
+            if base + end > size or start > end:
+                raise ValueError(f"{path}: tensor {name} ends at byte {base + end}, past the file's {size} bytes "
+                                 "(torn or truncated file?)")
+            for off in sorted({start, max(start, end - _SAMPLE)}):
+                f.seek(base + off)
+                h.update(f.read(min(_SAMPLE, end - off)))
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def check_digest(files: "list[Path]", expected: str) -> None:
+    """Check ``expected`` (a :func:`weights_digest`, or a full 64-hex SHA-256) against a single weights file.
+
+    Raises:
+        ValueError: a mismatch, several files, or a digest of neither form.
+    """
+    if len(files) != 1:
+        raise ValueError("a digest is for a single weights file")
+    if expected.startswith(DIGEST_PREFIX):
+        got = weights_digest(files[0])
+    elif len(expected) == 64 and all(c in "0123456789abcdef" for c in expected.lower()):
+        h = hashlib.sha256()
+        with open(files[0], "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        got = h.hexdigest()
+    else:
+        raise ValueError(f"unknown digest {expected[:80]!r}: expected {DIGEST_PREFIX}<hex> or a 64-hex SHA-256")
+    if got != expected:
+        raise ValueError(f"{files[0]}: digest {got} != expected {expected} (torn, stale or foreign file)")
 
 
 def _safetensors_files(path: str) -> list[Path]:
@@ -52,13 +133,14 @@ def _safetensors_files(path: str) -> list[Path]:
     return [p]
 
 
-def _iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(files: list[Path], skip: "frozenset[str]" = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors.torch import safe_open
 
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                if name not in skip:
+                    yield name, sf.get_tensor(name)
 
 
 def _packed_linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -117,47 +199,54 @@ class WeightLoaderExtension:
             self._prorl_names = names
         return self._prorl_names
 
-    def prorl_load_weights(self, path: str, expected_sha256: str = "") -> dict[str, Any]:
+    def _prorl_tied_aliases(self) -> "set[str]":
+        """Output-embedding names whose values are the input embedding's when the served model ties them
+        (``tie_word_embeddings``): ``lm_head.weight`` and its multimodal forms."""
+        try:
+            hf = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+            text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+            tied = bool(getattr(text, "tie_word_embeddings", False))
+        except AttributeError:
+            tied = False
+        return {"lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight"} if tied else set()
+
+    def prorl_load_weights(self, path: str, expected_digest: str = "") -> dict[str, Any]:
         """The ``collective_rpc`` entry point: :meth:`prorl_load_weights_or_raise`, with a failure returned as
         ``{"ok": False, "error": "<type>: <message>"}`` instead of raised (a raising worker method becomes an
         HTTP 500 with no message at vLLM's ``/collective_rpc``, and the trainer must be able to say why).
         Success: the load report with ``"ok": True``."""
         try:
-            return {"ok": True, **self.prorl_load_weights_or_raise(path, expected_sha256)}
+            return {"ok": True, **self.prorl_load_weights_or_raise(path, expected_digest)}
         except Exception as e:  # every failure travels back as data; vLLM keeps serving
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
     @torch.no_grad()
-    def prorl_load_weights_or_raise(self, path: str, expected_sha256: str = "") -> dict[str, Any]:
+    def prorl_load_weights_or_raise(self, path: str, expected_digest: str = "") -> dict[str, Any]:
         """Load the weights in ``path`` (a safetensors file or a directory of them, Hugging Face names) into
         the served model and rebuild the CPU kernels' packed copies.
 
         Args:
             path: file or directory readable by the vLLM worker (same node or a shared file system).
-            expected_sha256: when given (hex), the file's SHA-256 must match (a torn or stale file is refused
-                before anything is loaded).
+            expected_digest: when given, :func:`weights_digest` of the file (``prorl-sampled-v1:<hex>``, read in
+                milliseconds) or its full SHA-256 (64 hex, reads the whole file) must match: a torn, stale or
+                foreign file is refused before anything is loaded.
 
         Returns:
-            ``{"loaded": int (tensors read), "params": int (model parameters written), "repacked": int
-            (layers whose kernel weights were rebuilt), "load_s": float (seconds)}``.
+            ``{"loaded": int (tensors read), "skipped": list[str] (tied aliases left out), "params": int (model
+            parameters written), "repacked": int (layers whose kernel weights were rebuilt), "check_s": float,
+            "load_s": float (seconds, the check included), "bytes": int}``.
 
         Raises:
-            FileNotFoundError: no such file. ValueError: checksum mismatch, an empty file, or a tensor name the
+            FileNotFoundError: no such file. ValueError: digest mismatch, an empty file, or a tensor name the
             checkpoint the server was started with does not have; in these cases nothing is loaded. (A load that
             fails half-way, e.g. a tensor of the wrong shape, leaves the model mixed; the caller must not
             register it under any version: ``push_weights`` does not.)
         """
         t0 = time.monotonic()
         files = _safetensors_files(path)
-        if expected_sha256:
-            if len(files) != 1:
-                raise ValueError("expected_sha256 is for a single weights file")
-            h = hashlib.sha256()
-            with open(files[0], "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            if h.hexdigest() != expected_sha256:
-                raise ValueError(f"{path}: sha256 {h.hexdigest()} != expected {expected_sha256}")
+        if expected_digest:
+            check_digest(files, expected_digest)
+        check_s = time.monotonic() - t0
         model = self._prorl_model()
         # Names are checked before anything is touched: a checkpoint of another model is refused whole.
         from safetensors import safe_open
@@ -169,17 +258,27 @@ class WeightLoaderExtension:
         if not names:
             raise ValueError(f"{path} holds no tensor")
         known = self._prorl_checkpoint_names()
+        skip: set[str] = set()
         if known is not None:
-            foreign = sorted(set(names) - known)
+            # A tied output embedding the checkpoint does not name carries the input embedding's values: vLLM
+            # ties the two, so it is left out when the file also has every tensor the checkpoint names (the
+            # embedding included); a file that has it *instead of* the embedding is refused, not half-loaded.
+            aliases = {n for n in names if n not in known and n in self._prorl_tied_aliases()}
+            if aliases and known <= set(names):
+                skip = aliases
+            foreign = sorted(set(names) - known - skip)
             if foreign:
+                hint = (" (a tied output embedding written instead of the input embedding: write the names "
+                        "save_pretrained writes, trainer_plugins.trl.weights.checkpoint_state_dict)"
+                        if set(foreign) & aliases else "")
                 raise ValueError(f"{path}: {len(foreign)} tensor(s) the served model's checkpoint does not have, "
-                                 f"e.g. {foreign[:3]}; nothing was loaded")
+                                 f"e.g. {foreign[:3]}{hint}; nothing was loaded")
 
         packed = _packed_linear_layers(model)
         for layer in packed:
             _restore_weight(layer)
         try:
-            loaded = model.load_weights(_iter_weights(files))
+            loaded = model.load_weights(_iter_weights(files, frozenset(skip)))
         finally:
             # Rebuild every layer's kernel form, whether or not the load finished: a layer left with a
             # full-size weight but its old packed closure would serve the old weights silently.
@@ -191,8 +290,9 @@ class WeightLoaderExtension:
                 if module in packed or method.__class__.__name__ in ("UnquantizedEmbeddingMethod",):
                     method.process_weights_after_loading(module)
                     repacked += 1
-        return {"loaded": len(names), "params": len(loaded) if loaded is not None else -1, "repacked": repacked,
-                "load_s": time.monotonic() - t0, "pid": os.getpid()}
+        return {"loaded": len(names) - len(skip), "skipped": sorted(skip),
+                "params": len(loaded) if loaded is not None else -1, "repacked": repacked, "check_s": check_s,
+                "load_s": time.monotonic() - t0, "bytes": sum(f.stat().st_size for f in files), "pid": os.getpid()}
 
     @torch.no_grad()
     def prorl_weights_checksum(self) -> str:

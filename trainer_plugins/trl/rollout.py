@@ -22,8 +22,34 @@ Per call, :meth:`ProRLRollout.__call__`:
    ``prompt_ids`` / ``response_ids`` (model turns *and* the environment's messages between them),
    ``logprobs`` = ``response_logprobs`` (0.0 on environment tokens), ``env_mask`` = the server's
    ``loss_mask``, and extra fields for the reward functions: ``prorl_reward`` (the server's reward; use
-   :func:`server_reward` as the reward function), ``prorl_weight_versions``, ``prorl_job_id``,
+   :func:`server_reward` as the reward function), ``prorl_weight_versions`` (the distinct versions of the
+   row), ``prorl_token_versions`` (per completion token: the weight version that generated it, None on
+   environment tokens and where the server does not say), ``prorl_mixed_version_turns`` (turns whose tokens
+   span a weight swap), ``prorl_prompt`` (the prompt the row was generated for), ``prorl_job_id``,
    ``prorl_filtered``, ``prorl_failure_kind``.
+
+Per-token versions come from the trajectory's ``version_runs`` (``[[version or null, n_tokens], ...]``,
+run-length over its generated tokens in order), written by rollout servers that orchestrate weight swaps; an
+older server's trajectory has only ``weight_versions``, and its tokens get that version when there is one,
+None otherwise.
+
+Asynchronous rollouts (``prefetch=True``): the jobs of the next step run while the trainer trains on this one.
+TRL hands the rollout function the prompts of the batch it is about to train on, never the next batch's, so a
+call submits the prompts it is given and returns the batch the *previous* call submitted (one step off-policy;
+the first call primes the pipeline by running its prompts twice: once for itself, once in flight). The rows'
+``prorl_prompt`` names the prompt each row was generated for (TRL's own ``prompts`` argument of the reward
+functions is then the next batch's: use :func:`server_reward` or ``prorl_prompt``). The tokens generated
+before a weight swap carry the old version, those after it the new one (``prorl_token_versions``).
+
+Importance sampling: TRL corrects the gap between the sampling policy and the trainer
+(``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min/max`` of ``GRPOConfig``: a truncated or
+masked ratio ``exp(trainer logprob - sampling logprob)`` per token or sequence) only when ``use_vllm`` is
+set, which a ``rollout_func`` run does not need. With the correction on (GRPOConfig's default), the rollout
+function turns it on for the trainer on its first call: the rows' ``logprobs`` are the server's sampling
+logprobs, TRL computes the trainer's at the start of the step and weights each token's loss by the ratio. TRL's
+own vLLM weight sync is replaced by a no-op (:class:`WeightPushCallback` pushes the weights). vLLM reports
+logprobs before temperature scaling unless started with ``--logprobs-mode processed_logprobs``: use that when
+sampling at a temperature other than 1.
 
 A rollout split into several segments by a template or context rewrite gives TRL its last segment (the one that
 ends the episode; TRL takes one sequence per row); the others' tokens are counted in
@@ -105,7 +131,11 @@ class RolloutStats:
     ``tokens_discarded``: generated tokens not handed to TRL (filtered attempts' are unknown and not counted;
     earlier segments of split rollouts are); ``ratio_dev``: mean ``|exp(trainer logprob - rollout logprob) - 1|``
     over the rows' generated tokens, measured before this batch is trained on (``measure_ratio``; else None);
-    ``wall_s``: seconds the call took; ``weight_version``: the version the trainer was at."""
+    ``wall_s``: seconds the call took; ``weight_version``: the version the trainer was at;
+    ``token_versions``: ``{version: generated tokens}`` over the rows handed to TRL (``None``: unknown);
+    ``mixed_version_turns``: turns that span a weight swap; ``aborted_turns``: generation attempts the servers'
+    LLM clients re-sent because a backend aborted them (``llm_pause_retries`` of agent-loop handlers);
+    ``prompt_lag``: 1 when the rows are the previous call's prompts (``prefetch``), else 0."""
 
     step: int
     weight_version: int
@@ -118,6 +148,10 @@ class RolloutStats:
     tokens_discarded: int = 0
     ratio_dev: Optional[float] = None
     wall_s: float = 0.0
+    token_versions: dict[Optional[int], int] = field(default_factory=dict)
+    mixed_version_turns: int = 0
+    aborted_turns: int = 0
+    prompt_lag: int = 0
 
     @property
     def mean_reward(self) -> Optional[float]:
@@ -165,6 +199,8 @@ class ProRLRollout:
         unavailable_retry_s: how long a job the server answers 503 is offered again (seconds).
         server_chooser: a :class:`trainer_plugins.admission.ServerChooser` or its name (``"least_in_flight"``,
             the default; ``"rendezvous"``).
+        prefetch: run the next step's jobs while the trainer trains (module docstring, "Asynchronous
+            rollouts"); False: each call runs and returns its own prompts (on-policy).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -173,7 +209,7 @@ class ProRLRollout:
                  request_timeout_s: Optional[float] = None, max_sample_retries: int = 2,
                  token: Optional[str] = None, local_node: Optional[str] = None, measure_ratio: bool = False,
                  unavailable_retry_s: float = 120.0, run_id: Optional[str] = None,
-                 server_chooser: Union[str, ServerChooser] = "least_in_flight") -> None:
+                 server_chooser: Union[str, ServerChooser] = "least_in_flight", prefetch: bool = False) -> None:
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
         if token:
             headers = {**headers, "Authorization": f"Bearer {token}"}
@@ -206,6 +242,10 @@ class ProRLRollout:
         self._loop: Optional[_LoopThread] = None
         self._submitter_args = dict(unavailable_retry_s=unavailable_retry_s, request_timeout_s=request_timeout_s)
         self._jobs: Optional[JobSubmitter] = None
+        self.prefetch = prefetch
+        self._pending: Optional[_Batch] = None
+        self._batches = 0
+        self._running = 0  # row jobs not finished yet (read by WeightPushCallback at a swap)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -218,9 +258,21 @@ class ProRLRollout:
         """Run ``coro`` on this rollout's event loop thread and wait for it (for callbacks)."""
         return self.loop.run(coro, timeout)
 
+    def jobs_in_flight(self) -> int:
+        """Row jobs submitted and not finished (a prefetched batch's while the trainer trains)."""
+        return self._running
+
     def close(self) -> None:
-        """Close the HTTP session and stop the loop thread (idempotent)."""
+        """Cancel a prefetched batch (its jobs are cancelled on the servers), close the HTTP session and stop
+        the loop thread (idempotent)."""
         if self._loop is not None:
+            if self._pending is not None:
+                self._pending.future.cancel()
+                try:
+                    self._pending.future.result(timeout=60)
+                except BaseException:
+                    pass
+                self._pending = None
             if self._jobs is not None:
                 self._loop.run(self._jobs.close())
                 self._jobs = None
@@ -282,10 +334,24 @@ class ProRLRollout:
         step = int(getattr(getattr(trainer, "state", None), "global_step", self._calls) or 0)
         instances = [self.instance_for(p) for p in prompts]  # every prompt is checked before any job runs
         sp = self._sampling_params(trainer)
-        outcomes = self.run_async(self._run_batch(prompts, instances, sp, n, step))
+        if trainer is not None:
+            enable_importance_sampling(trainer)
+        if self.prefetch:
+            if self._pending is None:  # the first call: one batch for now, one in flight while it trains
+                self._pending = self._start(prompts, instances, sp, n, step)
+            batch, self._pending = self._pending, None
+            outcomes = batch.future.result()
+            # the next step's jobs start now, and run while the trainer trains on this batch
+            self._pending = self._start(prompts, instances, sp, n, step + 1)
+            lag = 1 if batch.prompts is not prompts else 0
+            prompts = batch.prompts
+        else:
+            outcomes = self._start(prompts, instances, sp, n, step).future.result()
+            lag = 0
         rows = self._rows(prompts, outcomes, trainer, step)
         self._calls += 1
         stats = rows.pop("_stats")
+        stats.prompt_lag = lag
         if self.measure_ratio and trainer is not None:
             stats.ratio_dev = ratio_deviation(trainer, rows)
         stats.wall_s = time.monotonic() - t0
@@ -308,16 +374,25 @@ class ProRLRollout:
             sp["max_tokens"] = int(max_tokens)
         return sp
 
+    def _start(self, prompts: list, instances: list[dict], sp: dict, n: int, step: int) -> "_Batch":
+        self._batches += 1
+        coro = self._run_batch(prompts, instances, sp, n, step, self._batches)
+        return _Batch(prompts=prompts, future=asyncio.run_coroutine_threadsafe(coro, self.loop.loop))
+
     async def _run_batch(self, prompts: list, instances: list[dict], sp: dict, n: int,
-                         step: int) -> list[JobOutcome]:
+                         step: int, batch: int = 0) -> list[JobOutcome]:
         jobs = self._submitter()
 
         async def one(i: int) -> JobOutcome:
-            gid = f"trl-{self.run_id}-s{step}-c{self._calls}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
+            gid = f"trl-{self.run_id}-s{step}-b{batch}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
             request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s)
-            return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
-                                  chooser=self.chooser, what=f"prompt {_short(prompts[i])} (row {i})",
-                                  job_prefix=gid)
+            self._running += 1
+            try:
+                return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
+                                      chooser=self.chooser, what=f"prompt {_short(prompts[i])} (row {i})",
+                                      job_prefix=gid)
+            finally:
+                self._running -= 1
 
         # each task picks its server before its first await, in row order: a group's rows share its server
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
@@ -333,7 +408,8 @@ class ProRLRollout:
     def _rows(self, prompts: list, outcomes: list[JobOutcome], trainer: Any, step: int) -> dict[str, list]:
         stats = RolloutStats(step=step, weight_version=self.weight_version)
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
-                                                "prorl_reward", "prorl_weight_versions", "prorl_job_id",
+                                                "prorl_reward", "prorl_weight_versions", "prorl_token_versions",
+                                                "prorl_mixed_version_turns", "prorl_prompt", "prorl_job_id",
                                                 "prorl_filtered", "prorl_failure_kind")}
         fallback_prompt: dict[str, list[int]] = {}
         pending: list[int] = []
@@ -342,6 +418,9 @@ class ProRLRollout:
             stats.retries += len(oc.attempts)
             kinds.update(a.failure_kind or "unspecified" for a in oc.attempts)
             r = oc.result
+            agent = r.extra.get("agent") if isinstance(r.extra, Mapping) else None
+            if isinstance(agent, Mapping) and isinstance(agent.get("llm_pause_retries"), (int, float)):
+                stats.aborted_turns += int(agent["llm_pause_retries"])
             segments = [t for t in r.trajectories if t.prompt_ids]
             if oc.filtered or not segments:
                 if oc.filtered:
@@ -354,6 +433,9 @@ class ProRLRollout:
                 out["prorl_filtered"][i] = True
                 out["prorl_failure_kind"][i] = r.failure_kind or "no_trajectory"
                 out["prorl_weight_versions"][i] = []
+                out["prorl_token_versions"][i] = [None]
+                out["prorl_mixed_version_turns"][i] = 0
+                out["prorl_prompt"][i] = prompts[i]
                 continue
             seg = segments[-1]
             stats.tokens_discarded += sum(sum(s.loss_mask) for s in segments[:-1])
@@ -366,18 +448,27 @@ class ProRLRollout:
             versions = list(seg.weight_versions)
             if not versions and r.weight_version is not None:
                 versions = [r.weight_version]
+            token_versions = per_token_versions(seg, mask, versions)
+            mixed = int(getattr(seg, "mixed_version_turns", 0) or 0)
             out["prompt_ids"].append(list(seg.prompt_ids))
             out["completion_ids"].append(ids)
             out["logprobs"].append(lps)
             out["env_mask"].append(mask)
             out["prorl_reward"].append(float(r.reward))
             out["prorl_weight_versions"].append(versions)
+            out["prorl_token_versions"].append(token_versions)
+            out["prorl_mixed_version_turns"].append(mixed)
+            out["prorl_prompt"].append(prompts[i])
             out["prorl_job_id"].append(r.job_id)
             out["prorl_filtered"].append(False)
             out["prorl_failure_kind"].append(None)
             fallback_prompt.setdefault(prompt_key(prompts[i]), out["prompt_ids"][-1])
             stats.tokens_generated += sum(mask)
-            for v in versions:
+            stats.mixed_version_turns += mixed
+            for v, m in zip(token_versions, mask):
+                if m:
+                    stats.token_versions[v] = stats.token_versions.get(v, 0) + 1
+            for v in list(versions) + [v for v in token_versions if v is not None]:
                 if v not in stats.versions:
                     stats.versions.append(v)
         eos = _eos_id(trainer)
@@ -390,12 +481,74 @@ class ProRLRollout:
             out["env_mask"][i] = [0]
         stats.rewards = list(out["prorl_reward"])
         stats.failure_kinds = dict(kinds)
-        stale = [v for v in stats.versions if v != self.weight_version]
+        allowed = {self.weight_version} | ({self.weight_version - 1} if self.prefetch else set())
+        stale = [v for v in stats.versions if v not in allowed]
         if stale:
             log.warning("rollout step %d: turns generated with weight versions %s while the trainer is at %d",
                         step, stale, self.weight_version)
         out["_stats"] = stats  # type: ignore[assignment]
         return out
+
+
+@dataclass
+class _Batch:
+    """One submitted batch: the prompts it was submitted for and the future of its outcomes (on the loop)."""
+
+    prompts: list
+    future: Any
+
+
+def per_token_versions(seg: Any, mask: Sequence[int], versions: Sequence[int]) -> list[Optional[int]]:
+    """The weight version of each response token of a trajectory segment (list of length R, aligned with
+    ``response_ids``): from its ``version_runs`` (``[[version or None, n], ...]`` over the generated tokens,
+    ``mask`` 1, in order), else the single version of ``versions`` when there is one; None on environment
+    tokens (``mask`` 0) and where unknown.
+
+    Raises:
+        ValueError: ``version_runs`` covers a different number of tokens than ``mask`` marks generated.
+    """
+    runs = getattr(seg, "version_runs", None)
+    if runs is None and isinstance(seg, Mapping):
+        runs = seg.get("version_runs")
+    n_gen = sum(1 for m in mask if m)
+    if runs:
+        flat: list[Optional[int]] = []
+        for v, k in runs:
+            flat.extend([None if v is None else int(v)] * int(k))
+        if len(flat) != n_gen:
+            raise ValueError(f"version_runs covers {len(flat)} tokens, the loss mask marks {n_gen} generated")
+        it = iter(flat)
+        return [next(it) if m else None for m in mask]
+    only = versions[0] if len(set(versions)) == 1 else None
+    return [only if m else None for m in mask]
+
+
+class _WeightsPushedElsewhere:
+    """Stands in for TRL's ``vllm_generation`` when a ``rollout_func`` run turns on TRL's importance-sampling
+    correction: TRL calls ``sync_weights()`` before each rollout, and :class:`WeightPushCallback` has already
+    pushed the weights by then."""
+
+    def sync_weights(self) -> None:
+        return None
+
+
+def enable_importance_sampling(trainer: Any) -> bool:
+    """Turn on TRL's vLLM importance-sampling correction for a ``GRPOTrainer`` whose rollouts come from the
+    rollout servers (module docstring, "Importance sampling"), when its config asks for it
+    (``vllm_importance_sampling_correction``, TRL's default True) and TRL's own vLLM is not in use. Idempotent.
+    Returns whether the correction is on."""
+    args = getattr(trainer, "args", None)
+    if not getattr(args, "vllm_importance_sampling_correction", False):
+        return False
+    if getattr(trainer, "use_vllm", False):
+        return bool(getattr(trainer, "vllm_importance_sampling_correction", False))
+    if not hasattr(trainer, "vllm_importance_sampling_correction"):
+        return False  # not a GRPOTrainer
+    trainer.vllm_generation = _WeightsPushedElsewhere()
+    trainer._last_loaded_step = getattr(getattr(trainer, "state", None), "global_step", 0)
+    trainer.vllm_importance_sampling_correction = True
+    trainer.use_vllm = True
+    return True
 
 
 def ratio_deviation(trainer: Any, rows: Mapping[str, list]) -> Optional[float]:
