@@ -35,6 +35,7 @@ from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
 from prorl_server.pipeline import DuplicateJobError, HandlerUnavailableError, Pipeline, ServerStoppedError
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
+from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
 from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse,
                                 JobResult, JobStatusResponse, OkResponse, ProcessRequest, StatusResponse,
                                 SubmitResponse)
@@ -364,6 +365,8 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
     app[APP_ROUTES] = {}
     add_routes(app, ROUTES)
     add_gateway_routes(app, c.gateway)
+    add_weight_routes(app, SwapCoordinator(c.pool, lambda: c.llm.client, live_jobs=lambda: c.pipeline.jobs.values(),
+                                           cancel_job=c.pipeline.cancel), c.metrics)
     app.cleanup_ctx.append(_lifetime)
     app.on_shutdown.append(_cancel_jobs_on_shutdown)
     return app

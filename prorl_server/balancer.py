@@ -69,6 +69,9 @@ class Backend:
     jobs: set[str] = field(default_factory=set)
     #: why it last left the rotation or failed a request (e.g. ``ClientConnectorError(...)``), None if never
     last_error: Optional[str] = None
+    #: why a weight swap took it out (:meth:`BackendPool.withdraw`); None once registered again. Jobs holding
+    #: a withdrawn backend move off it (a cleared one they keep).
+    withdrawn: Optional[str] = None
 
     @property
     def in_rotation(self) -> bool:
@@ -110,6 +113,8 @@ class BackendPool:
         self.affinity_slack = affinity_slack
         self.max_groups = max_groups
         self.affinity = {"hit": 0, "miss": 0}
+        self._unheld = asyncio.Event()  # clear while a weight swap holds new LLM calls
+        self._unheld.set()
 
     # ------------------------------------------------------------------ registration
     def add(self, address: str, weight_version: Optional[int] = None) -> Backend:
@@ -131,6 +136,7 @@ class BackendPool:
             b.healthy = True
             b.consecutive_failures = 0
         b.registered = True
+        b.withdrawn = None
         self._backends[address] = b
         self._push(b)
         return b
@@ -148,6 +154,38 @@ class BackendPool:
             if self._on_change:
                 self._on_change(b)
         return len(removed)
+
+    def withdraw(self, address: str, reason: str) -> Optional[Backend]:
+        """Take one backend out of the rotation until it is registered again (``/add_llm_server``): a backend
+        that failed a weight swap (its weights are unknown), so the health probe does not bring it back. Jobs
+        holding it move on their next call (:meth:`assign` skips a backend out of rotation for a job only when
+        told to exclude it; :class:`~prorl_server.llm_client.LLMClient` does). Returns it, or None if unknown."""
+        b = self.get(address)
+        if b is None:
+            return None
+        log.warning("backend %s taken out of the rotation: %s", b.address, reason)
+        b.registered = False
+        b.last_error = b.withdrawn = reason
+        self._backends.pop(b.address, None)
+        if self._on_change:
+            self._on_change(b)
+        return b
+
+    # ------------------------------------------------------------------ weight-swap hold
+    @property
+    def held(self) -> bool:
+        """True while a weight swap holds new LLM calls (they wait in the server, not at a backend)."""
+        return not self._unheld.is_set()
+
+    def hold(self) -> None:
+        """Hold every new LLM call until :meth:`unhold` (a weight swap's pause)."""
+        self._unheld.clear()
+
+    def unhold(self) -> None:
+        self._unheld.set()
+
+    async def wait_unheld(self) -> None:
+        await self._unheld.wait()
 
     def __len__(self) -> int:
         """Backends in the rotation (registered and healthy)."""

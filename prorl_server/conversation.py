@@ -140,6 +140,8 @@ class _Segment:
     mask: list[int] = field(default_factory=list)
     num_turns: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    version_runs: list[list[Optional[int]]] = field(default_factory=list)
+    mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
 
@@ -147,6 +149,8 @@ class _Segment:
         return Trajectory(prompt_ids=self.ids[:self.prompt_len], response_ids=self.ids[self.prompt_len:],
                           response_logprobs=list(self.logprobs), loss_mask=list(self.mask),
                           num_turns=self.num_turns, weight_versions=list(self.weight_versions),
+                          version_runs=[list(r) for r in self.version_runs],
+                          mixed_version_turns=self.mixed_version_turns,
                           finish_reason=self.finish_reason, split_reason=self.split_reason)
 
 
@@ -269,6 +273,15 @@ class Conversation:
         for v in completion.weight_versions:
             if v not in seg.weight_versions:
                 seg.weight_versions.append(v)
+        runs = completion.version_runs or ([[completion.weight_versions[-1] if completion.weight_versions else
+                                              None, len(ids)]] if ids else [])
+        if len(runs) > 1 or (runs and runs[0][0] is None and len(completion.weight_versions) > 1):
+            seg.mixed_version_turns += 1
+        for v, k in runs:
+            if seg.version_runs and seg.version_runs[-1][0] == v:
+                seg.version_runs[-1][1] += k
+            else:
+                seg.version_runs.append([v, k])
         message = {"role": "assistant", "content": content}
         self.messages.append(message)
         self._generated.add(id(message))

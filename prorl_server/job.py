@@ -164,6 +164,8 @@ class Job:
 
         self._backend_address: Optional[str] = None
         self._weight_version: Optional[int] = None
+        #: weight version of the job's first generated turn (None until one is recorded): its staleness
+        self.first_weight_version: Optional[int] = None
         self._closers: list[tuple[str, Closer]] = []  # (scope, closer); scope "run" or "job"
 
     # ------------------------------------------------------------------ identity
@@ -232,13 +234,15 @@ class Job:
         that runs several conversations (agent loops, gateway sessions) reports their sum."""
         self.token_stats = stats if self.token_stats is None else self.token_stats + stats
 
-    def record_turn(self, backend: str, weight_version: Optional[int]) -> None:
+    def record_turn(self, backend: str, weight_version: Optional[int], oldest_version: Optional[int] = None) -> None:
         """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
         client recorded for it): the result's ``backend`` / ``weight_version`` are those of the last turn."""
         self._backend_address = backend
         self.turns_generated += 1
         if weight_version is not None:
             self._weight_version = weight_version
+            if self.first_weight_version is None:
+                self.first_weight_version = weight_version if oldest_version is None else oldest_version
 
     @property
     def model_acted(self) -> bool:

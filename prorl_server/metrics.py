@@ -27,6 +27,10 @@ LLM_CLIENT_COUNTS: Mapping[str, tuple[str, str]] = {
     "pause_retries": ("prorl_llm_pause_retries", "Generation attempts retried because the backend was paused "
                       "(a weight update) or aborted the turn"),
     "request_errors": ("prorl_llm_request_errors", "Generation requests a backend refused with a 4xx"),
+    "tokens_discarded": ("prorl_llm_tokens_discarded", "Generated tokens thrown away: turns a backend aborted "
+                         "(a pause in abort mode) that were sent again"),
+    "swap_held": ("prorl_llm_swap_held", "LLM calls held in the server while a weight swap paused the backends"),
+    "swap_moved": ("prorl_llm_swap_moved", "LLM calls moved off a backend that failed a weight swap"),
 }
 #: ``Gateway.counters`` key → (counter name on /metrics, help).
 GATEWAY_COUNTS: Mapping[str, tuple[str, str]] = {

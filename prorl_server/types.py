@@ -327,6 +327,12 @@ class Trajectory(BaseModel):
     observation tokens appended between turns). ``response_logprobs`` and ``loss_mask`` have length R;
     ``loss_mask[i]`` is 1 for tokens the model generated and 0 for everything else, and
     ``response_logprobs[i]`` is 0.0 where the mask is 0.
+    ``weight_versions``: the distinct weight versions that generated it, in order of first use.
+    ``version_runs``: the weight version of every generated token (the ``loss_mask`` 1 positions, in order),
+    run-length encoded as ``[[version, n_tokens], ...]`` (counts sum to ``sum(loss_mask)``; version None:
+    unknown, e.g. a turn split by a weight swap at a point the backend could not report).
+    ``mixed_version_turns``: turns generated across a weight update (an old-version prefix and a new-version
+    suffix; see ``POST /weights/pause``).
     """
 
     prompt_ids: list[int] = Field(default_factory=list)
@@ -335,8 +341,14 @@ class Trajectory(BaseModel):
     loss_mask: list[int] = Field(default_factory=list)
     num_turns: int = 0
     weight_versions: list[int] = Field(default_factory=list)
+    version_runs: list[tuple[Optional[int], int]] = Field(default_factory=list)
+    mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
+
+    def token_versions(self) -> list[Optional[int]]:
+        """The weight version of each generated token (length ``sum(loss_mask)``), from ``version_runs``."""
+        return [v for v, n in self.version_runs for _ in range(n)]
 
     def spans(self, generated: bool = True) -> list[tuple[int, list[int]]]:
         """The runs of ``response_ids`` the model generated (``loss_mask`` 1; with ``generated=False``: the

@@ -51,6 +51,8 @@ from typing import Any, Iterator
 
 import torch
 
+from trainer_plugins.vllm_progress import ProgressExtension
+
 
 DIGEST_PREFIX = "prorl-sampled-v1:"
 _SAMPLE = 4096
@@ -171,7 +173,7 @@ def _restore_weight(layer: torch.nn.Module) -> None:
                           output_size=layer.output_size, params_dtype=dtype, weight_loader=loader)
 
 
-class WeightLoaderExtension:
+class WeightLoaderExtension(ProgressExtension):
     """Mixed into vLLM's worker class by ``--worker-extension-cls`` (vLLM >= 0.9): its methods are callable
     through ``collective_rpc``. ``self`` is the worker (``self.model_runner`` holds the model)."""
 

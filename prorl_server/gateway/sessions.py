@@ -540,6 +540,9 @@ class Gateway:
                 response_logprobs=base.response_logprobs + c.logprobs,
                 loss_mask=base.loss_mask + [1] * len(c.token_ids), num_turns=base.num_turns + 1,
                 weight_versions=list(dict.fromkeys([*base.weight_versions, *c.weight_versions])),
+                version_runs=[*base.version_runs, *(c.version_runs or ([[None, len(c.token_ids)]]
+                                                                      if c.token_ids else []))],
+                mixed_version_turns=base.mixed_version_turns + (len(c.version_runs) > 1),
                 finish_reason=c.finish_reason,
                 split_reason=f"branch: choice {i} of {len(pending)}, not continued (the agent went on with "
                              f"choice {k})"))
