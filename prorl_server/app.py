@@ -27,12 +27,14 @@ from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, d
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
+from prorl_server.gc_control import CollectorControl
 from prorl_server.gateway import Gateway, add_gateway_routes
 from prorl_server.job import JobServices, SandboxOpener
 from prorl_server.llm_context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
-from prorl_server.pipeline import DuplicateJobError, HandlerUnavailableError, Pipeline, ServerStoppedError
+from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, Pipeline,
+                                   ServerStoppedError)
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
 from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
@@ -58,9 +60,9 @@ LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
 async def process(request: web.Request) -> web.Response:
     """Submit a job and block until it ends; answers the JobResult (ProRL-compatible)."""
     job = _submit(request, await parse_body(request, ProcessRequest))
-    response = json_response(await asyncio.shield(job.done))
-    request.app[PIPELINE].delivered(job)  # its client has it: GET /jobs/{id} keeps a summary only
-    return response
+    await asyncio.shield(job.done)
+    # the JSON serialized once when the job finished; GET /jobs/{id} keeps a summary only from now on
+    return web.Response(body=request.app[PIPELINE].delivered(job), content_type="application/json")
 
 
 async def submit_job(request: web.Request) -> web.Response:
@@ -91,6 +93,10 @@ async def get_job(request: web.Request) -> web.Response:
     job = request.app[PIPELINE].get(job_id)
     if job is None:
         raise ApiError(404, "unknown_job", f"no job with id {job_id!r} (never submitted, or expired)")
+    if isinstance(job, FinishedJob):  # its result is kept as JSON: answered as it is, not parsed again
+        return web.Response(body=b'{"job_id":%s,"state":"done","result":%s}' % (json.dumps(job_id).encode(),
+                                                                               job.result_json),
+                            content_type="application/json")
     return json_response(JobStatusResponse(job_id=job_id, state=job.status, result=job.result))
 
 
@@ -177,7 +183,8 @@ class Components:
 
     :meth:`start` (on the running loop) and :meth:`close` run in one written order: started are the event-loop
     monitor, the sandbox runtime (orphans of a crashed earlier server reaped), the pipeline's workers, the
-    gateway's janitor and the backend health probe; closed in reverse: the gateway (its sessions end), the health
+    gateway's janitor and the backend health probe, then the collector control (what exists now is long-lived:
+    frozen); closed in reverse: the collector control, the gateway (its sessions end), the health
     probe, the pipeline (every job cancelled, its sandboxes closed), the LLM client, the CPU pool (no job
     scores anymore), the sandbox runtime (any sandbox left), the monitor. A component whose close fails is
     logged and the others still close.
@@ -195,6 +202,7 @@ class Components:
     gateway: Gateway
     services: JobServices
     pipeline: Pipeline
+    collector: Optional[CollectorControl] = None
     _health: Optional[asyncio.Task] = field(default=None, repr=False)
     _health_session: Optional[aiohttp.ClientSession] = field(default=None, repr=False)
     _started: list[str] = field(default_factory=list, repr=False)
@@ -219,13 +227,16 @@ class Components:
             self._started.append("health")
             self.gateway.start()
             self._started.append("gateway")
+            if self.collector is not None:
+                self.collector.start()
+                self._started.append("collector")
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
         """Stop everything that was started, in the order of the class docstring. Idempotent."""
-        for name, stop in (("gateway", self.gateway.close), ("health", self._stop_health),
+        for name, stop in (("collector", self._stop_collector), ("gateway", self.gateway.close), ("health", self._stop_health),
                            ("pipeline", self.pipeline.shutdown), ("llm", self.llm.close),
                            ("cpu_pool", self.cpu_pool.close), ("runtime", self._close_sandboxes),
                            ("loop_monitor", self.loop_monitor.stop)):
@@ -238,6 +249,10 @@ class Components:
                 raise
             except Exception:
                 log.exception("closing the %s failed", name)
+
+    async def _stop_collector(self) -> None:
+        if self.collector is not None:
+            await self.collector.stop()
 
     async def _stop_health(self) -> None:
         if self._health is not None:
@@ -323,9 +338,11 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     pipeline = Pipeline(registry, pool, m, settings.workers(), default_timeout_s=settings.default_timeout_s,
                         keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
                         services=services)
+    collector = CollectorControl(freeze=settings.gc_freeze, gen0_threshold=settings.gc_gen0_threshold,
+                                 on_collection=m.gc_collected, on_frozen=m.gc_frozen_objects.set)
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
                       runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
-                      services=services, pipeline=pipeline)
+                      services=services, pipeline=pipeline, collector=collector)
 
 
 # ------------------------------------------------------------------------------------------ factory

@@ -69,6 +69,19 @@ class ServerSettings(BaseModel):
     handlers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="each handler's own "
                                                  "settings by handler name, e.g. {code: {max_turns: 12}}: the "
                                                  "keys of its settings_model (see the README's Handlers part)")
+    listen_backlog: int = Field(default=4096, ge=1, le=1 << 20, description="connections the kernel queues "
+                                "before the server accepts them (listen(2)); the kernel caps it at "
+                                "net.core.somaxconn. aiohttp's default, 128, drops connections when thousands "
+                                "of clients connect at once")
+    gc_freeze: bool = Field(default=True, description="move long-lived objects (libraries, the tokenizer's "
+                            "torch/transformers) out of the garbage collector's view at start and after large "
+                            "imports, so full collections walk only the live jobs (prorl_server.gc_control)")
+    gc_gen0_threshold: Optional[int] = Field(default=10_000, ge=1, description="allocations between "
+                                             "generation-0 collections (CPython's default: 700); null keeps "
+                                             "Python's thresholds")
+    processes: int = Field(default=1, ge=0, le=1024, description="server processes to run (prorl-server "
+                           "only): each is its own member with its own port (port, port+1, ...; or each a free "
+                           "port with port 0), listed in the ready file's members; 0 = one per CPU core")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -108,6 +108,15 @@ class Metrics:
                                                  1, 2.5, 5, 10), registry=r)
         self.event_loop_lag_max = Gauge("prorl_event_loop_lag_max_seconds",
                                         "Largest event-loop lag of the last 10 s", registry=r)
+        self.gc_seconds = Histogram("prorl_gc_seconds", "Garbage-collector pauses by generation (2 = full: every "
+                                    "unfrozen object is walked, the event loop stopped meanwhile); see "
+                                    "prorl_server.gc_control", ["generation"],
+                                    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                    registry=r)
+        self.gc_frozen_objects = Gauge("prorl_gc_frozen_objects", "Long-lived objects moved out of the "
+                                       "collector's view (gc.freeze) at start and after large imports", registry=r)
+        self._gc_by_generation = [self.gc_seconds.labels(str(g)) for g in range(3)]
+        self._backend_children: dict[str, tuple[Any, Any]] = {}
         self.trajectory_splits = Counter("prorl_trajectory_splits_total", "Trajectories split, by reason code "
                                          "(template_drops_generated_text, template_not_append_only: the chat "
                                          "template rewrote history; message_changed, history_truncated, "
@@ -131,19 +140,28 @@ class Metrics:
             self.stage_queue_depth[s].set(0)
             self.stage_active[s].set(0)
 
+    def gc_collected(self, generation: int, seconds: float) -> None:
+        """One collection of ``generation`` (0-2) took ``seconds`` (:class:`prorl_server.gc_control.CollectorControl`)."""
+        self._gc_by_generation[generation].observe(seconds)
+
     def backend_changed(self, backend) -> None:
         if not backend.registered and backend.in_flight == 0:
             # Cleared and no job holds it: drop its series, or every address ever registered (relays on fresh
             # ports each weight update) stays in /metrics forever. A later add brings the series back.
+            self._backend_children.pop(backend.address, None)
             for gauge in (self.backend_in_flight, self.backend_healthy):
                 try:
                     gauge.remove(backend.address)
                 except KeyError:
                     pass
             return
-        self.backend_in_flight.labels(backend.address).set(backend.in_flight)
+        children = self._backend_children.get(backend.address)
+        if children is None:  # labels() takes a lock and builds a key: once per address, not per job
+            children = self._backend_children[backend.address] = (self.backend_in_flight.labels(backend.address),
+                                                                   self.backend_healthy.labels(backend.address))
+        children[0].set(backend.in_flight)
         # "in rotation": a backend taken out by /clear_llm_server reads 0 until it is re-added
-        self.backend_healthy.labels(backend.address).set(1 if backend.in_rotation else 0)
+        children[1].set(1 if backend.in_rotation else 0)
 
     def export_counts(self, families: Mapping[str, tuple[str, str]],
                       read: Callable[[], Mapping[str, float]]) -> None:
