@@ -97,8 +97,8 @@ class Pipeline:
         self.services = services
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
-        self.jobs: dict[str, Job] = {}  # live jobs and the most recent finished ones
-        self._finished: collections.deque[Job] = collections.deque()  # finish order, for retention
+        self.jobs: dict[str, Job | FinishedJob] = {}  # live jobs and the records of the most recent finished ones
+        self._finished: collections.deque[FinishedJob] = collections.deque()  # finish order, for retention
         self.in_flight = 0
         self.accepting = True
         self._worker_tasks: list[asyncio.Task] = []
@@ -183,7 +183,8 @@ class Pipeline:
         self._enqueue(job, "init")
         return job
 
-    def get(self, job_id: str) -> Optional[Job]:
+    def get(self, job_id: str) -> Optional[Job | FinishedJob]:
+        """The live job ``job_id``, or the record of a finished one still retained, or None."""
         return self.jobs.get(job_id)
 
     def _enqueue(self, job: Job, stage: Stage) -> None:
@@ -194,10 +195,19 @@ class Pipeline:
 
     def _retain(self, job: Job) -> None:
         """Keep the newest finished jobs queryable: at most ``keep_finished`` of them and
-        ``keep_finished_mb`` of estimated result size; forget the oldest first (O(1) amortized per job)."""
-        job.retained_bytes = result_bytes(job.result)
-        self.retained_bytes += job.retained_bytes
-        self._finished.append(job)
+        ``keep_finished_mb`` of estimated result size; forget the oldest first (O(1) amortized per job).
+
+        What is kept is a :class:`FinishedJob` (id, state, the result as JSON bytes), not the job: its handler
+        state, timer, future and the result's objects are freed now (the collector never walks them again)."""
+        if self.keep_finished == 0:
+            if self.jobs.get(job.job_id) is job:
+                del self.jobs[job.job_id]
+            return
+        record = FinishedJob.of(job)
+        self.retained_bytes += record.retained_bytes
+        if self.jobs.get(job.job_id) is job:
+            self.jobs[job.job_id] = record
+        self._finished.append(record)
         while len(self._finished) > self.keep_finished or (
                 self.retained_bytes > self.keep_finished_bytes and len(self._finished) > 1):
             old = self._finished.popleft()
@@ -206,19 +216,29 @@ class Pipeline:
             if self.jobs.get(old.job_id) is old:  # not resubmitted under the same id since
                 del self.jobs[old.job_id]
 
-    def delivered(self, job: Job) -> None:
-        """The blocking ``POST /process`` call has sent ``job``'s result to its client: keep only a summary for
-        ``GET /jobs/{id}`` (state, reward, resolved, errors, failure_kind, timing, backend), not a second copy of
-        its token arrays, messages and extra (``extra`` then says ``{"delivered": "POST /process"}``)."""
-        if job.result is None or job.retained_bytes == 0:
-            return  # not retained (or already forgotten): nothing to shrink
-        job.result = job.result.model_copy(update={"trajectories": [], "messages": [],
-                                                   "extra": {"delivered": "POST /process"}})
-        # the job's own fields point at the same token lists: drop them too, or nothing is freed
+    def result_json(self, job: Job) -> bytes:
+        """``job``'s full result as JSON bytes (what ``POST /process`` answers): the retained record's,
+        serialized once when the job finished, or serialized now when it is not retained."""
+        record = self.jobs.get(job.job_id)
+        if isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id and record.full:
+            return record.result_json
+        return job.result.model_dump_json().encode() if job.result is not None else b"null"
+
+    def delivered(self, job: Job) -> bytes:
+        """The blocking ``POST /process`` call is sending ``job``'s result to its client: returns that result as
+        JSON bytes (:meth:`result_json`) and keeps only a summary for ``GET /jobs/{id}`` (state, reward,
+        resolved, errors, failure_kind, timing, backend), not a second copy of its token arrays, messages and
+        extra (``extra`` then says ``{"delivered": "POST /process"}``)."""
+        body = self.result_json(job)
+        record = self.jobs.get(job.job_id)
+        if isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id and record.retained_bytes:
+            size = record.summarize(job.result)
+            self.retained_bytes += size - record.retained_bytes
+            record.retained_bytes = size
+        # the job's own fields point at the same token lists: drop them too, or nothing is freed while the
+        # request's handler still holds the job
         job.trajectories, job.messages, job.extra = [], [], {}
-        size = result_bytes(job.result)
-        self.retained_bytes += size - job.retained_bytes
-        job.retained_bytes = size
+        return body
 
     # ------------------------------------------------------------------ cancellation
     async def cancel(self, job_id: str, reason: str = "cancelled by request") -> tuple[bool, JobState]:
@@ -447,6 +467,72 @@ class Pipeline:
     def stage_status(self) -> dict[str, StageStatus]:
         return {s: StageStatus(queued=self.queues[s].qsize(), active=self.active[s], workers=self.workers[s])
                 for s in STAGES}
+
+
+class FinishedJob:
+    """What a finished job leaves for ``GET /jobs/{id}``, ``POST /cancel`` and the resubmission check: its id,
+    its state and its result as JSON bytes (one ``bytes`` object, which the garbage collector never walks,
+    several times smaller than the result's Python objects), instead of the job with its handler state,
+    timer, future and token lists.
+
+    It reads like a finished :class:`~prorl_server.job.Job` where the routes look (``job_id``, ``status``,
+    ``finished``, ``finishing``, ``ending``, ``result``); the handler-owned fields (``messages``,
+    ``trajectories``, ``extra``) are not kept and read empty (``result`` has them until a ``POST /process``
+    delivered it). ``retained_bytes`` is :func:`result_bytes` of the result it stands for.
+    """
+
+    __slots__ = ("job_id", "trajectory_id", "result_json", "full", "retained_bytes")
+    status = JobState.done
+    finished = finishing = ending = True
+
+    def __init__(self, job_id: str, trajectory_id: str, result_json: bytes, retained_bytes: int) -> None:
+        self.job_id = job_id
+        self.trajectory_id = trajectory_id  # tells this job from a later one submitted under the same id
+        self.result_json = result_json
+        self.full = True  # False once summarize() replaced the result with its summary
+        self.retained_bytes = retained_bytes
+
+    @classmethod
+    def of(cls, job: Job) -> "FinishedJob":
+        """The record of ``job``, whose ``result`` is set (serialized once here)."""
+        return cls(job.job_id, job.trajectory_id, _dump(job.result), result_bytes(job.result))
+
+    @property
+    def result(self) -> JobResult:
+        """The result (parsed from the kept JSON on each access)."""
+        return JobResult.model_validate_json(self.result_json)
+
+    @property
+    def messages(self) -> list:
+        return []
+
+    @property
+    def trajectories(self) -> list:
+        return []
+
+    @property
+    def extra(self) -> dict:
+        return {}
+
+    def summarize(self, result: JobResult) -> int:
+        """Keep only ``result``'s summary: no token arrays, messages or extra (``extra`` says
+        ``{"delivered": "POST /process"}``). Returns the summary's :func:`result_bytes`."""
+        summary = result.model_copy(update={"trajectories": [], "messages": [],
+                                            "extra": {"delivered": "POST /process"}})
+        self.result_json = _dump(summary)
+        self.full = False
+        return result_bytes(summary)
+
+
+def _dump(result: Optional[JobResult]) -> bytes:
+    if result is None:
+        return b"null"
+    try:
+        return result.model_dump_json().encode()
+    except ValueError:  # a handler put something JSON cannot hold in extra: keep its repr, not a 500 later
+        log.exception("the result of job %s does not serialize; unknown values are kept as their repr",
+                      result.job_id)
+        return result.model_dump_json(fallback=repr).encode()
 
 
 #: Estimated bytes a Python list holds per element: an 8-byte pointer plus the object it points to (a token id
