@@ -3,14 +3,29 @@
 Settings come from defaults, then ``--config FILE`` (YAML or TOML), then ``PRORL_TOKEN``, then flags.
 SIGTERM and SIGINT stop it cleanly: in-flight jobs are cancelled at once (a blocking ``/process`` answers its
 client the cancelled result), every sandbox it started is closed, then the process exits.
+
+``--processes N`` (N > 1; 0 = one per CPU core) runs N server processes, each its own member of the fleet
+with its own port (``port``, ``port + 1``, ...; or a free port each with ``--port 0``), under this process
+as a supervisor. One event loop uses one core; the members share nothing but the node-wide sandbox leases
+(:mod:`sandbox.leases`) and the per-user sandbox records (a member reaps only the sandboxes of servers that
+are gone). Why not one port shared with ``SO_REUSEPORT``: the API is stateful per process (a job's
+``GET /jobs/{id}`` and ``/cancel``, gateway sessions, ``/add_llm_server`` and the backend load counts of
+sticky routing), and the kernel would hand each connection to any process. The ready file lists the members
+(``members: [{host, port, pid, url}]``; its ``url`` is the first one's); trainers spread jobs over them as over
+any servers. The supervisor forwards SIGTERM/SIGINT to every member, and stops them all when one dies.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import multiprocessing
+import os
 import signal
 import sys
+import tempfile
+import time
 from typing import Any, Coroutine, Optional, Sequence
 
 from aiohttp import web
@@ -48,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"],
                    help="auto (default): uvloop when installed, else asyncio's")
+    p.add_argument("--listen-backlog", type=int,
+                   help="connections the kernel queues before they are accepted (default 4096; capped by "
+                   "net.core.somaxconn)")
+    p.add_argument("--processes", type=int,
+                   help="server processes, each its own member on its own port (default 1; 0 = one per CPU "
+                   "core); the ready file lists them under members")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=None,
+                   help="freeze long-lived objects out of the garbage collector's view (default on)")
+    p.add_argument("--gc-gen0-threshold", type=int,
+                   help="allocations between generation-0 collections (default 10000; Python's: 700)")
     return p
 
 
@@ -70,7 +95,12 @@ async def serve(settings: ServerSettings, app: Optional[web.Application] = None)
     # bounds how long any other open request (a gateway call) may delay the exit.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    somaxconn = _somaxconn()
+    if somaxconn is not None and settings.listen_backlog > somaxconn:
+        log.warning("listen_backlog %d is above the kernel's net.core.somaxconn %d: the kernel queues at most %d "
+                    "connections (raise it with sysctl to queue more)", settings.listen_backlog, somaxconn,
+                    somaxconn)
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=settings.listen_backlog)
     await site.start()
     port = runner.addresses[0][1]
     log.info("prorl-server listening on http://%s:%d (workers init/run/eval = %d/%d/%d, auth %s)",
@@ -89,11 +119,117 @@ async def serve(settings: ServerSettings, app: Optional[web.Application] = None)
         await runner.cleanup()
 
 
+def _somaxconn() -> Optional[int]:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = settings_from_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    processes = settings.processes or os.cpu_count() or 1
+    if processes > 1:
+        return supervise(settings, processes)
     run_event_loop(serve(settings), settings.event_loop)
     return 0
+
+
+# ------------------------------------------------------------------------------------------ several processes
+
+
+def member_settings(settings: ServerSettings, processes: int, ready_dir: str) -> list[ServerSettings]:
+    """The settings of each of ``processes`` members: ports ``port + i`` (0 stays 0: a free port each), one
+    process each, ready files ``<ready_dir>/member-<i>.json``.
+
+    Raises:
+        ValueError: the ports would run past 65535.
+    """
+    if settings.port and settings.port + processes - 1 > 65535:
+        raise ValueError(f"--processes {processes} from port {settings.port} needs ports up to "
+                         f"{settings.port + processes - 1}, past 65535")
+    return [settings.model_copy(update={"processes": 1, "port": settings.port + i if settings.port else 0,
+                                        "ready_file": os.path.join(ready_dir, f"member-{i}.json")})
+            for i in range(processes)]
+
+
+def _member_main(settings_json: str) -> None:
+    """A member process (multiprocessing spawn target): serve until signalled; dies with its supervisor."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:  # PR_SET_PDEATHSIG: a supervisor killed with SIGKILL still takes its members down
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        except OSError:
+            pass
+    settings = ServerSettings.model_validate_json(settings_json)
+    logging.basicConfig(level=settings.log_level,
+                        format=f"%(asctime)s %(levelname)s [member {os.getpid()}] %(name)s: %(message)s")
+    run_event_loop(serve(settings), settings.event_loop)
+
+
+def supervise(settings: ServerSettings, processes: int, poll_s: float = 0.2) -> int:
+    """Run ``processes`` members (:func:`member_settings`) until SIGTERM/SIGINT (forwarded to each) or until
+    one exits by itself (the others are then stopped too). Writes ``settings.ready_file`` with every member
+    once all listen. Returns the exit status: 0 after a signal, 1 when a member died first."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may already hold threads
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    with tempfile.TemporaryDirectory(prefix="prorl-members-") as ready_dir:
+        try:
+            members = member_settings(settings, processes, ready_dir)
+        except ValueError as e:
+            log.error("%s", e)
+            return 2
+        procs = [ctx.Process(target=_member_main, args=(m.model_dump_json(),), name=f"prorl-server-{i}")
+                 for i, m in enumerate(members)]
+        for p in procs:
+            p.start()
+        ready: dict[int, dict] = {}
+        rc = 0
+        while not stopping:
+            for i, m in enumerate(members):
+                if i not in ready and os.path.exists(m.ready_file):
+                    with open(m.ready_file) as f:
+                        ready[i] = json.load(f)
+                    if len(ready) == len(members):
+                        _write_members(settings, [ready[k] for k in range(len(members))])
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                log.error("member %s exited (status %s): stopping the others", dead[0].name, dead[0].exitcode)
+                rc = 1
+                break
+            time.sleep(poll_s)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 30
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("member %s did not stop in time: killed", p.name)
+                p.kill()
+                p.join()
+    return rc
+
+
+def _write_members(settings: ServerSettings, members: list[dict]) -> None:
+    log.info("prorl-server: %d members listening: %s", len(members), ", ".join(m["url"] for m in members))
+    if settings.ready_file:
+        first = members[0]
+        tmp = f"{settings.ready_file}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"host": first["host"], "port": first["port"], "pid": os.getpid(), "url": first["url"],
+                       "members": members}, f)
+        os.replace(tmp, settings.ready_file)
 
 
 def run_event_loop(main: Coroutine[Any, Any, Any], event_loop: str = "auto") -> Any:
