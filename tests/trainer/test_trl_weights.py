@@ -143,3 +143,116 @@ def test_saved_weights_are_written_whole_with_a_digest_the_worker_checks_cheaply
 
     with pytest.raises(ValueError, match="digest"):
         check_digest([bad], hashlib.sha256(data).hexdigest())
+
+
+# ------------------------------------------------------------------ the rollout server's swap
+@pytest.fixture
+def start_swap_server(aiohttp_server):
+    """``await start_swap_server(pause_status=200, resume_status=200)`` -> base URL of a labelled STAND-IN for
+    a rollout server's swap endpoints (``GET /weights``, ``POST /weights/pause``, ``POST /weights/resume``,
+    ``POST /add_llm_server``) as the server's API specifies them, used to inject the faults a real server only
+    shows under a race (another trainer's swap holding the lease: 409 ``swap_in_progress``; a lease that ran out
+    before the resume: 409 ``swap_expired``). The happy path runs against the real server in
+    tests/trainer/test_trl_swap.py. ``start_swap_server.events`` is one log shared by every stand-in started
+    (``(url, path, body)`` in arrival order)."""
+    from aiohttp import web
+
+    async def start(pause_status=200, resume_status=200, backends=()):
+        url_box = []
+
+        async def handle(request):
+            body = await request.json() if request.can_read_body else None
+            start.events.append((url_box[0], request.path, body))
+            if request.path == "/weights/pause":
+                if pause_status != 200:
+                    return web.json_response({"error": {"type": "swap_in_progress", "message": "held"}},
+                                             status=pause_status)
+                return web.json_response({"swap_id": f"swap-{len(start.events)}",
+                                          "weight_version": body["weight_version"],
+                                          "backends": {b: "paused" for b in backends}, "dropped_jobs": 1,
+                                          "deadline": 0.0, "pause_s": 0.01})
+            if request.path == "/weights/resume":
+                if resume_status != 200:
+                    return web.json_response({"error": {"type": "swap_expired", "message": "lease ran out"}},
+                                             status=resume_status)
+                return web.json_response({"weight_version": body["weight_version"], "held_s": 0.5,
+                                          "resume_s": 0.01, "tokens_discarded": 0,
+                                          "backends": {b: "resumed" for b in backends if b not in body["failed"]}})
+            if request.path == "/weights":
+                return web.json_response({"weight_version": 0, "swap": None, "backends": []})
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/weights", handle)
+        for path in ("/weights/pause", "/weights/resume", "/add_llm_server"):
+            app.router.add_post(path, handle)
+        server = await aiohttp_server(app)
+        url_box.append(str(server.make_url("")).rstrip("/"))
+        return url_box[0]
+
+    start.events = []
+    return start
+
+
+async def test_a_swap_pauses_every_server_loads_each_backend_once_and_resumes_every_server(
+        start_swap_server, start_fake_vllm, tmp_path):
+    from trainer_plugins.trl.weights import swap_weights
+
+    a, b = await start_fake_vllm(), await start_fake_vllm()
+    s1, s2 = await start_swap_server(backends=[a, b]), await start_swap_server(backends=[a, b])
+    async with aiohttp.ClientSession() as s:
+        report = await swap_weights(s, str(tmp_path / "w.safetensors"), 4, [a, b], [s1, s2], digest="d",
+                                    kv="recompute", max_staleness=2)
+    events = start_swap_server.events
+    assert [(u, p) for u, p, _ in events] == [(s1, "/weights/pause"), (s2, "/weights/pause"),
+                                              (s1, "/weights/resume"), (s2, "/weights/resume")]
+    assert events[0][2] == {"weight_version": 4, "kv": "recompute", "max_staleness": 2, "lease_s": 300.0}
+    assert events[2][2]["swap_id"] == "swap-1" and events[3][2]["swap_id"] == "swap-2"
+    assert events[2][2]["failed"] == {} and events[2][2]["weight_version"] == 4
+    # each backend loaded once, without a pause or reset of the trainer's own (the servers did those)
+    assert start_fake_vllm.calls[a] == ["/collective_rpc"] and start_fake_vllm.calls[b] == ["/collective_rpc"]
+    assert report.mode == "swap" and sorted(report.pushed) == sorted([a, b]) and report.dropped_jobs == 2
+    assert report.tokens_discarded == 0 and report.held_s == 0.5
+
+
+async def test_a_backend_that_fails_its_load_is_reported_to_every_server_at_resume(start_swap_server,
+                                                                                 start_fake_vllm, tmp_path):
+    from trainer_plugins.trl.weights import swap_weights
+
+    good, bad = await start_fake_vllm(), await start_fake_vllm(fail="ValueError: digest mismatch")
+    server = await start_swap_server(backends=[good, bad])
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(WeightPushError, match="digest mismatch") as e:
+            await swap_weights(s, str(tmp_path / "w.safetensors"), 1, [good, bad], [server])
+    resume = [body for _u, p, body in start_swap_server.events if p == "/weights/resume"]
+    assert len(resume) == 1 and list(resume[0]["failed"]) == [bad] and "digest mismatch" in resume[0]["failed"][bad]
+    assert e.value.pushed == [good] and list(e.value.failed) == [bad]
+
+
+async def test_a_server_that_refuses_to_pause_stops_the_swap_before_any_load(start_swap_server, start_fake_vllm,
+                                                                            tmp_path):
+    from trainer_plugins.trl.weights import SwapRefusedError, swap_weights
+
+    backend = await start_fake_vllm()
+    ok, busy = await start_swap_server(backends=[backend]), await start_swap_server(pause_status=409)
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(SwapRefusedError, match="swap_in_progress"):
+            await swap_weights(s, str(tmp_path / "w.safetensors"), 7, [backend], [ok, busy], previous_version=6)
+    assert start_fake_vllm.calls[backend] == []  # nothing was loaded while a server could still send turns
+    # the server that had paused is resumed under the version its backends still serve
+    resumes = [(u, body) for u, p, body in start_swap_server.events if p == "/weights/resume"]
+    assert resumes == [(ok, {"swap_id": "swap-1", "weight_version": 6, "failed": {}})]
+
+
+async def test_a_resume_after_the_lease_ran_out_relabels_the_backends_that_loaded(start_swap_server,
+                                                                                 start_fake_vllm, tmp_path):
+    from trainer_plugins.trl.weights import swap_weights
+
+    backend = await start_fake_vllm()
+    server = await start_swap_server(resume_status=409, backends=[backend])
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(WeightPushError, match="lease_s"):
+            await swap_weights(s, str(tmp_path / "w.safetensors"), 3, [backend], [server], lease_s=0.5)
+    # the server resumed the backend under its old version at the deadline; it serves v3: say so
+    registered = [body for _u, p, body in start_swap_server.events if p == "/add_llm_server"]
+    assert registered and registered[-1]["address"] == backend and registered[-1]["weight_version"] == 3

@@ -245,7 +245,6 @@ class ProRLRollout:
         self.prefetch = prefetch
         self._pending: Optional[_Batch] = None
         self._batches = 0
-        self._running = 0  # row jobs not finished yet (read by WeightPushCallback at a swap)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -259,19 +258,20 @@ class ProRLRollout:
         return self.loop.run(coro, timeout)
 
     def jobs_in_flight(self) -> int:
-        """Row jobs submitted and not finished (a prefetched batch's while the trainer trains)."""
-        return self._running
+        """Row jobs of the prefetched batch not finished yet (what runs while the trainer trains; 0 without
+        ``prefetch``)."""
+        b = self._pending
+        return 0 if b is None or b.task.done() else len(b.prompts) - b.finished
 
     def close(self) -> None:
         """Cancel a prefetched batch (its jobs are cancelled on the servers), close the HTTP session and stop
         the loop thread (idempotent)."""
         if self._loop is not None:
             if self._pending is not None:
-                self._pending.future.cancel()
                 try:
-                    self._pending.future.result(timeout=60)
-                except BaseException:
-                    pass
+                    self._loop.run(_cancel(self._pending.task), timeout=120)
+                except Exception as e:  # close goes on: the session and the loop must still end
+                    log.warning("cancelling the prefetched batch: %r", e)
                 self._pending = None
             if self._jobs is not None:
                 self._loop.run(self._jobs.close())
@@ -376,23 +376,25 @@ class ProRLRollout:
 
     def _start(self, prompts: list, instances: list[dict], sp: dict, n: int, step: int) -> "_Batch":
         self._batches += 1
-        coro = self._run_batch(prompts, instances, sp, n, step, self._batches)
-        return _Batch(prompts=prompts, future=asyncio.run_coroutine_threadsafe(coro, self.loop.loop))
+        batch = _Batch(prompts=prompts)
+        batch.task = self.loop.run(_spawn(self._run_batch(prompts, instances, sp, n, step, self._batches, batch)))
+        batch.future = asyncio.run_coroutine_threadsafe(_wait(batch.task), self.loop.loop)
+        return batch
 
     async def _run_batch(self, prompts: list, instances: list[dict], sp: dict, n: int,
-                         step: int, batch: int = 0) -> list[JobOutcome]:
+                         step: int, batch: int = 0, record: Optional["_Batch"] = None) -> list[JobOutcome]:
         jobs = self._submitter()
 
         async def one(i: int) -> JobOutcome:
             gid = f"trl-{self.run_id}-s{step}-b{batch}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
             request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s)
-            self._running += 1
             try:
                 return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
                                       chooser=self.chooser, what=f"prompt {_short(prompts[i])} (row {i})",
                                       job_prefix=gid)
             finally:
-                self._running -= 1
+                if record is not None:
+                    record.finished += 1
 
         # each task picks its server before its first await, in row order: a group's rows share its server
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
@@ -492,10 +494,27 @@ class ProRLRollout:
 
 @dataclass
 class _Batch:
-    """One submitted batch: the prompts it was submitted for and the future of its outcomes (on the loop)."""
+    """One submitted batch: the prompts it was submitted for, its task on the rollout's loop, a future of its
+    outcomes for the calling thread, and how many of its rows have finished."""
 
     prompts: list
-    future: Any
+    task: Any = None
+    future: Any = None
+    finished: int = 0
+
+
+async def _spawn(coro) -> "asyncio.Task":
+    return asyncio.ensure_future(coro)
+
+
+async def _wait(task: "asyncio.Task") -> Any:
+    return await task
+
+
+async def _cancel(task: "asyncio.Task") -> None:
+    """Cancel a batch and wait until its jobs are cancelled on the servers."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def per_token_versions(seg: Any, mask: Sequence[int], versions: Sequence[int]) -> list[Optional[int]]:
