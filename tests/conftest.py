@@ -52,6 +52,22 @@ def vllm_server(tiny_model_dir):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def vllm_ext_server(tiny_model_dir):
+    """A real vLLM CPU server started with the project's worker extension
+    (``trainer_plugins.vllm_weights.WeightLoaderExtension``: weight loads and the progress report a weight
+    swap reads), shared by the session's tests that load weights into a running engine."""
+    pytest.importorskip("vllm")
+    from prorl_server.vllm_launcher import start_vllm
+
+    log = ROOT / ".cache" / "logs" / f"vllm-ext-{os.getpid()}.log"
+    server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, log_path=log,
+                        timeout_s=300,
+                        extra_args=["--worker-extension-cls", "trainer_plugins.vllm_weights.WeightLoaderExtension"])
+    yield server
+    server.stop()
+
+
 # ------------------------------------------------------------------------------------------ sandboxes
 def sandbox_processes() -> list:
     """Sandbox processes (bwrap launchers and execution servers) below this test process. Used to CHECK
