@@ -70,8 +70,8 @@ import aiohttp
 from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
-from trainer_plugins.jobs import (CONFIGURATION_FAULTS, InvalidInstanceError, JobSubmitter, RolloutAuthError, filtered_result,
-                                  process_request)
+from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
+                                  RolloutAuthError, filtered_result, open_session, process_request)
 from trainer_plugins.servers import ServersFile, load_servers
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,9 @@ class RolloutClient:
         max_sample_retries: how many times a sample whose result says ``filter: true`` (a failure the model
             did not cause: ``failure_kind``) is regenerated as a new job of the same group; one still filtered
             after that drops its group (default 2; 0: drop at the first).
+        max_connections: HTTP connections to the servers at most, all servers together (0, the default: no
+            cap, the jobs in flight are bounded by the admission above; aiohttp's own default of 100 would
+            hold a trainer to 100 jobs in flight). See :func:`trainer_plugins.jobs.open_session`.
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
@@ -364,11 +367,14 @@ class RolloutClient:
                  instance_fn: Optional[Callable[[Any], Instance]] = None,
                  max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
                  initial_weight_version: int = 0, unavailable_retry_s: float = 120.0,
-                 max_sample_retries: int = 2) -> None:
+                 max_sample_retries: int = 2, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if groups_per_step < 1 or n_samples < 1:
             raise ValueError("groups_per_step and n_samples must be >= 1")
         if max_sample_retries < 0:
             raise ValueError("max_sample_retries must be >= 0")
+        if max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0 (0: no cap), got {max_connections}")
+        self.max_connections = max_connections
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
         self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
@@ -422,8 +428,7 @@ class RolloutClient:
     async def start(self) -> "RolloutClient":
         """Open the HTTP session and start replenishing (idempotent)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self.headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+            self._session = open_session(self.headers, max_connections=self.max_connections)
             self._jobs = JobSubmitter(session=self._session, unavailable_retry_s=self.unavailable_retry_s)
         if self._replenisher is None:
             self._replenisher = asyncio.create_task(self._replenish_forever())

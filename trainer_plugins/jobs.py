@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 import uuid
 from collections import OrderedDict
@@ -75,6 +76,45 @@ log = logging.getLogger(__name__)
 ROLLOUT_SERVER = "rollout_server"
 #: how many cancelled job ids a client remembers (each is a short string; the oldest is forgotten first)
 _TOMBSTONES = 65536
+#: Connections one client session opens at most, over all servers: 0 = no cap, the jobs in flight are bounded by
+#: the caller's own admission (window, staleness, concurrency). aiohttp's own default, 100, silently held a
+#: trainer to 100 ``/process`` requests in flight however many servers it had.
+DEFAULT_MAX_CONNECTIONS = 0
+
+
+def open_session(headers: Optional[Mapping[str, str]] = None, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 timeout: Optional[aiohttp.ClientTimeout] = None) -> aiohttp.ClientSession:
+    """An aiohttp session for talking to rollout servers: ``max_connections`` connections at most (0: no cap),
+    no per-host cap, and the process's open-files limit raised to fit them (:func:`raise_open_files_limit`).
+    ``timeout`` defaults to none in total and 30 s to connect. Call it from a running event loop.
+
+    Raises:
+        ValueError: ``max_connections`` is negative.
+    """
+    if max_connections < 0:
+        raise ValueError(f"max_connections must be >= 0 (0: no cap), got {max_connections}")
+    raise_open_files_limit(max_connections)
+    return aiohttp.ClientSession(headers=dict(headers or {}),
+                                 connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+                                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=30))
+
+
+def raise_open_files_limit(connections: int) -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` so ``connections`` sockets fit beside 1,024 other files
+    (0: as high as the hard limit allows); never lowers it. A soft limit of 1,024, common on login nodes,
+    would otherwise fail the 1,000th request in flight with "Too many open files". Returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    want = cap if connections == 0 else min(cap, connections + 1024)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.debug("open-files limit raised from %d to %d for the rollout client's connections", soft, want)
+            return want
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d to %d (%s): at most about %d requests can "
+                        "be in flight", soft, want, e, max(0, soft - 64))
+    return soft
 
 
 class ConfigurationError(RuntimeError):
@@ -161,11 +201,20 @@ class JobSubmitter:
         unavailable_retry_s: how long a 503 is offered again on the same server (seconds; 0: not at all).
         request_timeout_s: wall-clock limit of one attempt, queue waits included (None: none).
         cancel_patience_s: how long a cancel retries a 404 for a job whose request is not open here.
+        max_connections: connections of the session opened here at most (0, the default: no cap; see
+            :data:`DEFAULT_MAX_CONNECTIONS`); a ``session`` given keeps its own.
+
+    Raises:
+        ValueError: ``max_connections`` is negative.
     """
 
     def __init__(self, headers: Optional[Mapping[str, str]] = None, *,
                  session: Optional[aiohttp.ClientSession] = None, unavailable_retry_s: float = 120.0,
-                 request_timeout_s: Optional[float] = None, cancel_patience_s: float = 5.0) -> None:
+                 request_timeout_s: Optional[float] = None, cancel_patience_s: float = 5.0,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0 (0: no cap), got {max_connections}")
+        self.max_connections = max_connections
         self.headers = dict(headers or {})
         self._session = session
         self._own_session = session is None
@@ -179,8 +228,7 @@ class JobSubmitter:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self.headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+            self._session = open_session(self.headers, max_connections=self.max_connections)
             self._own_session = True
         return self._session
 

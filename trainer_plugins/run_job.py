@@ -34,7 +34,7 @@ from tqdm import tqdm
 from prorl_server.datasets import DatasetError, load_dataset
 from prorl_server.types import JobResult
 from prorl_server.stats import percentile
-from trainer_plugins.jobs import ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, process_request
+from trainer_plugins.jobs import ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, open_session, process_request
 
 log = logging.getLogger("prorl_run")
 DEFAULT_MODEL_DIR = Path(os.environ.get("PRORL_CACHE", Path(__file__).resolve().parent.parent / ".cache")) / "tiny-model"
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="dataset seed (generated datasets)")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="HTTP connections to the server at most (default 0: no cap; --concurrency bounds what is "
+                   "in flight)")
     return p
 
 
@@ -152,7 +155,7 @@ async def _start_local_server(stack: contextlib.AsyncExitStack, args: argparse.N
     runner = web.AppRunner(create_app(settings), access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", 0, backlog=settings.listen_backlog).start()
     return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
@@ -184,7 +187,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {args.token}"} if args.token and args.server else {}
         url = args.server.rstrip("/") if args.server else await _start_local_server(stack, args, backends)
         http = await stack.enter_async_context(
-            aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)))
+            open_session(headers, max_connections=args.max_connections,
+                         timeout=aiohttp.ClientTimeout(total=None)))
         client = JobSubmitter(session=http, unavailable_retry_s=0.0)
         if args.server:
             for b in backends:
@@ -239,7 +243,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_connections < 0:
+        parser.error(f"--max-connections must be >= 0 (0: no cap), got {args.max_connections}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         s = asyncio.run(run(args))
