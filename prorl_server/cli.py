@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=None,
                    help="freeze long-lived objects out of the garbage collector's view (default on)")
     p.add_argument("--gc-gen0-threshold", type=int,
-                   help="allocations between generation-0 collections (default 10000; Python's: 700)")
+                   help="allocations between generation-0 collections (default 50000; Python's: 700)")
     return p
 
 

@@ -76,7 +76,7 @@ class ServerSettings(BaseModel):
     gc_freeze: bool = Field(default=True, description="move long-lived objects (libraries, the tokenizer's "
                             "torch/transformers) out of the garbage collector's view at start and after large "
                             "imports, so full collections walk only the live jobs (prorl_server.gc_control)")
-    gc_gen0_threshold: Optional[int] = Field(default=10_000, ge=1, description="allocations between "
+    gc_gen0_threshold: Optional[int] = Field(default=50_000, ge=1, description="allocations between "
                                              "generation-0 collections (CPython's default: 700); null keeps "
                                              "Python's thresholds")
     processes: int = Field(default=1, ge=0, le=1024, description="server processes to run (prorl-server "

@@ -59,7 +59,7 @@ class CollectorControl:
         ValueError: ``gen0_threshold`` below 1.
     """
 
-    def __init__(self, *, freeze: bool = True, gen0_threshold: Optional[int] = 10_000,
+    def __init__(self, *, freeze: bool = True, gen0_threshold: Optional[int] = 50_000,
                  on_collection: Optional[Callable[[int, float], None]] = None,
                  on_frozen: Optional[Callable[[int], None]] = None, check_interval_s: float = 1.0) -> None:
         if gen0_threshold is not None and gen0_threshold < 1:
