@@ -74,6 +74,10 @@ class PausableTimer:
         self._started = None
         return dt
 
+    def credit(self, seconds: float) -> None:
+        """Take ``seconds`` back off the counted time (time the job spent held by a weight swap)."""
+        self._elapsed -= max(0.0, seconds)
+
     @property
     def running(self) -> bool:
         return self._started is not None
@@ -160,6 +164,9 @@ class Job:
         self.task: Optional[asyncio.Task] = None  # the stage task now running, if any
         self.cancel_requested = False
         self.finishing = False  # set once the pipeline starts ending the job
+        #: the running stage's deadline (an ``asyncio.Timeout``; None without a budget or between stages)
+        self.deadline: Optional[asyncio.Timeout] = None
+        self._held_remaining: Optional[float] = None  # seconds the deadline had left when a swap held it
         self.retained_bytes = 0  # estimated size of the result while the pipeline retains it (result_bytes)
 
         self._backend_address: Optional[str] = None
@@ -249,6 +256,25 @@ class Job:
         """Whether a turn was generated for this job (by the agent loop or a gateway session): from then on a
         failure the model's actions can cause is a scored result (:mod:`prorl_server.failures`)."""
         return self.turns_generated > 0
+
+    def hold_deadline(self) -> None:
+        """A weight swap holds the job (its LLM calls wait in the server or are frozen in the engine): its
+        running stage's deadline (:attr:`deadline`, the pipeline's ``asyncio.Timeout``) stops until
+        :meth:`release_deadline`."""
+        deadline = self.deadline
+        if deadline is not None and not deadline.expired() and deadline.when() is not None \
+                and self._held_remaining is None:
+            self._held_remaining = deadline.when() - asyncio.get_running_loop().time()
+            deadline.reschedule(None)
+
+    def release_deadline(self, held_s: float) -> None:
+        """The swap ended after ``held_s`` seconds: that time is not charged to the job's timeout (the running
+        stage's deadline restarts with what it had left; later stages get the counted time back)."""
+        self.timer.credit(held_s)
+        remaining, self._held_remaining = self._held_remaining, None
+        deadline = self.deadline
+        if remaining is not None and deadline is not None and not deadline.expired():
+            deadline.reschedule(asyncio.get_running_loop().time() + remaining)
 
     def remaining_s(self) -> Optional[float]:
         """Seconds left of the job's counted-time budget (``timeout_s``), never below 0; None without a

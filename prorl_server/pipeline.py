@@ -367,7 +367,11 @@ class Pipeline:
                 raise _JobTimeout()
             try:
                 async with asyncio.timeout(remaining) as deadline:
-                    return await stage_fn(job)
+                    job.deadline = deadline  # a weight swap extends it by the time it held the job
+                    try:
+                        return await stage_fn(job)
+                    finally:
+                        job.deadline = None
             except TimeoutError as e:
                 # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
                 if deadline.expired():

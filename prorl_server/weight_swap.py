@@ -28,6 +28,10 @@ resubmits) and counted in ``dropped_jobs``.
 requests and recomputes their KV with the new weights: no token after the swap attends to KV computed under
 the old ones; ``success: false`` is an error), then ``POST /resume``; held calls are released.
 
+**Time.** A job's timeout does not run while a swap holds it: at the resume (or the lease's end) every live
+job's running deadline stops at the pause and restarts at the resume with what it had left
+(:meth:`~prorl_server.job.Job.hold_deadline`), so a slow load is never a job's ``model_timeout``.
+
 **Faults.** A backend that fails to pause, to load (the trainer lists it in ``failed``), to reset its cache or
 to resume is taken out of the rotation with its reason (:meth:`~prorl_server.balancer.BackendPool.withdraw`;
 it comes back only when registered again) and the calls it held are re-sent to another backend: no job is
@@ -239,6 +243,7 @@ class SwapCoordinator:
             swap = _Swap(secrets.token_hex(8), req.weight_version, req.kv, time.time() + req.lease_s, t0)
             self.current = swap
             self.pool.hold()
+            self._hold_jobs()
             backends = self.pool.backends
             outcomes = await asyncio.gather(*(self._pause_one(b, swap) for b in backends))
             dropped = await self._drop_stale(req) if req.max_staleness is not None else 0
@@ -298,6 +303,7 @@ class SwapCoordinator:
             outcomes = await asyncio.gather(*(self._resume_one(addr, mark, swap, version, req.failed.get(addr))
                                               for addr, mark in swap.marks.items()))
             self._end(swap)
+            self._release_jobs(time.monotonic() - swap.t_paused)
             self.counters["swaps"] += 1
             self.last_version = version
             log.info("weight swap %s: v%d resumed on %d backend(s) after %.2f s", swap.swap_id, version,
@@ -361,6 +367,19 @@ class SwapCoordinator:
                 self._expired.pop(next(iter(self._expired)))
             self.counters["expired"] += 1
             self._end(swap)
+            self._release_jobs(time.monotonic() - swap.t_paused)
+
+    def _hold_jobs(self) -> None:
+        """A swap's pause is not the jobs' time: every live job's timeout stops (a job timing out because the
+        trainer took long to load would be scored as the model's stall) until :meth:`_release_jobs`."""
+        for j in self._live_jobs():
+            if not j.finished and hasattr(j, "hold_deadline"):
+                j.hold_deadline()
+
+    def _release_jobs(self, held_s: float) -> None:
+        for j in self._live_jobs():
+            if not j.finished and hasattr(j, "release_deadline"):
+                j.release_deadline(held_s)
 
     async def close(self) -> None:
         """Server shutdown: a swap in progress ends as if its lease ran out (backends resumed)."""

@@ -245,3 +245,17 @@ async def test_swap_requests_are_checked(fleet):
     again = await client.post("/weights/pause", json={"weight_version": 2})
     assert again.status == 409 and (await again.json())["error"]["type"] == "swap_in_progress"
     await client.post("/weights/resume", json={"swap_id": (await r.json())["swap_id"]})
+
+
+async def test_time_held_by_a_swap_is_not_charged_to_the_jobs_timeout(fleet, wait_done):
+    client, fakes, _ = await fleet(1, step_s=0.01)
+    body = {**job(0, tokens=20), "timeout_s": 1.5}
+    assert (await client.post("/jobs", json=body)).status == 202
+    await until(lambda: fakes[0].running and min(len(q.tokens) for q in fakes[0].running.values()) >= 3)
+    r = await client.post("/weights/pause", json={"weight_version": 1})
+    sid = (await r.json())["swap_id"]
+    await asyncio.sleep(2.0)  # a slow load: longer than the job's whole budget
+    fakes[0].version = 1
+    assert (await client.post("/weights/resume", json={"swap_id": sid})).status == 200
+    res = await wait_done(client, "j0", patience_s=30)
+    assert res["failure_kind"] is None, res["error"]
