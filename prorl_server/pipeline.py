@@ -294,6 +294,9 @@ class Pipeline:
             finally:
                 self.active[stage] -= 1
                 self.metrics.stage_active[stage].set(self.active[stage])
+                # an idle worker must not keep its last job (its future, its full result) alive until the
+                # next one comes: with thousands of workers that was thousands of finished jobs
+                job = None
 
     async def _run_stage(self, job: Job, stage: Stage) -> None:
         handler = job.handler
