@@ -236,7 +236,8 @@ class Components:
 
     async def close(self) -> None:
         """Stop everything that was started, in the order of the class docstring. Idempotent."""
-        for name, stop in (("collector", self._stop_collector), ("gateway", self.gateway.close), ("health", self._stop_health),
+        for name, stop in (("collector", self._stop_collector), ("gateway", self.gateway.close),
+                           ("health", self._stop_health),
                            ("pipeline", self.pipeline.shutdown), ("llm", self.llm.close),
                            ("cpu_pool", self.cpu_pool.close), ("runtime", self._close_sandboxes),
                            ("loop_monitor", self.loop_monitor.stop)):

@@ -141,7 +141,8 @@ class Metrics:
             self.stage_active[s].set(0)
 
     def gc_collected(self, generation: int, seconds: float) -> None:
-        """One collection of ``generation`` (0-2) took ``seconds`` (:class:`prorl_server.gc_control.CollectorControl`)."""
+        """One collection of ``generation`` (0-2) took ``seconds``
+        (:class:`prorl_server.gc_control.CollectorControl`)."""
         self._gc_by_generation[generation].observe(seconds)
 
     def backend_changed(self, backend) -> None:
