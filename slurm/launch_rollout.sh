@@ -48,6 +48,8 @@
 #   PRORL_ADVERTISE_HOST   address written to servers.json when PRORL_HOST is a wildcard
 #                          default: the node's first address from `hostname -I`, else its host name
 #   PRORL_PORT             server port                                            default: 0 (a free port)
+#   PRORL_PROCESSES        server processes per node (--processes): each its own member on its own port
+#                          (one event loop uses one core); 0 = one per CPU core           default: 1
 #   PRORL_TOKEN            bearer token                                           default: 32 random bytes, hex
 #   PRORL_STARTUP_TIMEOUT  seconds to wait for every server (and vLLM) to be ready     default: 600
 #   PRORL_STOP_GRACE       seconds servers get to exit after SIGTERM before SIGKILL    default: 25
@@ -99,6 +101,11 @@ VLLM_MODEL=${PRORL_VLLM_MODEL:-}
 BACKENDS=${PRORL_BACKENDS:-}
 [ -z "$BACKENDS" ] && { [ -n "$VLLM_MODEL" ] && BACKENDS=vllm || BACKENDS=trainer; }
 WEIGHT_VERSION=${PRORL_WEIGHT_VERSION:-0}
+PROCESSES=${PRORL_PROCESSES:-1}
+if ! [[ "$PROCESSES" =~ ^[0-9]+$ ]]; then
+    echo "launch_rollout.sh: PRORL_PROCESSES must be an integer >= 0 (0: one per CPU core), got '$PROCESSES'" >&2
+    exit 2
+fi
 case "$BACKENDS" in
     trainer) if [ -n "$VLLM_MODEL" ]; then
                  echo "launch_rollout.sh: --no-vllm / PRORL_BACKENDS=trainer starts no vLLM, but PRORL_VLLM_MODEL is" \
@@ -121,6 +128,7 @@ server_args() {  # node -> the server's argv after $SERVER_CMD, one per line
         --log-level "${PRORL_LOG_LEVEL:-INFO}"
     [ -n "${PRORL_CONFIG:-}" ] && printf '%s\n' --config "$PRORL_CONFIG"
     [ -n "${PRORL_SANDBOX_RUNTIME:-}" ] && printf '%s\n' --sandbox-runtime "$PRORL_SANDBOX_RUNTIME"
+    [ "$PROCESSES" != 1 ] && printf '%s\n' --processes "$PROCESSES"
     # shellcheck disable=SC2086  # word-splitting of PRORL_SERVER_ARGS is the documented behaviour
     [ -n "${PRORL_SERVER_ARGS:-}" ] && printf '%s\n' ${PRORL_SERVER_ARGS}
     return 0
@@ -218,9 +226,12 @@ node_main() {
         [ "$SECONDS" -lt "$deadline" ] || stop_children "server not ready after ${PRORL_STARTUP_TIMEOUT:-600} s"
         sleep 0.2
     done
-    local server_url
+    local server_url member_urls=()
     server_url=$("${PRORL_PYTHON:-python3}" -c 'import json,sys; print(json.load(open(sys.argv[1]))["url"])' \
         "$PRORL_L_RUN_DIR/$node.ready.json")
+    # with --processes, every member is a server of its own: each gets every vLLM server
+    mapfile -t member_urls < <("${PRORL_PYTHON:-python3}" -c 'import json,sys; r=json.load(open(sys.argv[1]))
+print("\n".join(m["url"] for m in r.get("members") or [r]))' "$PRORL_L_RUN_DIR/$node.ready.json")
     : >"$PRORL_L_RUN_DIR/$node.llm.tmp"
     for url in "${vllm_urls[@]}"; do
         until "${PRORL_PYTHON:-python3}" - "$url" <<'PY'
@@ -234,7 +245,8 @@ PY
             [ "$SECONDS" -lt "$deadline" ] || stop_children "vLLM at $url not healthy in time"
             sleep 2
         done
-        "${PRORL_PYTHON:-python3}" - "$server_url" "$url" <<'PY' || stop_children "could not register $url"
+        for server_url in "${member_urls[@]}"; do
+            "${PRORL_PYTHON:-python3}" - "$server_url" "$url" <<'PY' || stop_children "could not register $url"
 import json, os, sys, urllib.request
 server, backend = sys.argv[1], sys.argv[2]
 body = {"address": backend, "weight_version": int(os.environ["PRORL_L_WEIGHT_VERSION"])}
@@ -243,8 +255,9 @@ req = urllib.request.Request(server + "/add_llm_server", data=json.dumps(body).e
                                       "Authorization": "Bearer " + os.environ["PRORL_TOKEN"]})
 urllib.request.urlopen(req, timeout=30).close()
 PY
+            nlog "registered vLLM $url with $server_url (weight_version $PRORL_L_WEIGHT_VERSION)"
+        done
         echo "$url" >>"$PRORL_L_RUN_DIR/$node.llm.tmp"
-        nlog "registered vLLM $url with $server_url (weight_version $PRORL_L_WEIGHT_VERSION)"
     done
     mv "$PRORL_L_RUN_DIR/$node.llm.tmp" "$PRORL_L_RUN_DIR/$node.llm"
 
@@ -262,7 +275,7 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "  sbatch defaults (override on the sbatch command line):"
     grep '^#SBATCH' "$0" | sed 's/^/    /'
     echo "  job id:            ${JOB_ID:-<assigned by sbatch>}"
-    echo "  nodes:             $nodes (one server each)"
+    echo "  nodes:             $nodes (one server each$([ "$PROCESSES" != 1 ] && echo ", $PROCESSES processes (0: one per core)"))"
     echo "  servers.json:      $SERVERS_FILE (mode 0600, written when every server answers /health)"
     echo "  run dir (logs):    $RUN_DIR"
     echo "  token:             ${PRORL_TOKEN:+from PRORL_TOKEN}${PRORL_TOKEN:-generated: 32 random bytes, hex}"
