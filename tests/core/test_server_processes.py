@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,3 +173,46 @@ def test_two_server_processes_never_hold_the_same_loopback_address_or_sandbox_ui
     finally:
         c.stdin.close()
         c.wait(30)
+
+
+HOLDER = textwrap.dedent("""
+    import asyncio, json, sys
+    from sandbox import SandboxSpec, make_runtime
+
+    async def main():
+        rt = make_runtime("bubblewrap", state_dir=sys.argv[1])
+        if sys.argv[2] == "hold":
+            sb = await rt.start(SandboxSpec())
+            print(json.dumps({"pid": sb.pid, "out": (await sb.bash("echo alive")).output.strip()}), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            print(json.dumps({"out": (await sb.bash("echo still")).output.strip()}), flush=True)
+            await rt.close_all()
+        else:
+            print(json.dumps({"reaped": await rt.reap_orphans()}), flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_second_member_starting_on_the_node_leaves_the_first_members_sandboxes_alone(tmp_path):
+    # Members share the per-user sandbox records; a starting server reaps the sandboxes of servers that are gone,
+    # and must not take a live member's sandbox for an orphan.
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    state = tmp_path / "state"
+    holder = subprocess.Popen([sys.executable, str(script), str(state), "hold"], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(holder.stdout.readline())
+        assert first["out"] == "alive"
+        other = subprocess.run([sys.executable, str(script), str(state), "reap"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120)
+        assert json.loads(other.stdout.splitlines()[-1]) == {"reaped": 0}, other.stderr[-2000:]
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert json.loads(holder.stdout.readline()) == {"out": "still"}
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
