@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.plugin import AgentHandler
+from prorl_server.plugin import AgentHandler, NotRegradableError
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -103,6 +103,12 @@ class ArithmeticHandler(AgentHandler):
         job.state["value"] = value
         job.extra["value"] = value
         job.messages.append({"role": "assistant", "content": repr(value)})
+
+    def restore_for_eval(self, job, result) -> None:
+        """The value :meth:`run` computed, recorded in ``extra["value"]``."""
+        if "value" not in result.extra:
+            raise NotRegradableError("the result has no extra.value (the expression's value run computed)")
+        job.state["value"] = result.extra["value"]
 
     async def eval(self, job) -> None:
         expected = job.instance.get("answer")

@@ -53,7 +53,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from handlers.code.task import SOLUTION, evaluate_solution, grading_limits, sandbox_spec
-from prorl_server.plugin import AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError
+from prorl_server.plugin import (AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError,
+                                 NotRegradableError)
 from sandbox import Bind, ToolError
 
 GATEWAY_DIR = "/run/prorl-gateway"
@@ -305,6 +306,13 @@ class CliAgentHandler(AgentHandler):
         job.state["reward_info"] = session.reward_info
         job.extra["gateway"] = {**session.summary(), **info}
         await _raise_if_not_the_models(handle, session, end, info)
+
+    def restore_for_eval(self, job, result) -> None:
+        """Refused: eval grades what the agent program left in its sandbox (``eval="code"``: the solution file)
+        or what it reported to its gateway session (``eval="reward_info"``); the result records neither."""
+        raise NotRegradableError("the cli_agent handler grades what the agent program left in its run sandbox or "
+                                 "reported to its gateway session; the result does not record it, so it cannot "
+                                 "be re-graded")
 
     async def eval(self, job) -> None:
         mode = job.state.get("eval")

@@ -3,7 +3,8 @@
 - init: start a sandbox (no network) and put the problem in ``/workspace/solution.py`` (the signature and
   docstring) for the agent to complete.
 - run: the generic agent loop with ``str_replace_editor``, ``bash`` and ``ipython`` on that sandbox; the
-  agent may run its own checks; afterwards ``/workspace/solution.py`` is taken as the solution.
+  agent may run its own checks; afterwards ``/workspace/solution.py`` is taken as the solution (and recorded
+  in the result's ``extra["solution"]``: what ``prorl-journal regrade`` grades again).
 - eval: the solution runs in a FRESH sandbox of its own and the hidden tests in another one, which the solution
   never reaches; the host relays the tests' calls as plain data (:mod:`handlers.code.grading`). Reward 1.0 if
   every test passes, else 0.0; ``extra["eval"]`` says which test failed, the error, or that a time limit was
@@ -19,7 +20,7 @@ from typing import Any, Optional
 
 from handlers.code.task import (DEFAULT_EVAL_TIMEOUT_S, SOLUTION, CodeInstance, CodeSettings, evaluate_solution,
                                 grading_limits, instance_by_id, sandbox_spec)
-from prorl_server.plugin import AgentConfig, AgentHandler
+from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import ToolError
 
@@ -62,8 +63,20 @@ class CodeHandler(AgentHandler):
         try:
             await run_agent(job, messages, tools, AgentConfig(max_turns=int(max_turns)))
         finally:
-            # Whatever happened, keep what the agent wrote: eval scores the file, not the conversation.
-            job.state["solution"] = await _read_solution(handle)
+            # Whatever happened, keep what the agent wrote: eval scores the file, not the conversation. The
+            # result records it too (None: no file), so the graded artifact can be graded again.
+            job.state["solution"] = job.extra["solution"] = await _read_solution(handle)
+
+    def restore_for_eval(self, job, result) -> None:
+        """The solution file :meth:`run` read back from the sandbox, recorded in ``extra["solution"]`` (None:
+        the agent wrote none)."""
+        if "solution" not in result.extra:
+            raise NotRegradableError("the result has no extra.solution (recorded by a server whose code handler did "
+                                     "not keep the graded file): the solution only existed in the run sandbox")
+        solution = result.extra["solution"]
+        if solution is not None and not isinstance(solution, str):
+            raise NotRegradableError("extra.solution is not a string")
+        job.state["solution"] = solution
 
     async def eval(self, job) -> None:
         limits = grading_limits(job.instance, self.settings)

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from handlers.math.rg_answers import task_error
 from handlers.math.scoring import score
 from prorl_server.cpu_pool import CpuTimeoutError, WorkerCrashedError
-from prorl_server.plugin import AgentConfig, AgentHandler
+from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import Limits, SandboxSpec
 
@@ -29,6 +29,15 @@ SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and r
 
 
 DEFAULT_MAX_TURNS = 6
+
+
+def final_answer(answer: Optional[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
+    """The text eval scores: the finish tool's ``answer`` argument (``answer`` is the finish call's arguments,
+    None when the agent never called it), else the last assistant message's content, else ""."""
+    final = answer.get("answer") if isinstance(answer, dict) else None
+    if final is None:
+        final = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
+    return str(final)
 
 
 def _scalar(value: Any) -> Any:
@@ -95,11 +104,16 @@ class MathHandler(AgentHandler):
         max_turns = job.instance.get("max_turns") or self.settings.max_turns
         result = await run_agent(job, messages, sandbox_tools(job.state["sandbox"], ("ipython", "think")),
                                  AgentConfig(max_turns=int(max_turns)))
-        final = (result.answer or {}).get("answer") if result.answer else None
-        if final is None:
-            final = next((m.get("content") or "" for m in reversed(result.messages)
-                          if m.get("role") == "assistant"), "")
-        job.state["final_answer"] = str(final)
+        job.state["final_answer"] = final_answer(result.answer, result.messages)
+
+    def restore_for_eval(self, job, result) -> None:
+        """The final answer, rebuilt as :meth:`run` made it: the finish tool's arguments are recorded in
+        ``extra["agent"]["answer"]`` (:meth:`AgentResult.apply_to`), the messages in ``messages``."""
+        agent = result.extra.get("agent")
+        if not isinstance(agent, dict) or "answer" not in agent:
+            raise NotRegradableError("the result has no extra.agent.answer (the agent loop's record of the finish "
+                                     "tool): its final answer cannot be rebuilt")
+        job.state["final_answer"] = final_answer(agent["answer"], result.messages)
 
     #: Wall-clock limit of scoring one answer in a CPU worker, seconds. math-verify's own limits (5 s to parse
     #: each side, 5 s per comparison) end a slow answer well before; this one also ends a scorer stuck in C.

@@ -27,7 +27,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.conversation import Conversation
-from prorl_server.plugin import AgentHandler
+from prorl_server.plugin import AgentHandler, NotRegradableError
 from prorl_server.types import TokenStats
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
@@ -95,6 +95,16 @@ class ShoutHandler(AgentHandler):
         job.add_token_stats(TokenStats(**conv.token_stats()))
         job.state["turns"] = conv.num_turns
         job.extra["shout"] = {"turns": conv.num_turns, "finish_reason": finish}
+
+    def restore_for_eval(self, job, result) -> None:
+        """What :meth:`init` and :meth:`run` left for eval: the validated instance and the number of model
+        turns (recorded in ``extra["shout"]["turns"]``); eval reads the rest from the messages."""
+        shout = result.extra.get("shout")
+        turns = shout.get("turns") if isinstance(shout, dict) else None
+        if not isinstance(turns, int) or isinstance(turns, bool):
+            raise NotRegradableError("the result has no extra.shout.turns (how many model turns the episode had)")
+        job.state["instance"] = ShoutInstance.model_validate(job.instance)
+        job.state["turns"] = turns
 
     async def eval(self, job) -> None:
         inst: ShoutInstance = job.state["instance"]

@@ -45,7 +45,7 @@ from handlers.swe.harness import (ERROR, FAILED, PASSED, ReportError, harness_pa
 from handlers.swe.patch_check import MAX_PATCH_BYTES, WAIVABLE, PatchCheck, check_patch, config_files
 from handlers.swe.run_tests import TIMEOUT_EXIT
 from prorl_server.cpu_pool import CpuTimeoutError
-from prorl_server.plugin import AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError
+from prorl_server.plugin import AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import Limits, SandboxSpec, ToolError
 
@@ -184,6 +184,12 @@ class SweHandler(AgentHandler):
             return (await handle.download(PATCH_FILE)).decode("utf-8", errors="surrogateescape"), None
         except ToolError as e:
             return "", f"the patch could not be downloaded: {e}"
+
+    def restore_for_eval(self, job, result) -> None:
+        """Refused: eval grades the patch that run took from the sandbox's repository (``git diff`` against
+        the base commit), and the result records only its size (``extra["eval"]["patch_bytes"]``)."""
+        raise NotRegradableError("the swe handler grades the patch its run stage took from the run sandbox's "
+                                 "repository; the result does not record the patch, so it cannot be re-graded")
 
     async def eval(self, job) -> None:
         inst = job.instance

@@ -11,9 +11,10 @@
 from prorl_server.agent_loop import AgentConfig
 from prorl_server.datasets import DatasetError
 from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, InfrastructureError,
-                                         InstanceValidationError, InvalidInstanceError)
+                                         InstanceValidationError, InvalidInstanceError, NotRegradableError)
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, register_handler
 
 __all__ = ["AgentConfig", "AgentHandler", "DatasetError", "HandlerRegistry", "HandlerSettingsError",
-           "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "UnknownHandlerError",
+           "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "NotRegradableError",
+           "UnknownHandlerError",
            "register_handler"]

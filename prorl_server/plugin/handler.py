@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from prorl_server.failures import FAILURE_KINDS, InfrastructureError, InvalidInstanceError
 
 __all__ = ["AgentHandler", "FAILURE_KINDS", "HandlerSettingsError", "InfrastructureError",
-           "InstanceValidationError", "InvalidInstanceError", "error_location"]
+           "InstanceValidationError", "InvalidInstanceError", "NotRegradableError", "error_location"]
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
@@ -48,6 +48,12 @@ class InstanceValidationError(ValueError):
 class HandlerSettingsError(ValueError):
     """The server settings' ``handlers`` section names an unknown handler, a key its ``settings_model`` does
     not have, or a bad value (raised at startup)."""
+
+
+class NotRegradableError(RuntimeError):
+    """A recorded result cannot be graded again (:meth:`AgentHandler.restore_for_eval`): what the handler's eval
+    reads was never recorded (it lived in the run stage's sandbox or handler state). The message says what is
+    missing; a re-grading tool refuses the job instead of guessing a reward."""
 
 
 def error_location(err: dict[str, Any], prefix: str) -> str:
@@ -155,6 +161,22 @@ class AgentHandler:
 
     async def eval_exception(self, job: "Job", exc: BaseException) -> None:
         """Called when ``eval`` raised."""
+
+    def restore_for_eval(self, job: "Job", result: "JobResult") -> None:
+        """Rebuild, from a finished job's recorded ``result``, what :meth:`eval` reads that the pipeline does
+        not restore itself, so the current ``eval`` can grade it again with no LLM backend and no run stage
+        (``prorl-journal regrade``). The caller has already set ``job.instance`` (from the recorded request),
+        ``job.messages``, ``job.trajectories``, ``job.token_stats`` and ``job.extra`` (without ``"eval"``) from
+        ``result``; a handler whose eval reads ``job.state`` fills it here.
+
+        The default refuses: a handler is re-gradable only when it says how (its eval may read state that
+        only its run stage's sandbox held).
+
+        Raises:
+            NotRegradableError: ``result`` lacks what eval needs (the message names it).
+        """
+        raise NotRegradableError(f"the {self.name or type(self).__name__} handler does not say how to re-grade a "
+                                 "recorded result (AgentHandler.restore_for_eval)")
 
     async def final_result(self, job: "Job") -> "JobResult":
         """Build the job's result; the default takes the job's fields as they are."""
