@@ -1,0 +1,375 @@
+"""``prorl-journal``: re-grade, export and inspect a rollout server's journal (:mod:`prorl_server.journal`).
+
+::
+
+    prorl-journal regrade JOURNAL [--handler NAME] [--out FILE.jsonl] [--sandbox-runtime auto|bubblewrap|none]
+                                  [--workers N] [--since UNIX_S] [--timeout-s S]
+    prorl-journal export JOURNAL --format jsonl|verl|trl --out PATH [--handler NAME] [--since UNIX_S]
+    prorl-journal stats JOURNAL [--json]
+
+``regrade`` grades every finished job again with the current handler code and no LLM backend
+(:mod:`prorl_server.regrade`) and writes one JSON line per job (``job_id``, ``old_reward``, ``new_reward``,
+``changed``, ``failure_kind``, ``status``, ...; to ``--out`` or stdout), then a summary on stderr. ``export``
+writes the finished results as trainer rows (:mod:`prorl_server.journal_export`; verl as Parquet when pyarrow is
+installed and ``--out`` does not end in ``.jsonl``, else JSON lines with the same columns). ``stats`` counts jobs
+by state and handler, completions and gateway exchanges, and the file's size. Progress bars (tqdm) go to stderr
+(``--quiet`` hides them).
+
+Exit status: 0 done; 1 ``regrade`` re-graded nothing although jobs matched (every one skipped, refused or
+failed: the summary says why); 2 the journal is missing or unreadable, or a bad argument.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sqlite3
+import sys
+import time
+import urllib.parse
+from collections import Counter
+from typing import Any, Iterator, Optional, Sequence
+
+from prorl_server.journal import Journal, JournalError
+
+#: Tables a file must hold to be read as a journal.
+JOURNAL_TABLES = ("jobs", "completions")
+
+Row = tuple[str, Optional[str], bytes, Optional[bytes]]
+
+
+class CliError(Exception):
+    """A fault the user can fix (a missing or unreadable journal, a bad argument): printed, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _read_only(path: str) -> sqlite3.Connection:
+    # check_same_thread off: ``regrade`` reads its rows from worker threads (one at a time)
+    return sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=30,
+                           check_same_thread=False)
+
+
+def open_journal(path: str) -> Journal:
+    """The journal at ``path`` for reading. Checked read-only first, so a missing file is not created and a
+    database that is no journal is not given the journal's tables.
+
+    Raises:
+        CliError: no file there, not an SQLite database (corrupt or another file), or no journal tables.
+    """
+    if not os.path.exists(path):
+        raise CliError(f"no journal at {path} (the server's journal_path setting says where it writes one)")
+    if not os.path.isfile(path):
+        raise CliError(f"{path} is not a file")
+    try:
+        db = _read_only(path)
+        try:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            db.execute("PRAGMA quick_check(1)").fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise CliError(f"{path} is not a readable journal: {e}") from None
+    missing = [t for t in JOURNAL_TABLES if t not in tables]
+    if missing:
+        raise CliError(f"{path} is an SQLite database but not a journal (no table {', '.join(missing)})")
+    try:
+        return Journal(path)
+    except JournalError as e:
+        raise CliError(str(e)) from None
+
+
+def finished_rows(journal: Journal, since: Optional[float] = None) -> Iterator[Row]:
+    """``(job_id, handler, request JSON, result JSON)`` of every finished job, oldest first; with ``since``, only
+    jobs submitted at or after it (unix seconds)."""
+    if since is None:
+        yield from journal.iter_jobs("done")
+        return
+    db = _read_only(journal.path)
+    try:
+        yield from db.execute("SELECT job_id, handler, request, result FROM jobs WHERE state = 'done' AND "
+                              "submitted >= ? ORDER BY submitted", (since,))
+    finally:
+        db.close()
+
+
+def count_finished(journal: Journal, since: Optional[float] = None) -> int:
+    if since is None:
+        return journal.count_jobs("done")
+    db = _read_only(journal.path)
+    try:
+        return db.execute("SELECT COUNT(*) FROM jobs WHERE state = 'done' AND submitted >= ?", (since,)).fetchone()[0]
+    finally:
+        db.close()
+
+
+class HandlerFilter:
+    """Whether a journalled job is of the handler ``name`` (aliases resolved through ``registry``: ``--handler
+    humaneval`` matches jobs journalled as ``code``)."""
+
+    def __init__(self, name: Optional[str], registry: Any) -> None:
+        self.registry = registry
+        self.name = self._canonical(name) if name else None
+
+    def _canonical(self, name: str) -> str:
+        try:
+            return self.registry.resolve(name)[0]
+        except KeyError:
+            return name
+
+    def __call__(self, handler: Optional[str], request_json: Optional[bytes]) -> bool:
+        if self.name is None:
+            return True
+        if handler is None:
+            try:
+                handler = (json.loads(request_json or b"null") or {}).get("instance", {}).get("data_source")
+            except (ValueError, AttributeError):
+                return False
+        return isinstance(handler, str) and self._canonical(handler) == self.name
+
+
+def _registry() -> Any:
+    from prorl_server.plugin.registry import HandlerRegistry
+
+    r = HandlerRegistry()
+    r.load_entry_points()
+    return r
+
+
+def _progress(total: Optional[int], desc: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="job", file=sys.stderr, disable=quiet, mininterval=0.5,
+                dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------------------------------ regrade
+async def _regrade(args: argparse.Namespace) -> int:
+    from prorl_server.regrade import Regrader
+
+    journal = open_journal(args.journal)
+    registry = _registry()
+    matches = HandlerFilter(args.handler, registry)
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    statuses: Counter = Counter()
+    reasons: Counter = Counter()
+    changed = 0
+    old_sum = new_sum = 0.0
+    rows = finished_rows(journal, args.since)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * args.workers)
+    bar = _progress(count_finished(journal, args.since), "regrade", args.quiet)
+    try:
+        async with Regrader(registry, sandbox_runtime=args.sandbox_runtime, cpu_workers=min(args.workers,
+                            os.cpu_count() or 1), timeout_s=args.timeout_s) as regrader:
+
+            async def produce() -> None:
+                try:
+                    while True:  # the journal is read off the event loop
+                        row = await asyncio.to_thread(next, rows, None)
+                        if row is None:
+                            break
+                        if matches(row[1], row[2]):
+                            await queue.put(row)
+                        else:
+                            bar.update(1)
+                finally:
+                    for _ in range(args.workers):
+                        await queue.put(None)
+
+            async def work() -> None:
+                nonlocal changed, old_sum, new_sum
+                while (row := await queue.get()) is not None:
+                    outcome = await regrader.regrade(*row)
+                    statuses[outcome.status] += 1
+                    if outcome.status == "regraded":
+                        changed += bool(outcome.changed)
+                        old_sum += outcome.old_reward or 0.0
+                        new_sum += outcome.new_reward or 0.0
+                    elif outcome.reason:
+                        reasons[(outcome.status, outcome.handler, outcome.reason[:300])] += 1
+                    out.write(json.dumps(outcome.row(), ensure_ascii=False, default=repr) + "\n")
+                    bar.update(1)
+                    bar.set_postfix(changed=changed, refresh=False)
+
+            await asyncio.gather(produce(), *(work() for _ in range(args.workers)))
+    finally:
+        bar.close()
+        if out is not sys.stdout:
+            out.close()
+        else:
+            out.flush()
+        journal.close()
+    n = statuses["regraded"]
+    print(f"regrade: {sum(statuses.values())} job(s): {n} re-graded, {changed} changed"
+          + (f", mean reward {old_sum / n:.4f} -> {new_sum / n:.4f}" if n else "")
+          + "".join(f"; {statuses[s]} {s}" for s in ("skipped", "not_regradable", "eval_failed", "error")
+                    if statuses[s]), file=sys.stderr)
+    for (status, handler, reason), k in reasons.most_common(10):
+        print(f"  {k} {status} ({handler}): {reason}", file=sys.stderr)
+    return 1 if statuses and n == 0 and (statuses.total() - statuses["skipped"]) > 0 else 0
+
+
+# ------------------------------------------------------------------------------------------ export
+def _export(args: argparse.Namespace) -> int:
+    from prorl_server.journal_export import (VERL_COLUMNS, InvalidRecordError, RowWriter, parquet_available,
+                                             result_row, trainable, trl_row, verl_rows)
+    from prorl_server.types import JobResult
+
+    journal = open_journal(args.journal)
+    matches = HandlerFilter(args.handler, _registry())
+    path = args.out
+    parquet = False
+    if args.format == "verl" and not path.endswith(".jsonl"):
+        parquet = parquet_available()
+        if not parquet:
+            print("export: pyarrow is not installed: writing verl rows as JSON lines", file=sys.stderr)
+            if path.endswith(".parquet"):
+                path = path[: -len(".parquet")] + ".jsonl"
+    counts: Counter = Counter()
+    bar = _progress(count_finished(journal, args.since), f"export {args.format}", args.quiet)
+    try:
+        with RowWriter(path, parquet=parquet, columns=VERL_COLUMNS if parquet else None) as w:
+            for job_id, handler, request, result_json in finished_rows(journal, args.since):
+                bar.update(1)
+                if not matches(handler, request):
+                    continue
+                counts["jobs"] += 1
+                if result_json is None:
+                    counts["no result"] += 1
+                    continue
+                if args.format == "jsonl":
+                    w.write(result_row(result_json))
+                    continue
+                try:
+                    result = JobResult.model_validate_json(result_json)
+                    if not trainable(result):
+                        counts["not trainable (filtered or no trajectory)"] += 1
+                        continue
+                    if args.format == "verl":
+                        w.write_all(verl_rows(result))
+                    else:
+                        w.write(trl_row(result))
+                except (InvalidRecordError, ValueError) as e:
+                    counts["invalid"] += 1
+                    print(f"export: job {job_id} left out: {e}", file=sys.stderr)
+    finally:
+        bar.close()
+        journal.close()
+    skipped = "".join(f"; {k} {v}" for k, v in counts.items() if k != "jobs")
+    print(f"export: {counts['jobs']} job(s) -> {w.rows} {args.format} row(s) in {path} "
+          f"({'parquet' if parquet else 'jsonl'}){skipped}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ stats
+def journal_stats(journal: Journal) -> dict[str, Any]:
+    """Counts of a journal: ``jobs`` by state, ``done_by_handler``, ``completions`` (rows, owners, generated
+    tokens), ``gateway`` (exchanges, sessions), ``oldest`` / ``newest`` submission (unix s), ``size_bytes``."""
+    db = _read_only(journal.path)
+    try:
+        q = lambda sql: db.execute(sql).fetchall()  # noqa: E731
+        by_state = dict(q("SELECT state, COUNT(*) FROM jobs GROUP BY state ORDER BY state"))
+        by_handler = dict(q("SELECT COALESCE(handler, '?'), COUNT(*) FROM jobs WHERE state = 'done' "
+                            "GROUP BY handler ORDER BY COUNT(*) DESC"))
+        n, owners, tokens = q("SELECT COUNT(*), COUNT(DISTINCT owner), COALESCE(SUM(LENGTH(token_ids)), 0) / 4 "
+                              "FROM completions")[0]
+        tables = {r[0] for r in q("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        gw = q("SELECT COUNT(*), COUNT(DISTINCT session_id) FROM gateway")[0] if "gateway" in tables else (0, 0)
+        oldest, newest = q("SELECT MIN(submitted), MAX(submitted) FROM jobs")[0]
+    finally:
+        db.close()
+    return {"path": journal.path, "jobs": by_state, "jobs_total": sum(by_state.values()),
+            "done_by_handler": by_handler,
+            "completions": {"rows": n, "owners": owners, "generated_tokens": tokens},
+            "gateway": {"exchanges": gw[0], "sessions": gw[1]}, "oldest": oldest, "newest": newest,
+            "size_bytes": journal.size_bytes()}
+
+
+def _stats(args: argparse.Namespace) -> int:
+    journal = open_journal(args.journal)
+    try:
+        s = journal_stats(journal)
+    except sqlite3.Error as e:
+        raise CliError(f"{args.journal} is not a readable journal: {e}") from None
+    finally:
+        journal.close()
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    when = lambda t: "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))  # noqa: E731
+    print(f"journal {s['path']}: {s['size_bytes'] / 1e6:.1f} MB on disk")
+    print(f"jobs: {s['jobs_total']} (" + ", ".join(f"{k} {v}" for k, v in s["jobs"].items()) + ")")
+    if s["done_by_handler"]:
+        print("finished by handler: " + ", ".join(f"{k} {v}" for k, v in s["done_by_handler"].items()))
+    c, g = s["completions"], s["gateway"]
+    print(f"completions: {c['rows']} of {c['owners']} owner(s), {c['generated_tokens']} generated tokens")
+    print(f"gateway exchanges: {g['exchanges']} in {g['sessions']} session(s)")
+    print(f"submitted: {when(s['oldest'])} .. {when(s['newest'])}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ main
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prorl-journal", description="Re-grade, export and inspect a rollout "
+                                "server's journal (the SQLite file of its jobs, results and completions).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser, since: bool = True) -> None:
+        sp.add_argument("journal", help="the journal file (SQLite)")
+        if since:
+            sp.add_argument("--handler", help="only jobs of this handler (a name or an alias)")
+            sp.add_argument("--since", type=float, metavar="UNIX_S",
+                            help="only jobs submitted at or after this time (unix seconds)")
+            sp.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("regrade", help="grade the finished jobs again with the current handler code, no LLM",
+                       description="Grade every finished job again with the current handler code (its eval and "
+                       "final_result) and no LLM backend; one JSON line per job, a summary on stderr.")
+    common(r)
+    r.add_argument("--out", help="write the JSON lines here (default: stdout)")
+    r.add_argument("--sandbox-runtime", default="auto",
+                   help="runtime for the sandboxes eval opens (code grading): auto (bubblewrap where bwrap is "
+                   "installed), bubblewrap or none (default: auto)")
+    r.add_argument("--workers", type=_positive_int, default=1, help="jobs graded at once (default: 1)")
+    r.add_argument("--timeout-s", type=float, default=600.0,
+                   help="seconds one job's eval may take (default: 600)")
+    e = sub.add_parser("export", help="write the finished results as verl rows, TRL rows or JSONL",
+                       description="Write the finished results as trainer rows: verl (one row per trajectory "
+                       "segment; Parquet when pyarrow is installed), trl (one row per job) or jsonl (the results).")
+    common(e)
+    e.add_argument("--format", required=True, choices=("jsonl", "verl", "trl"))
+    e.add_argument("--out", required=True, help="output file")
+    s = sub.add_parser("stats", help="jobs by state, completions, size on disk")
+    common(s, since=False)
+    s.add_argument("--json", action="store_true", help="print the counts as JSON")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "regrade":
+            return asyncio.run(_regrade(args))
+        if args.command == "export":
+            return _export(args)
+        return _stats(args)
+    except CliError as e:
+        print(f"prorl-journal: {e}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as e:  # damaged past what open_journal's check reads
+        print(f"prorl-journal: {args.journal} could not be read: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("prorl-journal: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
