@@ -25,7 +25,8 @@ from aiohttp import web
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
-from prorl_server.config import ServerSettings
+from prorl_server.config import ServerSettings, journal_path
+from prorl_server.journal import Journal
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
 from prorl_server.gc_control import CollectorControl
 from prorl_server.gateway import Gateway, add_gateway_routes
@@ -60,6 +61,8 @@ LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
 async def process(request: web.Request) -> web.Response:
     """Submit a job and block until it ends; answers the JobResult (ProRL-compatible)."""
     job = _submit(request, await parse_body(request, ProcessRequest))
+    if isinstance(job, FinishedJob):  # a resubmitted id whose result the journal has: that result again
+        return web.Response(body=job.result_json, content_type="application/json")
     await asyncio.shield(job.done)
     # the JSON serialized once when the job finished; GET /jobs/{id} keeps a summary only from now on
     return web.Response(body=request.app[PIPELINE].delivered(job), content_type="application/json")
@@ -92,6 +95,9 @@ async def get_job(request: web.Request) -> web.Response:
     job_id = request.match_info["job_id"]
     job = request.app[PIPELINE].get(job_id)
     if job is None:
+        if request.app[PIPELINE].interrupted(job_id):
+            raise ApiError(404, "job_interrupted", f"job {job_id!r} was running on this server when it stopped "
+                           "and never finished: resubmit it (its id is free)")
         raise ApiError(404, "unknown_job", f"no job with id {job_id!r} (never submitted, or expired)")
     if isinstance(job, FinishedJob):  # its result is kept as JSON: answered as it is, not parsed again
         return web.Response(body=b'{"job_id":%s,"state":"done","result":%s}' % (json.dumps(job_id).encode(),
@@ -203,6 +209,7 @@ class Components:
     services: JobServices
     pipeline: Pipeline
     collector: Optional[CollectorControl] = None
+    journal: Any = None  # a prorl_server.journal.Journal, or None
     _health: Optional[asyncio.Task] = field(default=None, repr=False)
     _health_session: Optional[aiohttp.ClientSession] = field(default=None, repr=False)
     _started: list[str] = field(default_factory=list, repr=False)
@@ -217,6 +224,9 @@ class Components:
                 reaped = await self.runtime.reap_orphans()
                 if reaped:
                     log.warning("reaped %d sandbox(es) left by a crashed earlier server", reaped)
+            if self.journal is not None:
+                self.journal.start()
+                self._started.append("journal")
             self._started += ["cpu_pool", "llm"]  # they start on first use; closed all the same
             self.pipeline.start_workers()
             self._started.append("pipeline")
@@ -238,7 +248,8 @@ class Components:
         """Stop everything that was started, in the order of the class docstring. Idempotent."""
         for name, stop in (("collector", self._stop_collector), ("gateway", self.gateway.close),
                            ("health", self._stop_health),
-                           ("pipeline", self.pipeline.shutdown), ("llm", self.llm.close),
+                           ("pipeline", self.pipeline.shutdown), ("journal", self._close_journal),
+                           ("llm", self.llm.close),
                            ("cpu_pool", self.cpu_pool.close), ("runtime", self._close_sandboxes),
                            ("loop_monitor", self.loop_monitor.stop)):
             if name not in self._started:
@@ -250,6 +261,10 @@ class Components:
                 raise
             except Exception:
                 log.exception("closing the %s failed", name)
+
+    async def _close_journal(self) -> None:
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close)
 
     async def _stop_collector(self) -> None:
         if self.collector is not None:
@@ -341,9 +356,15 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                         services=services)
     collector = CollectorControl(freeze=settings.gc_freeze, gen0_threshold=settings.gc_gen0_threshold,
                                  on_collection=m.gc_collected, on_frozen=m.gc_frozen_objects.set)
+    journal = None
+    path = journal_path(settings)
+    if path is not None:
+        journal = Journal(path, max_bytes=settings.journal_max_bytes, max_age_s=settings.journal_max_age_s)
+        pipeline.journal = llm.client.journal = journal
+        log.info("journal: %s", path)
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
                       runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
-                      services=services, pipeline=pipeline, collector=collector)
+                      services=services, pipeline=pipeline, collector=collector, journal=journal)
 
 
 # ------------------------------------------------------------------------------------------ factory

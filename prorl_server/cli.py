@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sandbox runtime for handlers that need one (default auto: bubblewrap where bwrap is "
                    "installed, else none, said at start)")
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
+    p.add_argument("--journal", help="SQLite journal of jobs, results and completions: a path, 'auto' (the "
+                   "default: ~/.local/state/prorl/journal/<host>_<port>.sqlite) or 'off'")
     p.add_argument("--ready-file", help="write {host, port, pid, url} as JSON here once listening")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"],
@@ -82,7 +84,10 @@ def settings_from_args(argv: Optional[Sequence[str]] = None) -> ServerSettings:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config"}
     try:
-        return build_settings(args.config, overrides)
+        settings = build_settings(args.config, overrides)
+        if settings.journal is None:  # the server journals by default (an app built in code does not)
+            settings = settings.model_copy(update={"journal": "auto"})
+        return settings
     except (ValidationError, ValueError, OSError) as e:
         parser.error(str(e))
         raise  # unreachable

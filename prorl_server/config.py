@@ -82,6 +82,15 @@ class ServerSettings(BaseModel):
     processes: int = Field(default=1, ge=0, le=1024, description="server processes to run (prorl-server "
                            "only): each is its own member with its own port (port, port+1, ...; or each a free "
                            "port with port 0), listed in the ready file's members; 0 = one per CPU core")
+    journal: Optional[str] = Field(default=None, description="the SQLite journal of jobs, results and "
+                                   "completions (prorl_server.journal): a file path, 'auto' "
+                                   "(~/.local/state/prorl/journal/<host>_<port>.sqlite; what prorl-server uses "
+                                   "when this is not set) or 'off'; null (the default of an app built in code) "
+                                   "is off")
+    journal_max_bytes: Optional[int] = Field(default=16 << 30, ge=1 << 20, description="the journal's size cap "
+                                             "in bytes (the oldest finished jobs are deleted first); null: none")
+    journal_max_age_s: Optional[float] = Field(default=7 * 86400.0, gt=0, description="finished jobs older "
+                                               "than this are deleted from the journal; null: kept")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "
@@ -144,3 +153,17 @@ def build_settings(file: Optional[str] = None, overrides: Optional[dict[str, Any
         default_registry.load_entry_points()
         default_registry.configure(settings.handlers)
     return settings
+
+
+def journal_path(settings: ServerSettings) -> Optional[str]:
+    """Where ``settings.journal`` says the journal is: None for off (null, ``off``, or ``auto`` with port 0,
+    whose port is not known before binding), else a file path."""
+    value = settings.journal
+    if value is None or value.lower() in ("off", "none", "false", ""):
+        return None
+    if value.lower() == "auto":
+        if settings.port == 0:
+            return None
+        host = settings.host.replace(":", "_").replace("/", "_")
+        return str(Path.home() / ".local" / "state" / "prorl" / "journal" / f"{host}_{settings.port}.sqlite")
+    return value

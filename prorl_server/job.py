@@ -241,6 +241,11 @@ class Job:
         that runs several conversations (agent loops, gateway sessions) reports their sum."""
         self.token_stats = stats if self.token_stats is None else self.token_stats + stats
 
+    @property
+    def journal_owner(self) -> str:
+        """Under which name the journal records this job's completions (its id)."""
+        return self.job_id
+
     def record_turn(self, backend: str, weight_version: Optional[int], oldest_version: Optional[int] = None) -> None:
         """A turn was generated for this job by ``backend`` with weights ``weight_version`` (what the LLM
         client recorded for it): the result's ``backend`` / ``weight_version`` are those of the last turn."""

@@ -240,6 +240,10 @@ class PoolBackends:
     def __init__(self, pool: BackendPool, key: str) -> None:
         self.pool, self.key = pool, key
 
+    @property
+    def journal_owner(self) -> str:
+        return self.key
+
     def acquire(self, exclude: frozenset[str]) -> Awaitable[Backend]:
         return self.pool.acquire(self.key, exclude=exclude)
 
@@ -341,6 +345,9 @@ class LLMClient:
                                          "swap_moved": 0, "swap_held": 0}
         #: requests on the wire, by backend address and request id (what a weight swap pauses and splits)
         self.in_flight: dict[str, dict[str, InFlightCall]] = {}
+        #: a :class:`prorl_server.journal.Journal` that records every kept completion of a source with a
+        #: ``journal_owner`` (a job; a gateway session's pool assignment), or None
+        self.journal: Any = None
 
     # ------------------------------------------------------------------ session
     @property
@@ -508,6 +515,12 @@ class LLMClient:
             completion = self._completion(data, choice, b, version_sent, http_s, failures + pause_retries + 1,
                                           failovers, pause_retries, top_logprobs=bool(top),
                                           splits=call.splits if call is not None else ())
+            if self.journal is not None:
+                owner = getattr(source, "journal_owner", None)
+                if owner is not None:
+                    self.journal.completion(owner, completion.backend, prompt_ids, completion.token_ids,
+                                            completion.logprobs, completion.version_runs,
+                                            completion.finish_reason)
             source.record_turn(completion.backend,
                                completion.weight_versions[-1] if completion.weight_versions else None,
                                min(completion.weight_versions) if completion.weight_versions else None)

@@ -98,6 +98,9 @@ class Pipeline:
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job | FinishedJob] = {}  # live jobs and the records of the most recent finished ones
+        #: the server's :class:`~prorl_server.journal.Journal`, or None: with one, a job's request, states and
+        #: result are recorded, a result is answered only once committed, and job ids are idempotent
+        self.journal: Any = None
         self._finished: collections.deque[FinishedJob] = collections.deque()  # finish order, for retention
         self.in_flight = 0
         self.accepting = True
@@ -172,22 +175,51 @@ class Pipeline:
             old = self.jobs.get(req.job_id)
             if old is not None and not old.finished:
                 raise DuplicateJobError(f"job {req.job_id!r} is already in flight")
+            if self.journal is not None:
+                done = self.journaled_result(req.job_id)
+                if done is not None and not done[1]:
+                    return done[0]  # idempotent: the finished result again, not a second sample
         job = Job(job_id=req.job_id, instance=instance, sampling_params=req.sampling_params,
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   services=self.services, group_id=req.group_id)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
+        if self.journal is not None:
+            self.journal.job_submitted(job.job_id, name, req.model_dump_json().encode())
         self.in_flight += 1
         self.metrics.jobs_in_flight.set(self.in_flight)
         self._enqueue(job, "init")
         return job
 
     def get(self, job_id: str) -> Optional[Job | FinishedJob]:
-        """The live job ``job_id``, or the record of a finished one still retained, or None."""
-        return self.jobs.get(job_id)
+        """The live job ``job_id``, or the record of a finished one still retained (or journalled), or None."""
+        job = self.jobs.get(job_id)
+        if job is None and self.journal is not None:
+            done = self.journaled_result(job_id)
+            return done[0] if done is not None else None
+        return job
+
+    def journaled_result(self, job_id: str) -> Optional[tuple["FinishedJob", bool]]:
+        """``(record, filtered)`` of ``job_id``'s finished result in the journal, or None (no journal, never
+        journalled, or not finished: a crash interrupted it, see :meth:`interrupted`)."""
+        row = self.journal.job(job_id) if self.journal is not None else None
+        if row is None or row[0] != "done" or row[2] is None:
+            return None
+        record = FinishedJob(job_id, "", row[2], 0)
+        return record, row[3]
+
+    def interrupted(self, job_id: str) -> bool:
+        """True when the journal has ``job_id`` as started and never finished (the server that ran it stopped
+        or crashed) and it is not running here: the client should resubmit it."""
+        if self.journal is None or job_id in self.jobs:
+            return False
+        row = self.journal.job(job_id)
+        return row is not None and row[0] != "done"
 
     def _enqueue(self, job: Job, stage: Stage) -> None:
+        if self.journal is not None and stage != "init":
+            self.journal.job_state(job.job_id, stage)
         job.status = _QUEUED[stage]
         job.enqueued_at = time.monotonic()
         self.queues[stage].put_nowait(job)
@@ -246,7 +278,11 @@ class Pipeline:
 
         Returns ``(cancelled_now, state)``. Raises KeyError for an unknown id.
         """
-        job = self.jobs[job_id]
+        job = self.jobs.get(job_id)
+        if job is None:
+            if self.journaled_result(job_id) is not None:
+                return False, JobState.done
+            raise KeyError(job_id)
         if job.finished:
             return False, job.status
         if job.finishing:  # already ending (e.g. closing sandboxes): wait for it
@@ -434,6 +470,13 @@ class Pipeline:
             result = result.model_copy(update={"filter": True})
         if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
             result = result.model_copy(update={"reward": 0.0, "resolved": False})
+        if self.journal is not None:
+            # committed before anyone sees it: a result a client received survives a crash of this process
+            job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
+            self.journal.job_result(job.job_id, job.result_json_cache, result.filter)
+            self.journal.forget_owner(job.job_id)
+            if not await self.journal.aflush():
+                log.error("journal: the result of job %s was not committed within 30 s", job.job_id)
         job.result = result
         job.status = JobState.done
         self.in_flight -= 1
@@ -502,7 +545,9 @@ class FinishedJob:
     @classmethod
     def of(cls, job: Job) -> "FinishedJob":
         """The record of ``job``, whose ``result`` is set (serialized once here)."""
-        return cls(job.job_id, job.trajectory_id, _dump(job.result), result_bytes(job.result))
+        body = getattr(job, "result_json_cache", None)
+        return cls(job.job_id, job.trajectory_id, body if body is not None else _dump(job.result),
+                   result_bytes(job.result))
 
     @property
     def result(self) -> JobResult:

@@ -1,0 +1,170 @@
+"""The journal (``prorl_server.journal``): what it stores comes back exactly, and a server with one answers a
+finished job's result again for its id (idempotent resubmission), after its memory forgot it, and records
+every completion of the job with its exact tokens.
+
+The store tests use the real SQLite file and writer thread; the server tests the real app with the
+``scripted`` handler (tests/core/conftest.py) and ``shout`` over :class:`prorl_server.fake_vllm.FakeVLLM`
+(standing for vLLM's completions endpoint).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import pytest
+
+from handlers.shout.handler import ShoutHandler
+from prorl_server.app import create_app
+from prorl_server.config import ServerSettings, journal_path
+from prorl_server.fake_vllm import start_fake_vllm
+from prorl_server.journal import Journal, JournalError
+from prorl_server.plugin.registry import HandlerRegistry
+
+
+def journal(tmp_path, **kw) -> Journal:
+    j = Journal(str(tmp_path / "j" / "journal.sqlite"), **kw)
+    j.start()
+    return j
+
+
+def test_jobs_and_results_round_trip(tmp_path):
+    j = journal(tmp_path)
+    j.job_submitted("a", "math", b'{"instance": {"data_source": "math"}}')
+    j.job_state("a", "run")
+    j.job_submitted("b", "math", b"{}")
+    j.job_result("a", b'{"job_id": "a", "reward": 1.0}', filtered=False)
+    assert j.flush()
+    assert j.job("a") == ("done", b'{"instance": {"data_source": "math"}}', b'{"job_id": "a", "reward": 1.0}', False)
+    assert j.result("a") == b'{"job_id": "a", "reward": 1.0}'
+    assert j.result("b") is None and j.unfinished() == ["b"]
+    assert [r[0] for r in j.iter_jobs()] == ["a"]
+    j.close()
+    # a new Journal on the same file (a restarted server) sees the same
+    j2 = journal(tmp_path)
+    assert j2.result("a") == b'{"job_id": "a", "reward": 1.0}' and j2.unfinished() == ["b"]
+    j2.close()
+
+
+def test_completions_come_back_exactly_and_shared_prefixes_are_stored_once(tmp_path):
+    j = journal(tmp_path)
+    ctx = list(range(500))  # a live, append-only context list, as a conversation's token_ids
+    turns = []
+    for k in range(5):
+        prompt = list(ctx)
+        out = [7000 + k * 10 + i for i in range(10)]
+        j.completion("job", "http://b", ctx, out, [-0.25 * i for i in range(10)], [[k, 10]], "stop")
+        turns.append((prompt, out))
+        ctx.extend(out)
+        ctx.extend([1, 2, 3])  # the observation appended after the turn
+    rewritten = [9] + list(range(400))  # a context the chat template rewrote: not a continuation
+    j.completion("job", "http://b", rewritten, [5], [-1.0], [[None, 1]], "length")
+    turns.append((rewritten, [5]))
+    j.flush()
+    recs = j.completions("job")
+    assert [(r.prompt_ids, r.token_ids) for r in recs] == turns
+    assert recs[0].logprobs == [-0.25 * i for i in range(10)] and recs[-1].version_runs == [[None, 1]]
+    db = sqlite3.connect(j.path)
+    prefix = [row[0] for row in db.execute("SELECT prefix_len FROM completions ORDER BY seq")]
+    assert prefix == [0, 510, 523, 536, 549, 0]  # each turn stores only what it added; the rewrite whole
+    j.close()
+
+
+def test_a_token_id_outside_int32_is_a_write_error_not_a_crash(tmp_path):
+    j = journal(tmp_path)
+    j.completion("x", None, [1], [2 ** 40], [0.0], [[0, 1]], "stop")
+    j.job_submitted("after", "h", b"{}")
+    j.flush()
+    assert j.job("after") is not None  # the writer thread lives on
+    j.close()
+
+
+def test_retention_deletes_old_finished_jobs_and_their_completions(tmp_path):
+    j = journal(tmp_path, max_age_s=0.05, retention_every_s=0.0)
+    j.job_submitted("old", "h", b"{}")
+    j.completion("old", None, [1, 2], [3], [0.0], [[0, 1]], "stop")
+    j.job_result("old", b"{}")
+    j.job_submitted("live", "h", b"{}")
+    j.flush()
+    time.sleep(0.1)
+    j.job_submitted("new", "h", b"{}")  # a write, so the writer runs its retention
+    j.flush()
+    j.job_state("new", "run")
+    j.flush()
+    assert j.job("old") is None and j.completions("old") == []
+    assert j.job("live") is not None  # an unfinished job is never deleted
+    j.close()
+
+
+def test_a_journal_that_is_not_sqlite_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(JournalError, match="bad.sqlite"):
+        Journal(str(bad))
+
+
+def test_journal_path_setting():
+    assert journal_path(ServerSettings()) is None
+    assert journal_path(ServerSettings(journal="off")) is None
+    assert journal_path(ServerSettings(journal="auto", port=0)) is None
+    assert journal_path(ServerSettings(journal="auto", port=8123)).endswith("journal/127.0.0.1_8123.sqlite")
+    assert journal_path(ServerSettings(journal="/x/j.sqlite")) == "/x/j.sqlite"
+
+
+# ------------------------------------------------------------------------------------------ a server with one
+async def test_a_finished_job_id_is_idempotent_and_found_after_memory_forgot_it(make_client, scripted, tmp_path,
+                                                                               wait_done):
+    path = tmp_path / "server.sqlite"
+    client = await make_client(journal=str(path), keep_finished=0)
+    body = {"job_id": "once", "instance": {"data_source": "scripted", "reward": 0.75}}
+    first = await (await client.post("/process", json=body)).json()
+    assert first["reward"] == 0.75
+    again = await (await client.post("/process", json=body)).json()
+    assert again == first  # the same result (same trajectory_id), not a second sample
+    assert scripted.events.count(("once", "run")) == 1  # and the handler did not run again
+    r = await client.get("/jobs/once")  # keep_finished=0: not in memory; answered from the journal
+    assert r.status == 200 and (await r.json())["result"]["trajectory_id"] == first["trajectory_id"]
+    r = await client.post("/jobs", json=body)
+    assert r.status == 202
+    assert (await (await client.post("/cancel", json={"job_id": "once"})).json())["cancelled"] is False
+
+
+async def test_a_filtered_result_is_run_again_on_resubmission(make_client, tmp_path):
+    client = await make_client(journal=str(tmp_path / "s.sqlite"))
+    body = {"job_id": "f", "instance": {"data_source": "scripted", "fail_in": "init"}}
+    first = await (await client.post("/process", json=body)).json()
+    assert first["filter"] is True
+    again = await (await client.post("/process", json=body)).json()
+    assert again["trajectory_id"] != first["trajectory_id"]
+
+
+async def test_every_completion_of_a_job_is_journalled_with_its_exact_tokens(aiohttp_client, tiny_model_dir,
+                                                                            tmp_path):
+    fake, runner, address = await start_fake_vllm(step_s=0.001)
+    try:
+        reg = HandlerRegistry()
+        reg.register(ShoutHandler)
+        path = tmp_path / "s.sqlite"
+        app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[address],
+                                        journal=str(path)), registry=reg)
+        client = await aiohttp_client(app)
+        body = {"job_id": "s1", "instance": {"data_source": "shout", "prompt": "Hi.", "turns": 3},
+                "sampling_params": {"max_tokens": 7}}
+        res = await (await client.post("/process", json=body)).json()
+        assert res["failure_kind"] is None
+        j = Journal(str(path))
+        recs = j.completions("s1")
+        traj = res["trajectories"][0]
+        assert len(recs) == 3
+        assert recs[0].prompt_ids == traj["prompt_ids"]
+        gen = [t for t, m in zip(traj["response_ids"], traj["loss_mask"]) if m]
+        assert [t for r in recs for t in r.token_ids] == gen
+        full = traj["prompt_ids"] + traj["response_ids"]
+        for r in recs:  # each turn's prompt is the context at that turn, exactly
+            assert full[:len(r.prompt_ids)] == r.prompt_ids
+        state, request, result, filtered = j.job("s1")
+        assert state == "done" and json.loads(request)["job_id"] == "s1" and not filtered
+        assert json.loads(result)["trajectory_id"] == res["trajectory_id"]
+        j.close()
+    finally:
+        await runner.cleanup()
