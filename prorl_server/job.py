@@ -10,6 +10,7 @@ so the pipeline releases them when the job ends, is cancelled or times out. The 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from dataclasses import dataclass
@@ -154,6 +155,9 @@ class Job:
         # the drift report of the job's conversations, summed (AgentResult.apply_to, a gateway session's end)
         self.token_stats: Optional[TokenStats] = None
         self.extra: dict[str, Any] = {}
+        #: completions journalled by an attempt of this job that a crash interrupted, oldest first: the LLM
+        #: client answers the same requests with them again (exact resume; see prorl_server.llm_client)
+        self.replay: Optional[collections.deque] = None
 
         # pipeline-owned outcome
         self.critical_error: Optional[CriticalError] = None
@@ -240,6 +244,15 @@ class Job:
         """Add one conversation's drift report (:class:`~prorl_server.types.TokenStats`) to the job's: a job
         that runs several conversations (agent loops, gateway sessions) reports their sum."""
         self.token_stats = stats if self.token_stats is None else self.token_stats + stats
+
+    def replay_event(self, replayed: bool, reason: Optional[str] = None) -> None:
+        """A turn was answered from :attr:`replay` (``replayed``), or the replay ended (``reason``: why the
+        request differed from the recorded one). Kept in the result's ``extra["replay"]``."""
+        report = self.extra.setdefault("replay", {"replayed": 0, "recorded": 0, "ended": None})
+        if replayed:
+            report["replayed"] += 1
+        elif reason is not None and report["ended"] is None:
+            report["ended"] = reason
 
     @property
     def journal_owner(self) -> str:

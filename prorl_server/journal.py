@@ -39,6 +39,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
+#: ``PRAGMA user_version`` of the journals this code writes; another version is refused, never guessed at.
+SCHEMA_VERSION = 1
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
@@ -63,6 +66,7 @@ CREATE TABLE IF NOT EXISTS completions (
     logprobs BLOB NOT NULL,       -- float64 little-endian
     version_runs TEXT NOT NULL,   -- JSON [[version, n], ...]
     finish_reason TEXT,
+    stop_reason TEXT,             -- JSON: the stop token id or string that ended it, null for EOS/length
     t REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS completions_owner ON completions(owner, seq);
@@ -126,6 +130,7 @@ class CompletionRecord:
     version_runs: list[list[Optional[int]]]
     finish_reason: Optional[str]
     t: float
+    stop_reason: Any = None
 
 
 class JournalError(RuntimeError):
@@ -153,7 +158,14 @@ class Journal:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             db = self._connect()
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+            if tables and version != SCHEMA_VERSION:
+                db.close()
+                raise JournalError(f"the journal {self.path} has schema version {version}, this server writes "
+                                   f"version {SCHEMA_VERSION}: move it aside or point journal at a new file")
             db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.close()
         except (sqlite3.Error, OSError) as e:
             raise JournalError(f"cannot open the journal {self.path}: {e}") from e
@@ -254,14 +266,19 @@ class Journal:
 
     def completion(self, owner: str, backend: Optional[str], prompt_ids: Sequence[int], token_ids: Sequence[int],
                    logprobs: Sequence[float], version_runs: Sequence[Sequence[Optional[int]]],
-                   finish_reason: Optional[str]) -> None:
+                   finish_reason: Optional[str], stop_reason: Any = None) -> None:
         """Record one completion of ``owner`` (a job id or a gateway session id), in the order they were
         generated. ``prompt_ids`` may be a live context list that is only ever appended to (a conversation's
         ``token_ids``): its first ``len(prompt_ids)`` items at this call are what is recorded; the writer thread
         packs them and finds the prefix shared with the owner's previous completion (bytes compared), so the
         event loop pays O(1) here."""
         self._q.put(("completion", (owner, backend, prompt_ids, len(prompt_ids), token_ids, logprobs,
-                                    version_runs, finish_reason, time.time()), time.perf_counter()))
+                                    version_runs, finish_reason, stop_reason, time.time()), time.perf_counter()))
+
+    def reset_owner(self, owner: str) -> None:
+        """A new attempt of ``owner`` starts (a resubmitted interrupted job): its journalled completions are
+        deleted (read them first: they are what the new attempt replays) and it numbers its turns from 0."""
+        self._q.put(("reset", owner, time.perf_counter()))
 
     def forget_owner(self, owner: str) -> None:
         """The owner ended: no further completion of it will come (its previous context is dropped)."""
@@ -279,7 +296,7 @@ class Journal:
         "state": "UPDATE jobs SET state = ?, updated = ? WHERE job_id = ? AND state != 'done'",
         "result": "UPDATE jobs SET state = 'done', result = ?, filtered = ?, updated = ? WHERE job_id = ?",
         "completion": "INSERT INTO completions(owner, seq, backend, prefix_len, prompt_tail, token_ids, logprobs, "
-                      "version_runs, finish_reason, t) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      "version_runs, finish_reason, stop_reason, t) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         "gateway": "INSERT INTO gateway(session_id, seq, request_hash, request, response, t) "
                    "VALUES (?, ?, ?, ?, ?, ?)",
     }
@@ -320,7 +337,7 @@ class Journal:
         db.close()
 
     def _completion_row(self, params: tuple) -> Optional[tuple]:
-        owner, backend, prompt, n, tokens, logprobs, runs, finish, t = params
+        owner, backend, prompt, n, tokens, logprobs, runs, finish, stop, t = params
         if owner is None:
             return None
         packed = pack_ints(prompt[:n])
@@ -331,13 +348,18 @@ class Journal:
         if len(self._last) > 100_000:  # owners that never said they ended
             self._last.pop(next(iter(self._last)))
         return (owner, seq + 1, backend, prefix // 4, packed[prefix:], out, pack_floats(logprobs),
-                json.dumps(runs, separators=(",", ":")), finish, t)
+                json.dumps(runs, separators=(",", ":")), finish,
+                None if stop is None else json.dumps(stop), t)
 
     def _commit(self, db: sqlite3.Connection, rows: list[tuple[str, Any, float]]) -> None:
         ready: list[tuple[str, Any]] = []
         for kind, params, _ in rows:  # in queue order: a state change never overtakes its job's insert
             if kind == "forget":
                 self._last.pop(params, None)
+                continue
+            if kind == "reset":
+                self._last.pop(params, None)
+                ready.append(("DELETE FROM completions WHERE owner = ?", (params,)))
                 continue
             if kind == "completion":
                 try:
@@ -364,7 +386,7 @@ class Journal:
         self.counters["rows"] += len(rows)
         self.counters["commits"] += 1
         lat = self.latencies
-        lat.extend(now - t for k, _, t in rows if k != "forget")
+        lat.extend(now - t for k, _, t in rows if k not in ("forget", "reset"))
         if len(lat) > 20_000:
             del lat[:-10_000]
 
@@ -450,7 +472,7 @@ class Journal:
         with self._reader_lock:
             rows = self._read().execute(
                 "SELECT owner, seq, backend, prefix_len, prompt_tail, token_ids, logprobs, version_runs, "
-                "finish_reason, t FROM completions WHERE owner = ? ORDER BY seq", (owner,)).fetchall()
+                "finish_reason, t, stop_reason FROM completions WHERE owner = ? ORDER BY seq", (owner,)).fetchall()
         return expand_prompts(rows)
 
     def gateway_exchanges(self, session_id: str) -> list[tuple[int, str, bytes, bytes]]:
@@ -465,10 +487,11 @@ def expand_prompts(rows: Sequence[tuple]) -> list[CompletionRecord]:
     prompt is the first ``prefix_len`` ids of the previous completion's prompt + output, then its tail."""
     out: list[CompletionRecord] = []
     prev: list[int] = []
-    for owner, seq, backend, prefix_len, tail, ids, lps, runs, finish, t in rows:
+    for owner, seq, backend, prefix_len, tail, ids, lps, runs, finish, t, *rest in rows:
         prompt = prev[:prefix_len] + unpack_ints(tail)
         tokens = unpack_ints(ids)
+        stop = json.loads(rest[0]) if rest and rest[0] is not None else None
         out.append(CompletionRecord(owner, seq, backend, prompt, tokens, unpack_floats(lps), json.loads(runs),
-                                    finish, t))
+                                    finish, t, stop))
         prev = prompt + tokens
     return out

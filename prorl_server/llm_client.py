@@ -419,6 +419,11 @@ class LLMClient:
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         source = backend_source(backend)
+        replay = getattr(source, "replay", None)
+        if replay:
+            replayed = self._replayed(source, replay, prompt_ids, max_tokens)
+            if replayed is not None:
+                return replayed
         body: dict[str, Any] = {k: v for k, v in (sampling_params or {}).items() if k not in _RESERVED}
         top = body.pop("top_logprobs", None) or 0
         body.update(prompt=prompt_ids, max_tokens=max_tokens, logprobs=top, return_tokens_as_token_ids=True,
@@ -520,11 +525,43 @@ class LLMClient:
                 if owner is not None:
                     self.journal.completion(owner, completion.backend, prompt_ids, completion.token_ids,
                                             completion.logprobs, completion.version_runs,
-                                            completion.finish_reason)
+                                            completion.finish_reason, completion.stop_reason)
             source.record_turn(completion.backend,
                                completion.weight_versions[-1] if completion.weight_versions else None,
                                min(completion.weight_versions) if completion.weight_versions else None)
             return completion
+
+    def _replayed(self, source: Any, replay: Any, prompt_ids: list[int], max_tokens: int) -> Optional[Completion]:
+        """The next recorded completion of ``source`` (a job resumed after a crash) if this request is the one
+        it answered: the same prompt token for token and room for its tokens. Otherwise the replay ends (the
+        rest of it is dropped, the reason kept) and the call goes to a backend."""
+        rec = replay[0]
+        if rec.prompt_ids != prompt_ids or len(rec.token_ids) > max_tokens:
+            n = min(len(rec.prompt_ids), len(prompt_ids))
+            at = next((i for i in range(n) if rec.prompt_ids[i] != prompt_ids[i]), n)
+            why = (f"turn {rec.seq}: the prompt differs from the recorded one at token {at} (recorded "
+                   f"{len(rec.prompt_ids)} tokens, now {len(prompt_ids)})" if rec.prompt_ids != prompt_ids else
+                   f"turn {rec.seq}: max_tokens {max_tokens} is below the recorded {len(rec.token_ids)} tokens")
+            replay.clear()
+            log.info("replay of %s ended: %s", getattr(source, "journal_owner", "?"), why)
+            if hasattr(source, "replay_event"):
+                source.replay_event(False, why)
+            return None
+        replay.popleft()
+        runs = [list(r) for r in rec.version_runs]
+        versions = list(dict.fromkeys(v for v, _ in runs if v is not None))
+        comp = Completion(token_ids=list(rec.token_ids), logprobs=list(rec.logprobs),
+                          finish_reason=rec.finish_reason or "stop", stop_reason=rec.stop_reason,
+                          backend=rec.backend or "",
+                          weight_versions=versions, attempts=0, version_runs=runs)
+        if self.journal is not None and getattr(source, "journal_owner", None) is not None:
+            self.journal.completion(source.journal_owner, comp.backend, prompt_ids, comp.token_ids, comp.logprobs,
+                                    comp.version_runs, comp.finish_reason, comp.stop_reason)
+        if hasattr(source, "replay_event"):
+            source.replay_event(True)
+        source.record_turn(comp.backend, versions[-1] if versions else None, min(versions) if versions else None)
+        self.counters["replayed"] = self.counters.get("replayed", 0) + 1
+        return comp
 
     async def _post(self, address: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout,
                     request_id: str = "") -> dict[str, Any]:

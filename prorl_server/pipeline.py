@@ -186,6 +186,14 @@ class Pipeline:
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         if self.journal is not None:
+            if req.job_id is not None:
+                row = self.journal.job(req.job_id)
+                if row is not None and row[0] != "done":  # a crash interrupted it: replay what it generated
+                    recorded = self.journal.completions(req.job_id)
+                    if recorded:
+                        job.replay = collections.deque(recorded)
+                        job.extra["replay"] = {"replayed": 0, "recorded": len(recorded), "ended": None}
+                    self.journal.reset_owner(req.job_id)
             self.journal.job_submitted(job.job_id, name, req.model_dump_json().encode())
         self.in_flight += 1
         self.metrics.jobs_in_flight.set(self.in_flight)

@@ -168,3 +168,80 @@ async def test_every_completion_of_a_job_is_journalled_with_its_exact_tokens(aio
         j.close()
     finally:
         await runner.cleanup()
+
+
+def test_a_journal_of_another_schema_version_is_refused(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE jobs (job_id TEXT)")
+    db.execute("PRAGMA user_version = 0")
+    db.commit()
+    db.close()
+    with pytest.raises(JournalError, match="schema version 0"):
+        Journal(str(path))
+
+
+async def _shout_server(aiohttp_client, tiny_model_dir, address, path):
+    reg = HandlerRegistry()
+    reg.register(ShoutHandler)
+    app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[address],
+                                    journal=str(path)), registry=reg)
+    return await aiohttp_client(app)
+
+
+SHOUT = {"job_id": "r1", "instance": {"data_source": "shout", "prompt": "Hi.", "turns": 3},
+         "sampling_params": {"max_tokens": 6}}
+
+
+@pytest.mark.parametrize("diverge", [False, True])
+async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_turns(
+        aiohttp_client, tiny_model_dir, tmp_path, diverge):
+    # 1. a first attempt's journal: the job was running and had generated 2 of its 3 turns when the server died
+    fake, runner, address = await start_fake_vllm(step_s=0.001, version=0)
+    try:
+        client = await _shout_server(aiohttp_client, tiny_model_dir, address, tmp_path / "first.sqlite")
+        assert (await (await client.post("/process", json=SHOUT)).json())["failure_kind"] is None
+        await client.close()
+    finally:
+        await runner.cleanup()
+    first = Journal(str(tmp_path / "first.sqlite"))
+    recs = first.completions("r1")
+    first.close()
+    assert len(recs) == 3
+    crashed = Journal(str(tmp_path / "crashed.sqlite"))
+    crashed.start()
+    crashed.job_submitted("r1", "shout", json.dumps(SHOUT).encode())
+    crashed.job_state("r1", "run")
+    for k, r in enumerate(recs[:2]):
+        prompt = list(r.prompt_ids)
+        if diverge and k == 1:
+            prompt[3] += 1  # the second request is not the one the agent sends now
+        crashed.completion("r1", r.backend, prompt, r.token_ids, r.logprobs, r.version_runs, r.finish_reason)
+    crashed.close()
+    # 2. the restarted server, whose backend now has other weights (its tokens say so: 1000 + 7)
+    fake, runner, address = await start_fake_vllm(step_s=0.001, version=7)
+    try:
+        client = await _shout_server(aiohttp_client, tiny_model_dir, address, tmp_path / "crashed.sqlite")
+        assert (await client.get("/jobs/r1")).status == 404
+        assert (await (await client.get("/jobs/r1")).json())["error"]["type"] == "job_interrupted"
+        res = await (await client.post("/process", json=SHOUT)).json()
+        assert res["failure_kind"] is None
+        traj = res["trajectories"][0]
+        gen = [t for t, m in zip(traj["response_ids"], traj["loss_mask"]) if m]
+        per_turn = [gen[i:i + 6] for i in range(0, len(gen), 6)]
+        if not diverge:  # turns 1-2 answered from the journal (no extra turn), turn 3 generated now
+            assert per_turn == [recs[0].token_ids, recs[1].token_ids, [1007] * 6]
+            assert fake.counts["requests"] == 1
+            assert res["extra"]["replay"] == {"replayed": 2, "recorded": 2, "ended": None}
+        else:  # the replay ends where the request differs, and says where
+            assert per_turn == [recs[0].token_ids, [1007] * 6, [1007] * 6]
+            assert fake.counts["requests"] == 2
+            assert res["extra"]["replay"]["replayed"] == 1
+            assert "token 3" in res["extra"]["replay"]["ended"]
+        await client.close()
+    finally:
+        await runner.cleanup()
+    # 3. the new attempt's journal holds its own turns, replayed ones included, in order
+    j = Journal(str(tmp_path / "crashed.sqlite"))
+    assert [r.token_ids for r in j.completions("r1")] == per_turn
+    j.close()
