@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -112,9 +113,22 @@ async def chat_completions(request: web.Request, gw: "Gateway", s: "Session") ->
     req = parse_chat_request(body)
     answer, backend_s = await gw.chat(s, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
+    text = json.dumps(answer)
+    await _journal(request, gw, s, text)
     if not req.stream:
-        return web.json_response(answer, headers={"Server-Timing": timing})
+        return web.Response(text=text, content_type="application/json", headers={"Server-Timing": timing})
     return await _stream(request, answer, req.include_usage, timing)
+
+
+async def _journal(request: web.Request, gw: "Gateway", s: "Session", answer: str) -> None:
+    """Record the exchange in the server's journal (if it has one): the request body as sent (its SHA-256
+    too) and the answer, under the session's job id (else the session id), numbered in the session."""
+    journal = gw.llm.client.journal
+    if journal is not None:
+        raw = await request.read()  # aiohttp keeps the body it read: no second read from the socket
+        owner = s.job.job_id if s.job is not None else s.session_id
+        journal.gateway_exchange(owner, s.counters["requests"], hashlib.sha256(raw).hexdigest(), raw,
+                                 answer.encode())
 
 
 async def _stream(request: web.Request, answer: dict[str, Any], include_usage: bool,
@@ -138,8 +152,10 @@ async def _translated(request: web.Request, gw: "Gateway", s: "Session", api: Mo
     answer, backend_s = await gw.chat(s, parse_chat_request(req.chat))
     out = api.from_chat_completion(answer, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
+    text = json.dumps(out)
+    await _journal(request, gw, s, text)
     if not req.stream:
-        return web.json_response(out, headers={"Server-Timing": timing})
+        return web.Response(text=text, content_type="application/json", headers={"Server-Timing": timing})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "Server-Timing": timing})
     await resp.prepare(request)
