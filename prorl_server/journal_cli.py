@@ -3,7 +3,7 @@
 ::
 
     prorl-journal regrade JOURNAL [--handler NAME] [--out FILE.jsonl] [--sandbox-runtime auto|bubblewrap|none]
-                                  [--workers N] [--since UNIX_S] [--timeout-s S]
+                                  [--workers N] [--since UNIX_S] [--timeout-s S] [--config SETTINGS.yaml]
     prorl-journal export JOURNAL --format jsonl|verl|trl --out PATH [--handler NAME] [--since UNIX_S]
     prorl-journal stats JOURNAL [--json]
 
@@ -136,6 +136,27 @@ def _registry() -> Any:
     return r
 
 
+def _server_settings(path: Optional[str], registry: Any) -> Any:
+    """The server's settings file (``--config``): its ``handlers`` sections configure ``registry`` (grading
+    limits such as the code handler's ``eval_timeout_s``), its sandbox settings the runtime. None without one.
+
+    Raises:
+        CliError: the file cannot be read or its settings are invalid.
+    """
+    if path is None:
+        return None
+    from pydantic import ValidationError
+
+    from prorl_server.config import build_settings
+
+    try:
+        settings = build_settings(path)
+        registry.configure(settings.handlers)
+    except (OSError, ValueError, ValidationError) as e:
+        raise CliError(f"the settings file {path}: {e}") from None
+    return settings
+
+
 def _progress(total: Optional[int], desc: str, quiet: bool) -> Any:
     from tqdm import tqdm
 
@@ -149,6 +170,8 @@ async def _regrade(args: argparse.Namespace) -> int:
 
     journal = open_journal(args.journal)
     registry = _registry()
+    settings = _server_settings(args.config, registry)
+    runtime = args.sandbox_runtime or (settings.sandbox_runtime if settings is not None else "auto")
     matches = HandlerFilter(args.handler, registry)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     statuses: Counter = Counter()
@@ -159,8 +182,10 @@ async def _regrade(args: argparse.Namespace) -> int:
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * args.workers)
     bar = _progress(count_finished(journal, args.since), "regrade", args.quiet)
     try:
-        async with Regrader(registry, sandbox_runtime=args.sandbox_runtime, cpu_workers=min(args.workers,
-                            os.cpu_count() or 1), timeout_s=args.timeout_s) as regrader:
+        async with Regrader(registry, sandbox_runtime=runtime, cpu_workers=min(args.workers, os.cpu_count() or 1),
+                            sandbox_image=settings.sandbox_image if settings is not None else None,
+                            sandbox_options=settings.sandbox_options if settings is not None else None,
+                            timeout_s=args.timeout_s) as regrader:
 
             async def produce() -> None:
                 try:
@@ -334,9 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "final_result) and no LLM backend; one JSON line per job, a summary on stderr.")
     common(r)
     r.add_argument("--out", help="write the JSON lines here (default: stdout)")
-    r.add_argument("--sandbox-runtime", default="auto",
+    r.add_argument("--sandbox-runtime",
                    help="runtime for the sandboxes eval opens (code grading): auto (bubblewrap where bwrap is "
-                   "installed), bubblewrap or none (default: auto)")
+                   "installed), bubblewrap or none (default: the --config file's sandbox_runtime, else auto)")
+    r.add_argument("--config", help="the server's settings file (YAML/TOML): its handlers sections (grading "
+                   "limits) and sandbox settings apply, as on the server that ran the jobs")
     r.add_argument("--workers", type=_positive_int, default=1, help="jobs graded at once (default: 1)")
     r.add_argument("--timeout-s", type=float, default=600.0,
                    help="seconds one job's eval may take (default: 600)")

@@ -92,6 +92,7 @@ class Regrader:
             PATH), ``"bubblewrap"``, another :func:`sandbox.make_runtime` name, or ``"none"``; the runtime is
             made on the first sandbox an eval opens.
         sandbox_image: the ``sandbox_image`` setting (a spec naming no image gets it).
+        sandbox_options: the ``sandbox_options`` setting (the runtime's constructor options).
         cpu_workers: processes of the CPU pool scoring runs in (started on first use).
         timeout_s: seconds one job's eval may take (then ``eval_failed``).
 
@@ -100,13 +101,14 @@ class Regrader:
     """
 
     def __init__(self, registry: HandlerRegistry, *, sandbox_runtime: Optional[str] = "auto",
-                 sandbox_image: Optional[str] = None, cpu_workers: int = 1,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 sandbox_image: Optional[str] = None, sandbox_options: Optional[dict[str, Any]] = None,
+                 cpu_workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         from prorl_server.cpu_pool import CpuPool
 
         self.registry = registry
         self.sandbox_runtime = sandbox_runtime
         self.sandbox_image = sandbox_image
+        self.sandbox_options = dict(sandbox_options or {})
         self.timeout_s = timeout_s
         self.cpu_pool = CpuPool(max(1, cpu_workers))
         self._runtime: Any = None
@@ -142,7 +144,7 @@ class Regrader:
                             f"{self.sandbox_runtime}; auto means bubblewrap where bwrap is installed)")
                     from sandbox import make_runtime
 
-                    self._runtime = make_runtime(kind)
+                    self._runtime = make_runtime(kind, **self.sandbox_options)
         return await sandbox_opener(self._runtime, self.sandbox_image)(spec, **kw)
 
     def handler_of(self, handler_name: Optional[str], request: dict[str, Any]) -> tuple[str, AgentHandler]:

@@ -130,7 +130,8 @@ def _math_job(job_id: str, instance: dict, answer: dict | None, last_message: st
     """A math job as the handler records it: the finish tool's arguments in extra.agent.answer."""
     req = ProcessRequest(instance=instance, sampling_params={"max_tokens": 64}, job_id=job_id)
     res = JobResult(job_id=job_id, trajectory_id=f"t-{job_id}", handler="math", reward=reward, resolved=reward == 1.0,
-                    messages=[{"role": "system", "content": "Solve."}, {"role": "user", "content": instance["question"]},
+                    messages=[{"role": "system", "content": "Solve."},
+                              {"role": "user", "content": instance["question"]},
                               {"role": "assistant", "content": last_message}],
                     trajectories=[Trajectory(prompt_ids=[1, 2, 3], response_ids=[7, 8, 9], response_logprobs=[-0.1,
                                              -0.2, -0.3], loss_mask=[1, 1, 1], num_turns=1)],
@@ -411,3 +412,23 @@ async def test_regrade_of_a_real_math_rollout_gives_its_recorded_reward(tmp_path
     assert not any(r["changed"] for r in rows.values())
     assert rows["math-0"]["eval"] == jobs[0][1]["extra"]["eval"]  # the scorer says what it said then
     assert not sandbox_procs()
+
+
+def test_regrade_takes_the_servers_settings_file(tmp_path, capsys):
+    # a code result with its solution recorded; the settings file says this server has no sandbox runtime
+    req = ProcessRequest(instance={"data_source": "code", "instance_id": "HumanEval/0"}, job_id="code-1")
+    res = JobResult(job_id="code-1", trajectory_id="t", handler="code", reward=1.0, resolved=True,
+                    extra={"solution": "def has_close_elements(numbers, threshold):\n    return False\n"})
+    path = tmp_path / "j.sqlite"
+    write_journal(path, [(req, json.loads(res.model_dump_json()))])
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("sandbox_runtime: none\nhandlers:\n  code:\n    eval_timeout_s: 5\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["regrade", str(path), "--out", str(out), "--config", str(cfg), "-q"]) == 1
+    (row,) = read_jsonl(out)
+    assert row["status"] == "eval_failed" and row["new_reward"] is None and "no sandbox runtime" in row["reason"]
+
+    cfg.write_text("handlers:\n  code:\n    no_such_setting: 1\n")
+    assert main(["regrade", str(path), "--out", str(out), "--config", str(cfg), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "the settings file" in err and "no_such_setting" in err and "Traceback" not in err
