@@ -23,7 +23,8 @@ seconds is measured:
 - time in the collector over the window (CPU seconds of the collecting thread, and their share of the
   server's CPU time), full collections, and collections by generation;
 - RSS of the server at the end of the window;
-- connection errors (refused, reset, disconnected) and failed jobs (non-200, or a ``critical_error``).
+- connection errors (refused, reset, disconnected, from the first connection on: all C clients connect at
+  once) and failed jobs (non-200, or a ``critical_error``).
 
 Baseline: the commit ``--baseline-ref`` (default: the parent of this work, whose server has aiohttp's
 default listen backlog of 128, no collector freeze, and keeps finished jobs' full results alive) checked out
@@ -112,7 +113,7 @@ def probe_main(stats_file: str, argv: list[str]) -> None:
     import runpy
     import threading
 
-    totals = {"gc_s": 0.0, "gen_s": [0.0, 0.0, 0.0], "collections": [0, 0, 0]}
+    totals = {"gc_s": 0.0, "gen_s": [0.0, 0.0, 0.0], "collections": [0, 0, 0], "pauses": []}
     started = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -125,6 +126,8 @@ def probe_main(stats_file: str, argv: list[str]) -> None:
             totals["gc_s"] += dt
             totals["collections"][info["generation"]] += 1
             totals["gen_s"][info["generation"]] += dt
+            if dt > 0.005:  # (wall time, CPU seconds) of the long ones, for the window's longest pause
+                totals["pauses"] = [*totals["pauses"][-199:], (time.time(), dt)]
 
     gc.callbacks.append(on_gc)
 
@@ -190,7 +193,7 @@ class Server:
         try:
             return json.loads(self.stats.read_text())
         except (OSError, ValueError):
-            return {"gc_s": 0.0, "gen_s": [0.0, 0.0, 0.0], "collections": [0, 0, 0]}
+            return {"gc_s": 0.0, "gen_s": [0.0, 0.0, 0.0], "collections": [0, 0, 0], "pauses": []}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -263,7 +266,7 @@ async def run_level(servers: list[Server], backend_pid: int, concurrency: int, w
                         raw = await r.read()
                         status = r.status
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
-                    if state["measuring"]:
+                    if not state["stop"]:  # counted from the first connection on: the connect storm is the test
                         errors["connection"] += 1
                         failures[type(e).__name__] = failures.get(type(e).__name__, 0) + 1
                     await asyncio.sleep(0.05)
@@ -296,6 +299,7 @@ async def run_level(servers: list[Server], backend_pid: int, concurrency: int, w
         hist0 = [(await scrape(u))[0] for u in urls]
         cpu0 = [cpu_seconds(s.proc.pid) for s in servers]
         gc0 = [s.gc_stats() for s in servers]
+        w0 = time.time()
         bcpu0, ccpu0 = cpu_seconds(backend_pid), time.process_time()
         state["measuring"] = True
         t0 = time.monotonic()
@@ -342,6 +346,8 @@ async def run_level(servers: list[Server], backend_pid: int, concurrency: int, w
         "stall_ms_max": 1000 * lag_max, "metrics_unanswered": scrape_failed,
         "gc_s": gc_s, "gc_share_of_cpu": gc_s / cpu if cpu else float("nan"), "full_collections": full,
         "gc_by_generation": by_gen,
+        "gc_pause_max_ms": 1000 * max([dt for g in gc1 for t, dt in g.get("pauses", []) if t >= w0] or [0.0]),
+        "load_average": os.getloadavg()[0],
         "rss_mb": rss, "connection_errors": errors["connection"], "failed_jobs": errors["failed"],
         "failures": failures, "window_s": wall,
     }
@@ -430,7 +436,8 @@ async def main(args: argparse.Namespace) -> None:
                     print_rows([rows[-1]], header=len(rows) == 1)
                     gens = ", ".join(f"gen{g} {n} x {1000 * t / n if n else 0:.1f} ms"
                                      for g, (n, t) in enumerate(r["gc_by_generation"]))
-                    print(f"{'':>16}  collections: {gens}" + (f"; failures: {r['failures']}" if r["failures"] else ""),
+                    print(f"{'':>16}  collections: {gens}; longest {r['gc_pause_max_ms']:.0f} ms CPU; load average "
+                          f"{r['load_average']:.1f}" + (f"; failures: {r['failures']}" if r["failures"] else ""),
                           flush=True)
             if not args.no_two_process:
                 for name, root in versions:
