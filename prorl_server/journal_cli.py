@@ -64,8 +64,9 @@ def open_journal(path: str) -> Journal:
     try:
         db = _read_only(path)
         try:
+            # reading the schema finds a file that is no database or whose first pages are damaged; a full
+            # integrity check would read all of a journal of many GB (damage further in is caught where read)
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            db.execute("PRAGMA quick_check(1)").fetchone()
         finally:
             db.close()
     except sqlite3.Error as e:
@@ -216,8 +217,15 @@ async def _regrade(args: argparse.Namespace) -> int:
                     bar.update(1)
                     bar.set_postfix(changed=changed, refresh=False)
 
-            await asyncio.gather(produce(), *(work() for _ in range(args.workers)))
+            try:
+                async with asyncio.TaskGroup() as tg:  # a failure stops the others (gather leaves them running)
+                    tg.create_task(produce())
+                    for _ in range(args.workers):
+                        tg.create_task(work())
+            except BaseExceptionGroup as eg:  # the first failure, as itself (main reports a damaged journal)
+                raise eg.exceptions[0] from None
     finally:
+        rows.close()
         bar.close()
         if out is not sys.stdout:
             out.close()
@@ -244,6 +252,9 @@ def _export(args: argparse.Namespace) -> int:
     matches = HandlerFilter(args.handler, _registry())
     path = args.out
     parquet = False
+    if args.format != "verl" and path.endswith(".parquet"):
+        raise CliError(f"--format {args.format} writes JSON lines: give --out a .jsonl name (only verl rows are "
+                       "written as Parquet)")
     if args.format == "verl" and not path.endswith(".jsonl"):
         parquet = parquet_available()
         if not parquet:

@@ -306,6 +306,31 @@ def test_a_missing_or_corrupt_journal_is_exit_2_with_a_message_and_is_not_create
     assert {r[0] for r in sqlite3.connect(other).execute("SELECT name FROM sqlite_master")} == {"t"}  # untouched
 
 
+@pytest.mark.parametrize("command", [["regrade"], ["export", "--format", "verl"], ["stats"]])
+def test_a_journal_damaged_past_its_first_pages_is_exit_2_and_leaves_no_partial_output(tmp_path, capsys, command):
+    t = Trajectory(prompt_ids=list(range(200)), response_ids=list(range(300)), response_logprobs=[-0.5] * 300,
+                   loss_mask=[1] * 300, num_turns=1)
+    jobs = [(ProcessRequest(instance={"data_source": "arithmetic", "expression": "1+1", "answer": 2}, job_id=f"j{i}"),
+             json.loads(JobResult(job_id=f"j{i}", trajectory_id="t", handler="arithmetic", reward=1.0, resolved=True,
+                                  trajectories=[t], extra={"value": 2}).model_dump_json())) for i in range(400)]
+    path = tmp_path / "j.sqlite"
+    write_journal(path, jobs)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the file itself
+    db.close()
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # a disk error half-way through the file
+        f.seek(size // 2)
+        f.write(b"\xff" * 20000)
+    out = tmp_path / ("rows.parquet" if command[0] == "export" else "out.jsonl")
+    argv = [command[0], str(path), *command[1:]] + (["--out", str(out), "-q"] if command[0] != "stats" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "malformed" in err and "Traceback" not in err
+    if command[0] == "export":
+        assert not out.exists() and not Path(str(out) + ".partial").exists()
+
+
 def test_the_console_script_is_declared():
     import configparser
 
