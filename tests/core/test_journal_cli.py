@@ -331,129 +331,21 @@ def test_a_journal_damaged_past_its_first_pages_is_exit_2_and_leaves_no_partial_
         assert not out.exists() and not Path(str(out) + ".partial").exists()
 
 
-def test_the_console_script_is_declared():
+def test_the_console_script_exits_2_on_a_missing_journal(tmp_path):
     import configparser
+    import shutil
+    import subprocess
+    import sys
 
     cfg = configparser.ConfigParser()
     cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     assert "prorl-journal = prorl_server.journal_cli:main" in cfg["options.entry_points"]["console_scripts"]
-
-
-# ------------------------------------------------------------------------------------------ real rollouts
-def tool_call(name: str, **arguments) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-@pytest.fixture
-def real_server(aiohttp_client, bwrap_runtime):
-    """``async (backend) -> client`` of a rollout server with the shipped handlers on real bubblewrap sandboxes."""
-
-    async def make(backend: str):
-        registry = HandlerRegistry()
-        registry.load_entry_points()
-        app = create_app(ServerSettings(backends=[backend], health_interval_s=3600), registry=registry,
-                         sandbox_runtime=bwrap_runtime)
-        return await aiohttp_client(app)
-
-    return make
-
-
-@pytest.mark.real
-async def test_regrade_runs_the_code_graders_again_in_fresh_sandboxes_on_the_recorded_solution(
-        tmp_path, real_server, scripted_policy, sandbox_procs):
-    from handlers.code.data import humaneval_problems, to_instance
-
-    problems = [humaneval_problems()[f"HumanEval/{i}"] for i in (0, 2)]
-    # HumanEval/0 solved, HumanEval/2 answered with a wrong body
-    files = {problems[0]["entry_point"]: problems[0]["prompt"] + problems[0]["canonical_solution"],
-             problems[1]["entry_point"]: problems[1]["prompt"] + "    return 0.0\n"}
-
-    def script(prompt: str, turn: int) -> str:
-        entry = next(e for e in files if f"def {e}(" in prompt)
-        if turn == 0:
-            return tool_call("bash", command=f"cat > solution.py <<'EOF'\n{files[entry]}\nEOF")
-        return tool_call("finish", answer="done")
-
-    client = await real_server(await scripted_policy(script))
-    jobs = []
-    for i, p in enumerate(problems):
-        req = ProcessRequest(instance=to_instance(p), sampling_params={"max_tokens": 2048}, job_id=f"code-{i}")
-        r = await client.post("/process", json=req.model_dump(exclude_none=True))
-        jobs.append((req, await r.json()))
-    assert [res["reward"] for _, res in jobs] == [1.0, 0.0], [res.get("error") for _, res in jobs]
-    assert jobs[0][1]["extra"]["solution"] == files[problems[0]["entry_point"]] + "\n"
-    path = tmp_path / "code.sqlite"
-    write_journal(path, jobs)
-    out = tmp_path / "out.jsonl"
-    assert await cli("regrade", str(path), "--out", str(out), "--sandbox-runtime", "bubblewrap",
-                     "--workers", "2") == 0
-    rows = {r["job_id"]: r for r in read_jsonl(out)}
-    assert rows["code-0"]["status"] == "regraded" and rows["code-0"]["new_reward"] == 1.0, rows["code-0"]
-    assert rows["code-1"]["status"] == "regraded" and rows["code-1"]["new_reward"] == 0.0, rows["code-1"]
-    assert not rows["code-0"]["changed"] and not rows["code-1"]["changed"]
-    assert rows["code-1"]["eval"]["passed"] is False
-    assert not sandbox_procs()  # every grading sandbox closed
-
-    # the recorded solution is what is graded: a stubbed one in the record scores 0.0 and is reported changed
-    req, res = jobs[0]
-    res = {**res, "extra": {**res["extra"], "solution": problems[0]["prompt"] + "    return False\n"}}
-    write_journal(tmp_path / "edited.sqlite", [(req, res)])
-    assert await cli("regrade", str(tmp_path / "edited.sqlite"), "--out", str(out)) == 0
-    (row,) = read_jsonl(out)
-    assert row["status"] == "regraded" and row["new_reward"] == 0.0 and row["changed"] is True
-    assert not sandbox_procs()
-
-    # without a sandbox runtime, code cannot be graded here: said so, no reward given
-    assert await cli("regrade", str(path), "--out", str(out), "--sandbox-runtime", "none") == 1
-    rows = read_jsonl(out)
-    assert {r["status"] for r in rows} == {"eval_failed"} and all(r["new_reward"] is None for r in rows)
-    assert "no sandbox runtime" in rows[0]["reason"]
-
-
-@pytest.mark.real
-async def test_regrade_of_a_real_math_rollout_gives_its_recorded_reward(tmp_path, real_server, scripted_policy,
-                                                                         sandbox_procs):
-    from handlers.math.data import load_reasoning_gym
-
-    right, wrong = load_reasoning_gym("basic_arithmetic", limit=2, seed=11)
-    answers = {right["question"]: f"\\boxed{{{right['answer']}}}", wrong["question"]: "\\boxed{-987654321.5}"}
-
-    def script(prompt: str, turn: int) -> str:
-        return tool_call("finish", answer=next(a for q, a in answers.items() if q in prompt))
-
-    client = await real_server(await scripted_policy(script))
-    jobs = []
-    for i, inst in enumerate((right, wrong)):
-        req = ProcessRequest(instance=inst, sampling_params={"max_tokens": 256}, job_id=f"math-{i}")
-        r = await client.post("/process", json=req.model_dump(exclude_none=True))
-        jobs.append((req, await r.json()))
-    assert [res["reward"] for _, res in jobs] == [1.0, 0.0], [res.get("error") for _, res in jobs]
-    path = tmp_path / "math.sqlite"
-    write_journal(path, jobs)
-    out = tmp_path / "out.jsonl"
-    assert await cli("regrade", str(path), "--out", str(out)) == 0
-    rows = {r["job_id"]: r for r in read_jsonl(out)}
-    assert [rows[f"math-{i}"]["new_reward"] for i in range(2)] == [1.0, 0.0]
-    assert not any(r["changed"] for r in rows.values())
-    assert rows["math-0"]["eval"] == jobs[0][1]["extra"]["eval"]  # the scorer says what it said then
-    assert not sandbox_procs()
-
-
-def test_regrade_takes_the_servers_settings_file(tmp_path, capsys):
-    # a code result with its solution recorded; the settings file says this server has no sandbox runtime
-    req = ProcessRequest(instance={"data_source": "code", "instance_id": "HumanEval/0"}, job_id="code-1")
-    res = JobResult(job_id="code-1", trajectory_id="t", handler="code", reward=1.0, resolved=True,
-                    extra={"solution": "def has_close_elements(numbers, threshold):\n    return False\n"})
-    path = tmp_path / "j.sqlite"
-    write_journal(path, [(req, json.loads(res.model_dump_json()))])
-    cfg = tmp_path / "server.yaml"
-    cfg.write_text("sandbox_runtime: none\nhandlers:\n  code:\n    eval_timeout_s: 5\n")
-    out = tmp_path / "out.jsonl"
-    assert main(["regrade", str(path), "--out", str(out), "--config", str(cfg), "-q"]) == 1
-    (row,) = read_jsonl(out)
-    assert row["status"] == "eval_failed" and row["new_reward"] is None and "no sandbox runtime" in row["reason"]
-
-    cfg.write_text("handlers:\n  code:\n    no_such_setting: 1\n")
-    assert main(["regrade", str(path), "--out", str(out), "--config", str(cfg), "-q"]) == 2
-    err = capsys.readouterr().err
-    assert "the settings file" in err and "no_such_setting" in err and "Traceback" not in err
+    # the module as a program, and the installed script (.ci/install's editable install makes it)
+    commands = [[sys.executable, "-m", "prorl_server.journal_cli"]]
+    script = shutil.which("prorl-journal", path=str(Path(sys.executable).parent))
+    if script is not None:
+        commands.append([script])
+    for cmd in commands:
+        p = subprocess.run([*cmd, "stats", str(tmp_path / "missing.sqlite")], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2 and "no journal at" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
