@@ -88,8 +88,10 @@ def finished_rows(journal: Journal, since: Optional[float] = None) -> Iterator[R
         return
     db = _read_only(journal.path)
     try:
+        # rowid order is submission order (a job's row is inserted at submit, replaced on resubmission) and
+        # needs no sort of the rows, results included, that ORDER BY submitted (not indexed) would make
         yield from db.execute("SELECT job_id, handler, request, result FROM jobs WHERE state = 'done' AND "
-                              "submitted >= ? ORDER BY submitted", (since,))
+                              "submitted >= ? ORDER BY rowid", (since,))
     finally:
         db.close()
 
