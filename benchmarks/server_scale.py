@@ -30,8 +30,8 @@ Baseline: the commit ``--baseline-ref`` (default: the parent of this work, whose
 default listen backlog of 128, no collector freeze, and keeps finished jobs' full results alive) checked out
 with ``git worktree`` in a temporary directory and run with the same Python; ours: this tree.
 
-Usage: python benchmarks/server_scale.py [--quick] [--levels 32 256 1024 4096] [--window-s 10]
-       [--baseline-ref REF | --no-baseline] [--no-two-process]
+Usage: python benchmarks/server_scale.py [--quick] [--levels 32 256 1024 4096] [--window-s 10] [--repeat N]
+       [--baseline-ref REF | --no-baseline] [--no-two-process] [--ours-args "--gc-gen0-threshold 700 ..."]
 ``--quick`` (CI-sized): levels 32 and 256, 3 s windows, the two-process run at 256. The last line printed is
 one JSON object (per version and level, plus the two-process ratio).
 """
@@ -369,8 +369,27 @@ def baseline_tree(ref: str):
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def median_row(runs: list[dict]) -> dict:
+    """Per key, the median of ``runs`` (numbers; lists and dicts from the median-jobs/s run)."""
+    mid = sorted(runs, key=lambda r: r["jobs_per_s"])[len(runs) // 2]
+    out = dict(mid)
+    for k, v in mid.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs = sorted(r[k] for r in runs)
+            out[k] = xs[len(xs) // 2]
+    return out
+
+
 async def measure(root: Path, backend_url: str, backend_pid: int, concurrency: int, processes: int,
-                  window_s: float, tmp: Path, name: str, extra_args: tuple[str, ...] = ()) -> dict:
+                  window_s: float, tmp: Path, name: str, extra_args: tuple[str, ...] = (), repeat: int = 1) -> dict:
+    """One level, ``repeat`` times with fresh servers; the median of each figure (:func:`median_row`)."""
+    runs = [await _measure_once(root, backend_url, backend_pid, concurrency, processes, window_s, tmp,
+                                f"{name}-r{i}", extra_args) for i in range(repeat)]
+    return median_row(runs)
+
+
+async def _measure_once(root: Path, backend_url: str, backend_pid: int, concurrency: int, processes: int,
+                        window_s: float, tmp: Path, name: str, extra_args: tuple[str, ...]) -> dict:
     servers = [Server(root, backend_url, concurrency // processes, tmp, f"{name}-c{concurrency}-p{processes}-{i}",
                       extra_args) for i in range(processes)]
     try:
@@ -430,7 +449,7 @@ async def main(args: argparse.Namespace) -> None:
             for c in levels:
                 for name, root in versions:
                     r = await measure(root, backend_url, backend.pid, c, 1, window, tmp, name,
-                                      tuple(args.ours_args.split()) if name == "ours" else ())
+                                      tuple(args.ours_args.split()) if name == "ours" else (), args.repeat)
                     results.setdefault(name, {})[str(c)] = r
                     rows.append((f"{name} {c}", r))
                     print_rows([rows[-1]], header=len(rows) == 1)
@@ -442,13 +461,23 @@ async def main(args: argparse.Namespace) -> None:
             if not args.no_two_process:
                 for name, root in versions:
                     r = await measure(root, backend_url, backend.pid, two_at, 2, window, tmp, name,
-                                      tuple(args.ours_args.split()) if name == "ours" else ())
+                                      tuple(args.ours_args.split()) if name == "ours" else (), args.repeat)
                     results[name][f"{two_at}x2"] = r
                     rows.append((f"{name} {two_at}x2p", r))
                     print_rows([rows[-1]], header=False)
             print()
             print("Side by side:")
             print_rows(rows)
+            if "baseline" in results:
+                print("\nRatios ours / baseline (jobs/s; CPU per turn; stall p99) and errors (baseline -> ours):")
+                for c in levels:
+                    b, o = results["baseline"][str(c)], results["ours"][str(c)]
+                    print(f"  {c:>5} in flight: jobs/s x{o['jobs_per_s'] / max(b['jobs_per_s'], 1e-9):.2f}, "
+                          f"cpu/turn x{o['cpu_ms_per_turn'] / b['cpu_ms_per_turn']:.2f}, stall p99 "
+                          f"{b['stall_ms_p99']:.0f} -> {o['stall_ms_p99']:.0f} ms, gc share "
+                          f"{b['gc_share_of_cpu']:.0%} -> {o['gc_share_of_cpu']:.0%}, connection errors "
+                          f"{b['connection_errors']} -> {o['connection_errors']}, failed {b['failed_jobs']} -> "
+                          f"{o['failed_jobs']}")
     finally:
         backend.terminate()
         backend.wait()
@@ -488,6 +517,8 @@ if __name__ == "__main__":
         ap.add_argument("--no-baseline", action="store_true", help="measure this tree only")
         ap.add_argument("--no-two-process", action="store_true", help="skip the two-process run")
         ap.add_argument("--two-process-at", type=int, help="jobs in flight of the two-process run (default 1024)")
+        ap.add_argument("--repeat", type=int, default=1, help="runs per level (fresh servers each); the median "
+                        "of each figure is printed (a shared machine's noise)")
         ap.add_argument("--ours-args", default="", help="extra prorl-server flags for this tree's servers (e.g. "
                         "'--no-gc-freeze --gc-gen0-threshold 700' to see what each setting buys)")
         sys.path.insert(0, str(ROOT))
