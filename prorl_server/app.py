@@ -27,6 +27,7 @@ from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, d
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings, journal_path
 from prorl_server.journal import Journal
+from prorl_server.membership import FleetControl
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
 from prorl_server.gc_control import CollectorControl
 from prorl_server.gateway import Gateway, add_gateway_routes
@@ -53,6 +54,7 @@ REGISTRY = web.AppKey("registry", HandlerRegistry)
 RUNTIME = web.AppKey("sandbox_runtime", object)
 CPU_POOL = web.AppKey("cpu_pool", CpuPool)
 LOOP_MONITOR = web.AppKey("loop_monitor", LoopLagMonitor)
+FLEET = web.AppKey("fleet", FleetControl)
 
 
 # ------------------------------------------------------------------------------------------ handlers
@@ -75,6 +77,9 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 def _submit(request: web.Request, req: ProcessRequest):
+    if request.app[FLEET].draining:  # a racing submit: the client takes it elsewhere (trainer_plugins.jobs)
+        raise ApiError(503, "draining", "this server is draining: it finishes the jobs it holds and takes no "
+                       "new one; submit elsewhere")
     try:
         return request.app[PIPELINE].submit(req)
     except UnknownHandlerError as e:
@@ -117,6 +122,15 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def add_llm_server(request: web.Request) -> web.Response:
     req = await parse_body(request, AddBackendRequest)
+    known = request.app[POOL].get(req.address)
+    if known is not None and known.withdrawn is not None:
+        # a weight swap withdrew it, maybe paused in its engine: resume it there first (best effort)
+        try:
+            async with request.app[COMPONENTS].llm.client.session.post(
+                    f"{req.address}/resume", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("re-adding %s: its /resume failed (%r)", req.address, e)
     request.app[POOL].add(req.address, req.weight_version)
     return json_response(OkResponse(detail=f"backend {req.address} registered"))
 
@@ -136,6 +150,14 @@ async def start(request: web.Request) -> web.Response:
 async def stop(request: web.Request) -> web.Response:
     n = await request.app[PIPELINE].stop()
     return json_response(OkResponse(detail=f"stopped; {n} job(s) cancelled; POST /start to resume"))
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Take no new job (``/process`` answers 503 ``draining``), finish the jobs held, then exit (the server's
+    ``drain_timeout_s`` bounds the wait); the fleet record says ``draining`` before this answers."""
+    await request.app[FLEET].start_drain()
+    return json_response(OkResponse(detail=f"draining: {request.app[PIPELINE].in_flight} job(s) to finish, then "
+                                    "exit"))
 
 
 async def status(request: web.Request) -> web.Response:
@@ -173,6 +195,8 @@ ROUTES: tuple[Route, ...] = (
           "an address revives it with its new weight_version)", None, OkResponse),
     Route("POST", "/start", start, "Accept jobs again after /stop", None, OkResponse),
     Route("POST", "/stop", stop, "Refuse new jobs and cancel in-flight ones", None, OkResponse),
+    Route("POST", "/drain", drain, "Take no new job, finish the jobs held, then exit (fleet draining)", None,
+          OkResponse),
     Route("GET", "/status", status, "Queues, active jobs and backends", None, StatusResponse),
     Route("GET", "/health", health, "Liveness (no auth)", auth="none"),
     Route("GET", "/metrics", metrics, "Prometheus metrics (text format)"),
@@ -401,6 +425,7 @@ def create_app(settings: Optional[ServerSettings] = None, registry: Optional[Han
     app[SETTINGS], app[METRICS], app[POOL], app[REGISTRY], app[RUNTIME] = (settings, c.metrics, c.pool, registry,
                                                                           c.runtime)
     app[CPU_POOL], app[LOOP_MONITOR], app[PIPELINE] = c.cpu_pool, c.loop_monitor, c.pipeline
+    app[FLEET] = FleetControl()
     app[APP_ROUTES] = {}
     add_routes(app, ROUTES)
     add_gateway_routes(app, c.gateway)

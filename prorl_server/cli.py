@@ -31,7 +31,7 @@ from typing import Any, Coroutine, Optional, Sequence
 from aiohttp import web
 from pydantic import ValidationError
 
-from prorl_server.app import create_app, write_ready_file
+from prorl_server.app import FLEET, PIPELINE, POOL, create_app, write_ready_file
 from prorl_server.config import ServerSettings, build_settings
 
 log = logging.getLogger("prorl_server")
@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int,
                    help="server processes, each its own member on its own port (default 1; 0 = one per CPU "
                    "core); the ready file lists them under members")
+    p.add_argument("--fleet-dir", help="fleet directory (shared file system): hold a leased record there, drain "
+                   "on SIGTERM, exit when the trainer writes its end sentinel (see prorl_server.membership)")
+    p.add_argument("--fleet-ttl-s", type=float, help="lease of the fleet record, seconds (default 5)")
+    p.add_argument("--advertise-host", help="address written to the fleet record (default: PRORL_ADVERTISE_HOST, "
+                   "the bind address, or this host's address for a wildcard bind)")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="seconds a draining server waits for its jobs before cancelling them (default 20)")
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=None,
                    help="freeze long-lived objects out of the garbage collector's view (default on)")
     p.add_argument("--gc-gen0-threshold", type=int,
@@ -115,13 +122,65 @@ async def serve(settings: ServerSettings, app: Optional[web.Application] = None)
         write_ready_file(settings.ready_file, settings.host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    fleet = app[FLEET]
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    membership = None
+    if settings.fleet_dir:
+        # in a fleet SIGTERM drains (0 jobs aborted); a second SIGTERM, or SIGINT, stops at once
+        loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if fleet.draining
+                                else loop.create_task(fleet.start_drain()))
+        membership = await _join_fleet(app, settings, port, stop)
     try:
-        await stop.wait()
+        exit_wait = asyncio.ensure_future(fleet.exit_requested.wait())
+        stop_wait = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({exit_wait, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        exit_wait.cancel()
+        stop_wait.cancel()
+        if fleet.draining and not stop.is_set():
+            log.info("draining: no new jobs; waiting up to %g s for %d job(s)", settings.drain_timeout_s,
+                     app[PIPELINE].in_flight)
+            await fleet.wait_drained(lambda: app[PIPELINE].in_flight, settings.drain_timeout_s, stop)
         log.info("shutting down: cancelling jobs and closing sandboxes")
     finally:
+        if membership is not None:
+            await membership.close()
         await runner.cleanup()
+
+
+async def _join_fleet(app: web.Application, settings: ServerSettings, port: int, stop: asyncio.Event):
+    """Start this process's leased record in ``settings.fleet_dir`` (:class:`prorl_server.membership.Membership`)."""
+    from prorl_server.membership import Membership
+
+    host = settings.advertise_host or os.environ.get("PRORL_ADVERTISE_HOST") or settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = _host_address()
+    url_host = f"[{host}]" if ":" in host else host
+    pool, pipeline = app[POOL], app[PIPELINE]
+
+    def status() -> tuple[int, Optional[int], int]:
+        live = [b for b in pool.backends if b.in_rotation]
+        versions = [b.weight_version for b in live if b.weight_version is not None]
+        return len(live), (max(versions) if versions else None), pipeline.in_flight
+
+    membership = Membership(settings.fleet_dir, url=f"http://{url_host}:{port}", host=host, port=port,
+                            ttl_s=settings.fleet_ttl_s, capacity=settings.run_workers, status=status,
+                            on_end=stop.set)
+    app[FLEET].membership = membership
+    await membership.start()
+    return membership
+
+
+def _host_address() -> str:
+    """This host's first non-loopback IPv4 address (the one a route to the outside would use), else its name."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: UDP connect only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def _somaxconn() -> Optional[int]:
@@ -216,7 +275,8 @@ def supervise(settings: ServerSettings, processes: int, poll_s: float = 0.2) -> 
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 30
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 30 + (settings.drain_timeout_s if settings.fleet_dir
+                                                                 else 0.0)
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():

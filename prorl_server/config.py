@@ -91,6 +91,18 @@ class ServerSettings(BaseModel):
                                              "in bytes (the oldest finished jobs are deleted first); null: none")
     journal_max_age_s: Optional[float] = Field(default=7 * 86400.0, gt=0, description="finished jobs older "
                                                "than this are deleted from the journal; null: kept")
+    fleet_dir: Optional[str] = Field(default=None, description="fleet directory on a shared file system "
+                                     "(prorl_server.membership): this server holds a leased record in it, leaves "
+                                     "it on exit, drains on SIGTERM and exits when an end sentinel appears; "
+                                     "null: no fleet")
+    fleet_ttl_s: float = Field(default=5.0, gt=0, le=3600, description="lease of the fleet record, seconds "
+                               "(renewed every ttl/3); readers drop a member whose lease stops moving this long")
+    advertise_host: Optional[str] = Field(default=None, description="address clients use to reach this server, "
+                                          "written to the fleet record (default: PRORL_ADVERTISE_HOST, else the "
+                                          "bind address, else for a wildcard bind this host's address)")
+    drain_timeout_s: float = Field(default=20.0, ge=0, description="a draining server (SIGTERM in a fleet, "
+                                   "POST /drain) waits this long for the jobs it holds before cancelling them "
+                                   "and exiting; keep it under the launcher's PRORL_STOP_GRACE")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto: uvloop when it is installed (faster sockets under many concurrent "

@@ -72,6 +72,7 @@ from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedF
                                        as_staleness_policy)
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
                                   RolloutAuthError, filtered_result, open_session, process_request)
+from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
 from trainer_plugins.servers import ServersFile, load_servers
 
 log = logging.getLogger(__name__)
@@ -254,10 +255,17 @@ def resolve_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]]
                     local_node: Optional[str] = None) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Rollout servers from URLs, a :class:`ServersFile` or the path of ``servers.json``: ``(urls in same-node
     first order, headers with the bearer token, {url: llm_backends})``. Reading a path blocks (small file).
+    A fleet directory (:func:`trainer_plugins.fleet.is_fleet_dir`) or a :class:`~trainer_plugins.fleet.Fleet`
+    gives the fleet itself as the URLs: a live sequence of its routable members (the token from ``DIR/token``).
 
     Raises:
         ValueError: no server. FileNotFoundError / ServersFileError: servers.json is missing or malformed.
     """
+    if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")) \
+            and is_fleet_dir(servers):
+        servers = open_fleet(servers, local_node=local_node)
+    if isinstance(servers, Fleet):  # a live view: the caller follows the fleet as it changes
+        return servers, servers.headers, {}  # type: ignore[return-value]
     if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")):
         servers = load_servers(servers)
     if isinstance(servers, ServersFile):
@@ -323,7 +331,9 @@ class RolloutClient:
 
     Args:
         servers: base URLs (same-node first), a :class:`ServersFile`, or the path of ``servers.json`` (file
-            or directory; read once, at construction).
+            or directory; read once, at construction); or a fleet directory / :class:`trainer_plugins.fleet.Fleet`,
+            followed as servers join, drain and die (new groups go to its routable members of the moment).
+        end_fleet: with a fleet, :meth:`close` writes its end sentinel: the rollout allocation is released.
         dataset: :data:`Dataset`. Items are instances (dicts with ``data_source``) unless ``instance_fn``
             maps them.
         groups_per_step: B, informative groups per :meth:`next_batch`.
@@ -367,7 +377,8 @@ class RolloutClient:
                  instance_fn: Optional[Callable[[Any], Instance]] = None,
                  max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
                  initial_weight_version: int = 0, unavailable_retry_s: float = 120.0,
-                 max_sample_retries: int = 2, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_sample_retries: int = 2, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 end_fleet: bool = False) -> None:
         if groups_per_step < 1 or n_samples < 1:
             raise ValueError("groups_per_step and n_samples must be >= 1")
         if max_sample_retries < 0:
@@ -378,6 +389,8 @@ class RolloutClient:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
         self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
+        self.fleet: Optional[Fleet] = self.urls if isinstance(self.urls, Fleet) else None
+        self.end_fleet = end_fleet
         self.headers = {**file_headers, **(headers or {})}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -410,7 +423,7 @@ class RolloutClient:
         self.exhausted = False
         self._items: Optional[Iterator[tuple[int, int, Any]]] = None
         self._regen: deque[Group] = deque()
-        self._in_flight: dict[str, int] = {u: 0 for u in self.urls}
+        self._in_flight: Counter = Counter({u: 0 for u in self.urls})  # a fleet's members come and go
         self._session: Optional[aiohttp.ClientSession] = None
         self._replenisher: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
@@ -429,7 +442,8 @@ class RolloutClient:
         """Open the HTTP session and start replenishing (idempotent)."""
         if self._session is None:
             self._session = open_session(self.headers, max_connections=self.max_connections)
-            self._jobs = JobSubmitter(session=self._session, unavailable_retry_s=self.unavailable_retry_s)
+            self._jobs = JobSubmitter(session=self._session, unavailable_retry_s=self.unavailable_retry_s,
+                                      fleet=self.fleet)
         if self._replenisher is None:
             self._replenisher = asyncio.create_task(self._replenish_forever())
         return self
@@ -450,9 +464,13 @@ class RolloutClient:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._jobs is not None:
+            await self._jobs.close()  # its session is ours (closed below); this stops its lease watch
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.fleet is not None and self.end_fleet:
+            await asyncio.to_thread(self.fleet.end, "the trainer's RolloutClient closed")
 
     async def __aenter__(self) -> "RolloutClient":
         return await self.start()
@@ -530,13 +548,23 @@ class RolloutClient:
         """The rollout server for a job of ``group``, as the server chooser picks it (least-in-flight keeps a
         group's samples on its first sample's server: they share the prompt, and that server keeps them on one
         backend through ``group_id``: prefix-cache reuse); the first pick becomes ``group.server``."""
-        server = self.chooser.choose(self.urls, self._group_id(group))
+        server = self.chooser.choose(self._servers(), self._group_id(group))
         if group.server is None:
             group.server = server
         return server
 
+    def _servers(self) -> Sequence[str]:
+        """The servers a job may go to now: the URLs, or a fleet's routable members (those with a live lease
+        when none is routable: a job sent there comes back filtered and is regenerated)."""
+        if self.fleet is not None and not self.fleet:
+            return self.fleet.known_urls() or list(self.urls)
+        return self.urls
+
     async def _replenish_forever(self) -> None:
         while not self._closed:
+            if self.fleet is not None and not self.fleet:  # no member yet (or none left): wait for one
+                await self.fleet.wait_for_members(3600.0)
+                continue
             while len(self.queue) < self.capacity:
                 group = self._next_group()
                 if group is None:
@@ -611,10 +639,10 @@ class RolloutClient:
         assert sample.result is not None
         self._counters["filtered_jobs"] += 1
         self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
-        if sample.retries < self.max_sample_retries and not self._closed:
+        if sample.retries < self.max_sample_retries and not self._closed and self._servers():
             self._wasted_s += sample.counted_s
             failed_on = sample.failed_on | {sample.server}
-            server = self._jobs.retry_server(self.urls, self._group_id(group), failed_on, self.chooser)
+            server = self._jobs.retry_server(self._servers(), self._group_id(group), failed_on, self.chooser)
             group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
                                                                             sample.retries + 1, server, failed_on)
             self._counters["samples_regenerated"] += 1

@@ -12,6 +12,8 @@ the rollout server answers              outcome
 200 with a job result                   the result (``filter: true`` in it: not to be trained on; see below)
 200, ``failure_kind: invalid_instance``  :class:`InvalidInstanceError` naming the instance (retrying cannot help)
 200 with a body that is no job result   a filtered ``rollout_server`` result
+503 ``draining`` (the server leaves)     a filtered ``rollout_server`` result at once (another attempt,
+                                        elsewhere); a fleet takes the server out of the rotation
 503 (no LLM backend yet, stopped)       offered again on the same server every 0.25 s for
                                         ``unavailable_retry_s``, then a filtered ``rollout_server`` result
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
@@ -20,7 +22,9 @@ the rollout server answers              outcome
 400 ``unknown_handler``                 :class:`UnknownHandlerError` (no such handler on the server)
 any other 4xx but 408 / 429             :class:`InvalidInstanceError` naming the instance and the server's reason
 408, 429, other 5xx                     a filtered ``rollout_server`` result (another attempt, elsewhere)
-no answer (refused, reset, died)        a filtered ``rollout_server`` result
+no answer (refused, reset, died)        a filtered ``rollout_server`` result (a fleet takes the server out)
+the server's fleet lease ran out        a filtered ``rollout_server`` result at once (node lost: no answer
+                                        would ever come; see :mod:`trainer_plugins.fleet`)
 no result within ``request_timeout_s``  the job is cancelled on the server; a filtered ``timeout`` result
 the job was cancelled (:meth:`cancel`)  the server's result (``critical_error: cancelled``), or, when the
                                         request was not sent yet, a filtered ``cancelled`` result
@@ -68,6 +72,7 @@ import pydantic
 
 from prorl_server.types import CancelRequest, JobResult, ProcessRequest
 from trainer_plugins.admission import LeastInFlight, ServerChooser
+from trainer_plugins.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +208,9 @@ class JobSubmitter:
         cancel_patience_s: how long a cancel retries a 404 for a job whose request is not open here.
         max_connections: connections of the session opened here at most (0, the default: no cap; see
             :data:`DEFAULT_MAX_CONNECTIONS`); a ``session`` given keeps its own.
+        fleet: the :class:`trainer_plugins.fleet.Fleet` the servers come from (set by :meth:`run` when it is
+            given one): a server that fails a request or answers 503 ``draining`` is taken out of it, and an open
+            request to a server whose lease ran out ends at once as a filtered result.
 
     Raises:
         ValueError: ``max_connections`` is negative.
@@ -211,10 +219,12 @@ class JobSubmitter:
     def __init__(self, headers: Optional[Mapping[str, str]] = None, *,
                  session: Optional[aiohttp.ClientSession] = None, unavailable_retry_s: float = 120.0,
                  request_timeout_s: Optional[float] = None, cancel_patience_s: float = 5.0,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, fleet: Optional[Fleet] = None) -> None:
         if max_connections < 0:
             raise ValueError(f"max_connections must be >= 0 (0: no cap), got {max_connections}")
         self.max_connections = max_connections
+        self.fleet = fleet
+        self._lease_watch: Optional[asyncio.Task] = None
         self.headers = dict(headers or {})
         self._session = session
         self._own_session = session is None
@@ -233,6 +243,10 @@ class JobSubmitter:
         return self._session
 
     async def close(self) -> None:
+        if self._lease_watch is not None:
+            self._lease_watch.cancel()
+            await asyncio.gather(self._lease_watch, return_exceptions=True)
+            self._lease_watch = None
         if self._own_session and self._session is not None:
             await self._session.close()
         self._session = None
@@ -269,7 +283,7 @@ class JobSubmitter:
         state = self._open[job_id] = _OpenJob(server)
         try:
             try:
-                return await asyncio.wait_for(self._process(state, request, what), self.request_timeout_s)
+                return await asyncio.wait_for(self._watched(state, request, what), self.request_timeout_s)
             except asyncio.CancelledError:
                 state.ended.set()  # the request was aborted: a 404 now is waited for only cancel_patience_s
                 await asyncio.shield(self._cancel_on_server(server, job_id))
@@ -305,8 +319,15 @@ class JobSubmitter:
                 state.answered = True
             except (aiohttp.ClientError, OSError, ValueError) as e:  # refused, reset, died, not JSON
                 log.warning("job %s on %s: no answer (%r)", job_id, server, e)
+                if self.fleet is not None and not isinstance(e, ValueError):
+                    self.fleet.mark_failed(server, repr(e))
                 return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} did not answer: {e!r}",
                                        handler=_handler(request))
+            if status == 503 and _error_type(data) == "draining":  # it leaves: the job goes elsewhere at once
+                if self.fleet is not None:
+                    self.fleet.mark_draining(server)
+                return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} is draining (it took no "
+                                       "new job): submit elsewhere", handler=_handler(request))
             # 503: no LLM backend registered yet (or a swap), or the server is stopped: offered again.
             if status == 503 and time.monotonic() < deadline:
                 state.sent = state.answered = False  # the server did not take the job
@@ -341,6 +362,46 @@ class JobSubmitter:
             raise InvalidInstanceError(f"the {_handler(request)!r} handler refused {what or 'the instance'} "
                                        f"(instance fields: {sorted(request.instance)}): {result.error}")
         return result
+
+    async def _watched(self, state: "_OpenJob", request: ProcessRequest, what: str) -> JobResult:
+        """:meth:`_process`, ended early with a filtered result when the server's fleet lease runs out (a node
+        lost without a TCP reset would leave the request open forever)."""
+        if self.fleet is None:
+            return await self._process(state, request, what)
+        self._watch_leases()
+        state.lost = asyncio.Event()
+        proc = asyncio.ensure_future(self._process(state, request, what))
+        lost = asyncio.ensure_future(state.lost.wait())
+        try:
+            await asyncio.wait({proc, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not proc.done():
+                proc.cancel()
+                await asyncio.gather(proc, return_exceptions=True)
+        if not proc.cancelled():
+            return proc.result()
+        log.warning("job %s on %s: the server's fleet lease ran out: resubmittable", request.job_id, state.server)
+        return filtered_result(str(request.job_id), ROLLOUT_SERVER, f"rollout server {state.server} left the fleet "
+                               "(its lease ran out) while it held the job", handler=_handler(request))
+
+    def _watch_leases(self) -> None:
+        if self._lease_watch is None or self._lease_watch.done():
+            self._lease_watch = asyncio.create_task(self._lease_watch_forever(), name="fleet-lease-watch")
+
+    async def _lease_watch_forever(self) -> None:
+        """Every ``fleet.poll_s``: end the open requests to servers whose lease ran out."""
+        while self._open:
+            fleet = self.fleet
+            if fleet is not None:
+                lost: dict[str, bool] = {}
+                for o in list(self._open.values()):
+                    if o.lost is not None and not o.lost.is_set():
+                        if o.server not in lost:
+                            lost[o.server] = fleet.is_lost(o.server)
+                        if lost[o.server]:
+                            o.lost.set()
+            await asyncio.sleep(fleet.poll_s if fleet is not None else 0.25)
 
     # ------------------------------------------------------------------ cancel
     async def cancel(self, server: str, job_id: str) -> bool:
@@ -422,13 +483,22 @@ class JobSubmitter:
         """
         if max_sample_retries < 0:
             raise ValueError("max_sample_retries must be >= 0")
+        if isinstance(servers, Fleet):  # follow the fleet: each attempt picks among its members of that moment
+            if self.fleet is None:
+                self.fleet = servers
+            if not servers and not await servers.wait_for_members(self.unavailable_retry_s):
+                raise ValueError(f"no rollout server in the fleet {servers.fleet_dir} after "
+                                 f"{self.unavailable_retry_s:g} s")
         if not servers:
             raise ValueError("no rollout server given")
         chooser = chooser or self.chooser
         failed_on: set[str] = set()
         attempts: list[Attempt] = []
         while True:
-            server = self.retry_server(servers, request.group_id, failed_on, chooser)
+            if isinstance(servers, Fleet) and not servers:
+                await servers.wait_for_members(self.unavailable_retry_s)
+            server = self.retry_server(servers if servers else _fallback(servers), request.group_id, failed_on,
+                                       chooser)
             job_id = f"{job_prefix}-{uuid.uuid4().hex[:16]}"
             chooser.started(server, request.group_id)
             try:
@@ -454,6 +524,7 @@ class _OpenJob:
     sent: bool = False
     answered: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: Optional[asyncio.Event] = None  # set when the server's fleet lease ran out (fleet only)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -461,6 +532,12 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
+
+
+def _fallback(servers: Sequence[str]) -> Sequence[str]:
+    """Servers to pick from when a fleet has no routable member: those with a live lease (a job sent to one
+    fails fast and comes back filtered), else the empty list (the chooser then raises ValueError)."""
+    return servers.known_urls() if isinstance(servers, Fleet) else servers
 
 
 def _handler(request: ProcessRequest) -> str:

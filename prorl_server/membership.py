@@ -1,0 +1,320 @@
+"""Fleet membership with leases (issue #24): each server process holds one record in a shared directory.
+
+A fleet directory (``--fleet-dir DIR``, on the shared file system the Slurm launcher already uses) holds::
+
+    DIR/members/<member_id>.json   one record per live server process (this module writes and renews it)
+    DIR/END                        the end sentinel: the trainer is done, every member exits (``write_end``)
+    DIR/token                      the fleet's bearer token (mode 0600; written by the launcher)
+
+A record (:class:`MemberRecord`, JSON, format version 1) says where the member is (``url``, ``node``, Slurm
+``job_id``/``step_id``, ``pid``), whether it takes jobs (``state``: ``active`` or ``draining``), how much
+(``capacity``: run workers; ``backends``: LLM backends in rotation), which weights it serves
+(``weight_version``), and its lease: ``seq`` (a counter the writer increments at every renewal), ``ttl_s``,
+and ``renewed_at``/``expires_at`` on the writer's wall clock. Records are written atomically (a temporary file
+in ``members/``, then ``os.replace``), so a reader sees the old record or the new one, never half of one. The
+lease is renewed every ``ttl_s / 3`` and at once when the state or the backends change; the record is removed
+when the server exits cleanly. A member killed with SIGKILL leaves its record behind: readers see its ``seq``
+stop moving and drop it after ``ttl_s`` (see :mod:`trainer_plugins.fleet` for how readers judge a lease
+without trusting the writer's clock), and the next member started on that node removes it (its pid is gone).
+
+All file I/O runs in a thread (``asyncio.to_thread``), never on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MEMBERS = "members"
+END_SENTINEL = "END"
+TOKEN_FILE = "token"
+DEFAULT_TTL_S = 5.0
+
+State = Literal["active", "draining"]
+
+
+class MemberRecord(BaseModel):
+    """One member's record in ``DIR/members/<member_id>.json`` (see the module docstring). Times are unix
+    seconds on the writer's clock; ``seq`` increases by one at every renewal."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int = FORMAT_VERSION
+    member_id: str
+    url: str
+    host: str
+    port: int
+    pid: int
+    node: str
+    job_id: Optional[str] = None
+    step_id: Optional[str] = None
+    state: State = "active"
+    capacity: int = Field(default=1, ge=0, description="jobs it runs at once (its run workers)")
+    backends: int = Field(default=0, ge=0, description="LLM backends in its rotation")
+    weight_version: Optional[int] = None
+    in_flight: int = 0
+    seq: int = 0
+    ttl_s: float = DEFAULT_TTL_S
+    started_at: float = 0.0
+    renewed_at: float = 0.0
+    expires_at: float = 0.0
+
+
+def node_name() -> str:
+    """``$SLURMD_NODENAME`` inside a Slurm step, else the short host name."""
+    return (os.environ.get("SLURMD_NODENAME") or socket.gethostname()).split(".", 1)[0]
+
+
+def members_dir(fleet_dir: str | os.PathLike) -> Path:
+    return Path(fleet_dir) / MEMBERS
+
+
+def write_record(fleet_dir: str | os.PathLike, record: MemberRecord) -> Path:
+    """Write ``record`` atomically to ``DIR/members/<member_id>.json`` (creating ``members/``). Blocking."""
+    d = members_dir(fleet_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{record.member_id}.json"
+    fd, tmp = tempfile.mkstemp(prefix=f".{record.member_id}.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(record.model_dump_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def end_marker(fleet_dir: str | os.PathLike) -> Optional[tuple[int, int]]:
+    """Identity ``(inode, mtime_ns)`` of the end sentinel, or None when there is none."""
+    try:
+        st = os.stat(Path(fleet_dir) / END_SENTINEL)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended") -> Path:
+    """Write the end sentinel ``DIR/END`` (atomically): every member of the fleet exits, and the launcher
+    releases the allocation. Blocking."""
+    d = Path(fleet_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".END.", dir=d)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"reason": reason, "at": time.time(), "pid": os.getpid(), "node": node_name()}, f)
+    path = d / END_SENTINEL
+    os.replace(tmp, path)
+    return path
+
+
+def clear_end(fleet_dir: str | os.PathLike) -> bool:
+    """Remove an end sentinel left by an earlier run (a new trainer starts on the directory). True if one was."""
+    try:
+        (Path(fleet_dir) / END_SENTINEL).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prune_dead_on_node(fleet_dir: str | os.PathLike, node: str) -> int:
+    """Remove the records of this node whose process is gone (members killed with SIGKILL earlier). Records of
+    other nodes are left to their own node: a pid means nothing elsewhere. Returns how many were removed."""
+    removed = 0
+    d = members_dir(fleet_dir)
+    try:
+        names = [n for n in os.listdir(d) if n.endswith(".json")]
+    except OSError:
+        return 0
+    for name in names:
+        path = d / name
+        try:
+            rec = MemberRecord.model_validate_json(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if rec.node == node and not _pid_alive(rec.pid):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class Membership:
+    """This server process's record in a fleet directory, renewed until :meth:`close`.
+
+    Args:
+        fleet_dir: the fleet directory. url/host/port: where clients reach this process.
+        ttl_s: lease length, seconds (renewed every ``ttl_s / 3``). capacity: jobs it runs at once.
+        status: ``() -> (backends in rotation, weight_version, jobs in flight)``, read at every renewal.
+        on_end: called once when an end sentinel appears that was not there when this member started.
+    """
+
+    def __init__(self, fleet_dir: str | os.PathLike, *, url: str, host: str, port: int, ttl_s: float = DEFAULT_TTL_S,
+                 capacity: int = 1, status: Optional[Callable[[], tuple[int, Optional[int], int]]] = None,
+                 on_end: Optional[Callable[[], None]] = None) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"fleet lease ttl must be > 0 seconds, got {ttl_s}")
+        self.fleet_dir = Path(fleet_dir)
+        node = node_name()
+        self.record = MemberRecord(
+            member_id=f"{node}-{os.getpid()}-{port}", url=url, host=host, port=port, pid=os.getpid(), node=node,
+            job_id=os.environ.get("SLURM_JOB_ID"), step_id=os.environ.get("SLURM_STEP_ID"), capacity=capacity,
+            ttl_s=ttl_s, started_at=time.time())
+        self.ttl_s = ttl_s
+        self._status = status
+        self._on_end = on_end
+        self._end_at_start: Optional[tuple[int, int]] = None
+        self._task: Optional[asyncio.Task] = None
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._dirty = False
+
+    @property
+    def path(self) -> Path:
+        return members_dir(self.fleet_dir) / f"{self.record.member_id}.json"
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    async def start(self) -> None:
+        """Prune dead records of this node, write the first record, start renewing."""
+        pruned = await asyncio.to_thread(prune_dead_on_node, self.fleet_dir, self.record.node)
+        if pruned:
+            log.info("fleet: removed %d record(s) of dead members on %s", pruned, self.record.node)
+        self._end_at_start = await asyncio.to_thread(end_marker, self.fleet_dir)
+        await self._renew()
+        self._task = asyncio.create_task(self._renew_forever(), name="fleet-lease")
+        log.info("fleet: member %s (%s) joined %s, lease %g s", self.record.member_id, self.record.url,
+                 self.fleet_dir, self.ttl_s)
+
+    def set_state(self, state: State) -> None:
+        """Change the state; the record is rewritten at once (by the renewal task)."""
+        if self.record.state != state:
+            self.record = self.record.model_copy(update={"state": state})
+            self._dirty = True
+            self._wake.set()
+
+    async def set_state_now(self, state: State) -> None:
+        """Change the state and write the record before returning (drain: clients must see it first)."""
+        self.record = self.record.model_copy(update={"state": state})
+        await self._renew()
+
+    async def _renew(self) -> None:
+        now = time.time()
+        update = {"seq": self.record.seq + 1, "renewed_at": now, "expires_at": now + self.ttl_s}
+        if self._status is not None:
+            backends, version, in_flight = self._status()
+            update.update(backends=backends, weight_version=version, in_flight=in_flight)
+        self.record = self.record.model_copy(update=update)
+        if not self._closed:
+            await asyncio.to_thread(write_record, self.fleet_dir, self.record)
+
+    def _watched(self) -> tuple[int, Optional[int]]:
+        if self._status is None:
+            return 0, None
+        backends, version, _ = self._status()
+        return backends, version
+
+    async def _renew_forever(self) -> None:
+        period = self.ttl_s / 3
+        last = time.monotonic()
+        seen = self._watched()
+        while not self._closed:
+            # wake early for a state change; look at the backends every 0.2 s so a registration is published
+            # at once (a joining server gets its first job within a poll of the clients)
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, min(0.2, period - (time.monotonic() - last))))
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            now_seen = self._watched()
+            if self._closed:
+                return
+            if now_seen != seen or time.monotonic() - last >= period or self._dirty:
+                seen, self._dirty = now_seen, False
+                try:
+                    await self._renew()
+                except OSError as e:  # a shared file system hiccup: the next renewal tries again
+                    log.warning("fleet: could not renew the lease of %s: %r", self.record.member_id, e)
+                last = time.monotonic()
+            marker = await asyncio.to_thread(end_marker, self.fleet_dir)
+            if marker is not None and marker != self._end_at_start and self._on_end is not None:
+                log.warning("fleet: end sentinel %s: the trainer ended; this member exits",
+                            self.fleet_dir / END_SENTINEL)
+                on_end, self._on_end = self._on_end, None
+                on_end()
+
+    async def close(self) -> None:
+        """Stop renewing and remove the record (a clean exit). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.path.unlink, True)
+        log.info("fleet: member %s left %s", self.record.member_id, self.fleet_dir)
+
+
+class FleetControl:
+    """A server's part in draining (``SIGTERM`` in a fleet, ``POST /drain``) and its fleet record.
+
+    ``draining``: new jobs are refused (``/process`` answers 503 ``draining``) while the jobs held run to their
+    end; ``exit_requested`` is set when the server should leave once they have (or at the drain deadline).
+    ``membership`` is attached by ``prorl-server`` once it listens (None without ``--fleet-dir``).
+    """
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.membership: Optional[Membership] = None
+        self._exit: Optional[asyncio.Event] = None
+
+    @property
+    def exit_requested(self) -> asyncio.Event:
+        if self._exit is None:
+            self._exit = asyncio.Event()
+        return self._exit
+
+    async def start_drain(self) -> None:
+        """Refuse new jobs from now on, publish ``draining`` in the record before returning, ask to exit."""
+        self.draining = True
+        if self.membership is not None:
+            try:
+                await self.membership.set_state_now("draining")
+            except OSError as e:
+                log.warning("fleet: could not write the draining record: %r (clients learn it from a 503)", e)
+        self.exit_requested.set()
+
+    async def wait_drained(self, in_flight: Callable[[], int], timeout_s: float,
+                           stop_now: Optional[asyncio.Event] = None, poll_s: float = 0.1) -> int:
+        """Wait until ``in_flight()`` is 0, ``timeout_s`` seconds pass, or ``stop_now`` is set. Returns the
+        jobs still held (cancelled by the shutdown that follows)."""
+        deadline = time.monotonic() + timeout_s
+        while in_flight() > 0 and time.monotonic() < deadline and not (stop_now and stop_now.is_set()):
+            await asyncio.sleep(poll_s)
+        left = in_flight()
+        if left:
+            log.warning("drain: %d job(s) still running after %g s: they are cancelled", left, timeout_s)
+        else:
+            log.info("drain: every job finished; leaving")
+        return left

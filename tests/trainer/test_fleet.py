@@ -1,0 +1,352 @@
+"""Fleet membership (issue #24), fast tier: the leased records a server keeps (prorl_server/membership.py) and
+the reader trainers follow (trainer_plugins/fleet.py), each fault of the issue with its defined outcome, and the
+job client's part (a draining server's 503, a server that fails a request, a lease that runs out while a job is
+open). Real server processes joining, dying, draining and ending are in test_fleet_real.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from prorl_server.membership import (END_SENTINEL, FleetControl, MemberRecord, Membership, clear_end, end_marker,
+                                     members_dir, prune_dead_on_node, write_end, write_record)
+from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
+from trainer_plugins.jobs import ROLLOUT_SERVER, JobSubmitter, process_request
+
+
+def record(member_id="n1-10-1", url="http://127.0.0.1:1", *, node="elsewhere", pid=None, seq=1, ttl_s=1.0,
+           renewed_at=None, **kw) -> MemberRecord:
+    now = time.time() if renewed_at is None else renewed_at
+    return MemberRecord(member_id=member_id, url=url, host="127.0.0.1", port=int(url.rsplit(":", 1)[1]),
+                        pid=os.getpid() if pid is None else pid, node=node, seq=seq, ttl_s=ttl_s, renewed_at=now, expires_at=now + ttl_s, **kw)
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+def test_a_record_is_written_whole_and_leaves_no_temporary_file(tmp_path):
+    r = record(state="draining", capacity=8, backends=2, weight_version=3)
+    path = write_record(tmp_path, r)
+    assert path == members_dir(tmp_path) / "n1-10-1.json"
+    assert MemberRecord.model_validate_json(path.read_bytes()) == r
+    assert os.listdir(members_dir(tmp_path)) == ["n1-10-1.json"]
+
+
+async def test_a_member_renews_its_lease_publishes_its_state_and_removes_its_record_on_exit(tmp_path):
+    status = {"backends": 0}
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, capacity=4,
+                   status=lambda: (status["backends"], 7 if status["backends"] else None, 0))
+    await m.start()
+    first = MemberRecord.model_validate_json(m.path.read_bytes())
+    assert (first.state, first.capacity, first.backends, first.pid) == ("active", 4, 0, os.getpid())
+    await asyncio.sleep(0.7)  # renewed every ttl/3 = 0.2 s
+    second = MemberRecord.model_validate_json(m.path.read_bytes())
+    assert second.seq >= first.seq + 2
+    status["backends"] = 1  # a backend registered: published within the 0.2 s watch, not at the next renewal
+    await asyncio.sleep(0.3)
+    assert MemberRecord.model_validate_json(m.path.read_bytes()).backends == 1
+    await m.set_state_now("draining")
+    assert MemberRecord.model_validate_json(m.path.read_bytes()).state == "draining"
+    await m.close()
+    assert not m.path.exists()
+
+
+async def test_a_member_leaves_when_an_end_sentinel_appears_but_not_for_one_left_by_an_earlier_run(tmp_path):
+    write_end(tmp_path, "an earlier run")
+    ended = asyncio.Event()
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, on_end=ended.set)
+    await m.start()
+    await asyncio.sleep(0.5)
+    assert not ended.is_set()  # the old sentinel was there when it started
+    clear_end(tmp_path)
+    assert end_marker(tmp_path) is None
+    write_end(tmp_path, "this run's trainer ended")
+    await asyncio.wait_for(ended.wait(), 2)
+    await m.close()
+
+
+def test_a_starting_member_removes_the_records_of_dead_processes_on_its_own_node_only(tmp_path):
+    write_record(tmp_path, record("here-dead", node="here", pid=dead_pid()))
+    write_record(tmp_path, record("here-alive", node="here", pid=os.getpid()))
+    write_record(tmp_path, record("there-dead", node="there", pid=dead_pid()))
+    assert prune_dead_on_node(tmp_path, "here") == 1
+    assert sorted(os.listdir(members_dir(tmp_path))) == ["here-alive.json", "there-dead.json"]
+
+
+# ------------------------------------------------------------------------------------------ the reader
+
+
+def test_a_joining_member_is_routable_at_the_next_read_and_a_draining_one_is_not(tmp_path):
+    fleet = Fleet(tmp_path, start=False, local_node="b")
+    assert list(fleet) == [] and not fleet
+    write_record(tmp_path, record("a-1-1", "http://127.0.0.1:1", node="a"))
+    write_record(tmp_path, record("b-2-2", "http://127.0.0.1:2", node="b"))
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:2", "http://127.0.0.1:1"]  # same node first
+    write_record(tmp_path, record("a-1-1", "http://127.0.0.1:1", node="a", seq=2, state="draining"))
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:2"]
+    (members_dir(tmp_path) / "b-2-2.json").unlink()  # a clean exit
+    fleet.refresh()
+    assert list(fleet) == [] and not fleet.is_lost("http://127.0.0.1:2")
+
+
+def test_a_lease_that_stops_moving_runs_out_after_ttl_and_a_renewal_brings_the_member_back(tmp_path):
+    fleet = Fleet(tmp_path, start=False)
+    write_record(tmp_path, record(ttl_s=0.5))
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"]
+    time.sleep(0.3)
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"]  # within its ttl
+    time.sleep(0.3)
+    fleet.refresh()
+    assert list(fleet) == [] and fleet.is_lost("http://127.0.0.1:1")  # 0.6 s with no renewal > ttl 0.5 s
+    write_record(tmp_path, record(seq=2, ttl_s=0.5))
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"] and not fleet.is_lost("http://127.0.0.1:1")
+
+
+def test_clock_skew_leases_follow_the_writers_renewal_counter_not_its_wall_clock(tmp_path):
+    fleet = Fleet(tmp_path, start=False)
+    hour = 3600.0
+    # a writer whose clock runs an hour ahead: its expires_at is an hour "in the future" here
+    write_record(tmp_path, record("ahead", "http://127.0.0.1:1", ttl_s=0.5, renewed_at=time.time() + hour))
+    fleet.refresh()
+    assert "http://127.0.0.1:1" in fleet
+    time.sleep(0.7)  # ...but it stopped renewing: out, whatever its clock says
+    fleet.refresh()
+    assert "http://127.0.0.1:1" not in fleet
+    # a writer whose clock is an hour behind but renews: in, although its expires_at is long past here
+    write_record(tmp_path, record("behind", "http://127.0.0.1:2", ttl_s=0.5, renewed_at=time.time() - hour))
+    fleet.refresh()
+    assert "http://127.0.0.1:2" not in fleet  # first sight of a record far in the past: stale until it moves
+    for seq in (2, 3, 4):
+        time.sleep(0.2)
+        write_record(tmp_path, record("behind", "http://127.0.0.1:2", ttl_s=0.5, seq=seq,
+                                      renewed_at=time.time() - hour))
+        fleet.refresh()
+        assert "http://127.0.0.1:2" in fleet
+
+
+def test_a_stale_record_left_by_a_killed_server_is_never_routed_to(tmp_path):
+    # long dead elsewhere (its last renewal minutes ago): stale at first sight
+    write_record(tmp_path, record("old", "http://127.0.0.1:1", renewed_at=time.time() - 600, ttl_s=5))
+    # just killed on this node: its lease has seconds left, but its pid is gone
+    write_record(tmp_path, record("here", "http://127.0.0.1:2", node="thisnode", pid=dead_pid(), ttl_s=5))
+    fleet = Fleet(tmp_path, start=False, local_node="thisnode")
+    assert list(fleet) == []
+    assert fleet.is_lost("http://127.0.0.1:1") and fleet.is_lost("http://127.0.0.1:2")
+
+
+def test_a_corrupt_or_partial_record_is_skipped_and_a_known_member_keeps_its_last_good_record(tmp_path):
+    d = members_dir(tmp_path)
+    d.mkdir()
+    (d / "garbage.json").write_text('{"member_id": "x", "url": ')  # cut mid-write by a foreign tool
+    (d / "wrong.json").write_text(json.dumps({"hello": "world"}))
+    (d / "list.json").write_text("[1, 2]")
+    write_record(tmp_path, record("good", "http://127.0.0.1:1", ttl_s=0.5))
+    fleet = Fleet(tmp_path, start=False)
+    assert list(fleet) == ["http://127.0.0.1:1"]
+    (d / "good.json").write_bytes(b"\x00\xff not json")
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"]  # the last good record, whose lease still runs
+    time.sleep(0.6)
+    fleet.refresh()
+    assert list(fleet) == []  # ...and runs out: its seq never moved again
+
+
+def test_a_briefly_unreadable_directory_keeps_the_last_good_view_and_no_lease_runs_out_meanwhile(tmp_path,
+                                                                                              monkeypatch):
+    write_record(tmp_path, record("a", "http://127.0.0.1:1", ttl_s=0.4))
+    fleet = Fleet(tmp_path, start=False)
+    assert list(fleet) == ["http://127.0.0.1:1"]
+
+    def unreadable(*a, **k):
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    monkeypatch.setattr(os, "stat", unreadable)
+    for _ in range(4):  # 0.8 s blind: twice the ttl
+        time.sleep(0.2)
+        fleet.refresh()
+        assert list(fleet) == ["http://127.0.0.1:1"]
+    assert fleet.read_errors == 4
+    monkeypatch.undo()
+    write_record(tmp_path, record("a", "http://127.0.0.1:1", ttl_s=0.4, seq=2))
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"]
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_member_that_renews_its_lease_but_answers_nothing_stays_out_until_a_probe_answers(tmp_path):
+    # a server that answers nothing: a listening socket nobody accepts from (connections hang in the backlog)
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)
+    healthy = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=healthy.serve_forever, daemon=True).start()
+    mute_url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+    ok_url = f"http://127.0.0.1:{healthy.server_address[1]}"
+    try:
+        fleet = Fleet(tmp_path, poll_s=0.05, probe_interval_s=0.2, probe_timeout_s=0.3, start=True)
+        stop = threading.Event()
+
+        def renew():  # both keep renewing their leases
+            seq = 1
+            while not stop.is_set():
+                write_record(tmp_path, record("mute", mute_url, ttl_s=1.0, seq=seq))
+                write_record(tmp_path, record("ok", ok_url, ttl_s=1.0, seq=seq))
+                seq += 1
+                time.sleep(0.1)
+
+        threading.Thread(target=renew, daemon=True).start()
+        deadline = time.monotonic() + 5
+        while len(fleet) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(fleet) == sorted([mute_url, ok_url])
+        fleet.mark_failed(mute_url, "timed out")
+        fleet.mark_failed(ok_url, "reset once")
+        assert list(fleet) == []  # out at once, both
+        time.sleep(1.5)  # several probes
+        assert list(fleet) == [ok_url]  # the healthy one came back; the mute one's probes time out
+        assert not fleet.is_lost(mute_url)  # its lease is live: out because it answers nothing, not lost
+        stop.set()
+        fleet.close()
+    finally:
+        healthy.shutdown()
+        mute.close()
+
+
+def test_a_fleet_directory_is_told_from_a_servers_json_directory(tmp_path):
+    assert is_fleet_dir(tmp_path)
+    (tmp_path / "servers.json").write_text("{}")
+    assert not is_fleet_dir(tmp_path)
+    (tmp_path / "members").mkdir()
+    assert is_fleet_dir(tmp_path)
+    assert not is_fleet_dir(tmp_path / "absent")
+    f = open_fleet(tmp_path)
+    assert open_fleet(tmp_path) is f
+    f.close()
+
+
+def test_the_end_sentinel_is_seen_by_readers(tmp_path):
+    fleet = Fleet(tmp_path, start=False)
+    assert not fleet.ended
+    fleet.end("done")
+    assert json.loads((tmp_path / END_SENTINEL).read_text())["reason"] == "done"
+    fleet.refresh()
+    assert fleet.ended
+
+
+# ------------------------------------------------------------------------------------------ the job client
+
+
+async def test_a_draining_server_refuses_a_racing_submit_with_503_and_the_client_goes_elsewhere(
+        tmp_path, serve_handlers, varied):
+    from prorl_server.app import FLEET
+
+    drained_app = []
+
+    @web.middleware
+    async def grab(request, handler):
+        drained_app.append(request.app)
+        return await handler(request)
+
+    a = await serve_handlers(varied, middlewares=[grab])
+    b = await serve_handlers(varied)
+    write_record(tmp_path, record("a", a, ttl_s=30))
+    write_record(tmp_path, record("b", b, ttl_s=30))
+    fleet = Fleet(tmp_path, start=False)
+    req = process_request({"data_source": "varied", "id": "x", "rewards": [1.0]})
+    async with JobSubmitter(fleet=fleet, unavailable_retry_s=30) as jobs:
+        first = await jobs.submit(a, req.model_copy(update={"job_id": "j0"}))
+        assert first.filter is False
+        await drained_app[0][FLEET].start_drain()  # the server drains; the client's view has not caught up
+        t0 = time.monotonic()
+        refused = await jobs.submit(a, req.model_copy(update={"job_id": "j1"}))
+        assert time.monotonic() - t0 < 1.0  # not offered again for unavailable_retry_s like another 503
+        assert refused.filter and refused.failure_kind == ROLLOUT_SERVER and "draining" in refused.error
+        assert list(fleet) == [b]  # out of the rotation at once
+        outcome = await jobs.run(fleet, req, job_prefix="r")
+    assert outcome.server == b and not outcome.filtered
+
+
+async def test_a_server_that_fails_a_request_is_out_of_the_fleet_at_once(tmp_path, serve_handlers, varied):
+    b = await serve_handlers(varied)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens: connection refused
+    write_record(tmp_path, record("dead", dead_url, ttl_s=30))
+    write_record(tmp_path, record("b", b, ttl_s=30))
+    fleet = Fleet(tmp_path, start=False)
+    req = process_request({"data_source": "varied", "id": "x", "rewards": [1.0]})
+    async with JobSubmitter(fleet=fleet) as jobs:
+        res = await jobs.submit(dead_url, req.model_copy(update={"job_id": "k0"}))
+        assert res.filter and res.failure_kind == ROLLOUT_SERVER
+        assert list(fleet) == [b]
+        outcomes = [await jobs.run(fleet, req, job_prefix=f"k{i}") for i in range(3)]
+    assert {o.server for o in outcomes} == {b} and not any(o.filtered for o in outcomes)
+
+
+async def test_an_open_request_ends_as_a_filtered_result_when_the_servers_lease_runs_out(tmp_path, aiohttp_server):
+    async def hang(request):  # a node lost without a reset: the request never ends
+        await asyncio.sleep(3600)
+
+    app = web.Application()
+    app.router.add_post("/process", hang)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    write_record(tmp_path, record("lost", url, ttl_s=0.5))
+    fleet = Fleet(tmp_path, poll_s=0.05)
+    try:
+        async with JobSubmitter(fleet=fleet) as jobs:
+            t0 = time.monotonic()
+            res = await jobs.submit(url, process_request({"data_source": "varied"}, job_id="lost-1"))
+            waited = time.monotonic() - t0
+    finally:
+        fleet.close()
+    assert res.filter and res.failure_kind == ROLLOUT_SERVER and "lease" in res.error
+    assert waited < 2 * 0.5 + 0.5  # out within 2 x ttl (+ the watch's poll)
+
+
+async def test_drain_control_waits_for_the_jobs_held_and_reports_what_is_left():
+    c = FleetControl()
+    left = {"n": 2}
+
+    async def finish():
+        await asyncio.sleep(0.2)
+        left["n"] = 0
+
+    await c.start_drain()
+    assert c.draining and c.exit_requested.is_set()
+    task = asyncio.create_task(finish())
+    assert await c.wait_drained(lambda: left["n"], timeout_s=5, poll_s=0.02) == 0
+    await task
+    left["n"] = 1
+    assert await c.wait_drained(lambda: left["n"], timeout_s=0.1, poll_s=0.02) == 1
