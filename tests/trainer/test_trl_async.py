@@ -71,6 +71,27 @@ async def test_with_prefetch_the_next_steps_jobs_run_while_the_trainer_trains(st
     assert all(len(o["completion_ids"]) == 2 for o in (first, second, third))
 
 
+async def test_prefetch_2_keeps_two_steps_of_jobs_at_the_servers(start_llm_server, fixed):
+    url = await start_llm_server()
+    instances = [fixed_instance(n, sleep=0.3) for n in "abcd"]
+    rollout = ProRLRollout([url], instances, max_sample_retries=0, prefetch=2)
+    got, lags, in_flight = [], [], []
+    try:
+        for step, name in enumerate("abcd"):
+            out = await call(rollout, [f"say {name}"] * 2, make_trainer(2, step=step))
+            got.append(out["prorl_prompt"][0])
+            lags.append(rollout.history[-1].prompt_lag)
+            in_flight.append(rollout.jobs_in_flight())
+    finally:
+        rollout.close()
+    # the pipeline fills with the first prompts (3 times), then each call returns the batch of 2 calls before
+    assert got == ["say a", "say a", "say a", "say b"] and lags == [0, 1, 2, 2]
+    # the batch a call submits is at the servers while the trainer trains (and the one before it, unless it
+    # finished already)
+    assert all(2 <= k <= 4 for k in in_flight), in_flight
+    assert rollout.jobs_in_flight() == 0
+
+
 async def test_without_prefetch_each_call_returns_its_own_prompts_and_leaves_nothing_running(start_llm_server):
     url = await start_llm_server()
     rollout = ProRLRollout([url], [fixed_instance("a"), fixed_instance("b")], max_sample_retries=0)
@@ -245,4 +266,8 @@ def test_a_resumed_run_pushes_the_checkpoint_weights_before_labelling_them_with_
     saved = load_file(loads[0]["args"][0])
     assert torch.equal(saved["model.norm.weight"], model.model.norm.weight.detach())
     assert versions == {vllm.url: 5} and rollout.weight_version == 5
-    assert [r.version for r in cb.reports] == [5]
+    assert [(r.version, r.mode) for r in cb.reports] == [(5, "swap")]  # the server's swap, not a re-registration
+    paths = [path for path, _ in calls]
+    load_at = next(i for i, (path, body) in enumerate(calls)
+                   if path == "/collective_rpc" and body["method"] == "prorl_load_weights")
+    assert paths.index("/pause") < load_at < paths.index("/resume")  # loaded while the server held the backend

@@ -48,13 +48,13 @@ class RolloutServerProcess:
     """``python -m prorl_server`` in its own process group with ``backend`` registered; ``kill()`` is SIGKILL
     (a crashed node), ``stop()`` a clean stop."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, *extra_args: str) -> None:
         ready = Path(tempfile.mkdtemp(prefix="trl-real-")) / "ready.json"
         self.log = ROOT / ".cache" / "logs" / f"rollout-trl-{os.getpid()}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file",
-                                          str(ready), "--backend", backend, "--log-level", "WARNING"], cwd=ROOT,
+                                          str(ready), "--backend", backend, "--log-level", "WARNING", *extra_args], cwd=ROOT,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         for _ in range(1200):
             if ready.exists() or self.proc.poll() is not None:
@@ -86,8 +86,8 @@ class RolloutServerProcess:
 def rollout_server(ext_vllm):
     servers = []
 
-    def start():
-        servers.append(RolloutServerProcess(ext_vllm.address))
+    def start(*extra_args):
+        servers.append(RolloutServerProcess(ext_vllm.address, *extra_args))
         return servers[-1]
 
     yield start
@@ -165,7 +165,14 @@ def test_a_torn_or_foreign_weights_file_is_refused_and_the_served_weights_stay(e
     before = served_logprobs(ext_vllm, tiny_model_dir)
     good = tmp_path / "w.safetensors"
     save_file({"model.norm.weight": torch.zeros(128)}, str(good))
-    with pytest.raises(RuntimeError, match="sha256"):  # checksum of another file: refused before loading
+    from trainer_plugins.vllm_weights import weights_digest
+
+    other = tmp_path / "other.safetensors"  # the same tensor names and shapes, another push
+    save_weights(torch.nn.Linear(2, 2), other)
+    save_file({"model.norm.weight": torch.ones(128)}, str(other))
+    with pytest.raises(RuntimeError, match="digest"):  # another file's digest: refused before loading
+        asyncio.run(_load(ext_vllm.address, good, weights_digest(other)))
+    with pytest.raises(RuntimeError, match="digest"):  # a full SHA-256 of another file: the same
         asyncio.run(_load(ext_vllm.address, good, "0" * 64))
     with pytest.raises(RuntimeError, match="does not exist"):
         asyncio.run(_load(ext_vllm.address, tmp_path / "missing.safetensors"))
@@ -238,6 +245,69 @@ def test_three_trl_steps_change_the_served_weights_and_every_turn_carries_its_ve
     assert (after - hf_logprobs(trained)).abs().max() < 1e-4
     # every row is a two-turn episode: model tokens, the environment's message (mask 0), model tokens
     assert rollout.history[0].tokens_generated == 8 * 2 * 6
+
+
+# ------------------------------------------------------------------ rollouts in flight across the swaps
+def test_with_prefetch_swaps_hold_requests_in_flight_lose_no_token_and_split_versions_cleanly(
+        ext_vllm, tiny_model_dir, rollout_server, tmp_path):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from handlers.shout import load_dataset
+    from trainer_plugins.trl import ProRLRollout, WeightPushCallback
+
+    push_original(ext_vllm, tiny_model_dir)
+    # One run worker (rows run one after another) and 3 turns of exactly 16 tokens: generating a batch takes
+    # about as long as a training step here, so the next batch is generating when the step's swap comes (the
+    # benchmark's recipe, benchmarks/learning_curve.py).
+    server = rollout_server("--run-workers", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trainer's share of the 2 cores; vLLM's OpenMP threads spin on the other
+    instances = [{**inst, "turns": 3} for inst in load_dataset(limit=4)]
+    rollout = ProRLRollout([server.url], instances, max_tokens=16, sampling_params={"min_tokens": 16},
+                           request_timeout_s=300, prefetch=True)
+    push = WeightPushCallback(rollout, [ext_vllm.address], weights_dir=tmp_path / "weights")
+    rows = []
+
+    def reward(prompts, completions, prorl_reward, prorl_token_versions, **kw):
+        rows.append(prorl_token_versions)  # what the trainer sees per row
+        return prorl_reward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                        max_completion_length=16, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=4,
+                        beta=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                        disable_tqdm=True, vllm_importance_sampling_mode="token_truncate")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_list(ProRLRollout.dataset_rows(instances * 4)),
+                          processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), rollout_func=rollout,
+                          callbacks=[push])
+    try:
+        trainer.train()
+    finally:
+        rollout.close()
+        torch.set_num_threads(threads)
+    assert [r.mode for r in push.reports] == ["swap"] * 4 and all(not r.failed for r in push.reports)
+    # swaps came with the next batch generating (how many depends on the machine's timing, at least one),
+    # and the server threw no generated token away at any of them
+    assert any(r.jobs_in_flight for r in push.reports), [r.jobs_in_flight for r in push.reports]
+    assert [r.tokens_discarded for r in push.reports] == [0] * 4
+    # every row's tokens: an old-version prefix, then the new version, never back, never unknown
+    for step_rows in rows:
+        for versions in step_rows:
+            generated = [v for v in versions if v is not None]
+            assert generated == sorted(generated) and len(generated) == 3 * 16, versions
+    for h in rollout.history[1:]:  # one step off-policy at most
+        assert set(h.token_versions) <= {h.weight_version - 1, h.weight_version}, h.token_versions
+    assert rollout.history[0].token_versions == {0: 8 * 3 * 16}
+    # TRL's importance-sampling correction ran on the server's logprobs
+    logged = {}
+    for entry in trainer.state.log_history:
+        logged.update(entry)
+    assert "sampling/importance_sampling_ratio/mean" in logged
 
 
 # ------------------------------------------------------------------ a rollout server killed mid-step

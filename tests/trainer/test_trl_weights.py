@@ -153,7 +153,7 @@ def start_swap_server(aiohttp_server):
     ``POST /add_llm_server``) as the server's API specifies them, used to inject the faults a real server only
     shows under a race (another trainer's swap holding the lease: 409 ``swap_in_progress``; a lease that ran out
     before the resume: 409 ``swap_expired``). The happy path runs against the real server in
-    tests/trainer/test_trl_swap.py. ``start_swap_server.events`` is one log shared by every stand-in started
+    tests/trainer/test_trl_async.py (the resume test) and tests/trainer/test_trl_real.py. ``start_swap_server.events`` is one log shared by every stand-in started
     (``(url, path, body)`` in arrival order)."""
     from aiohttp import web
 

@@ -33,12 +33,14 @@ run-length over its generated tokens in order), written by rollout servers that 
 older server's trajectory has only ``weight_versions``, and its tokens get that version when there is one,
 None otherwise.
 
-Asynchronous rollouts (``prefetch=True``): the jobs of the next step run while the trainer trains on this one.
-TRL hands the rollout function the prompts of the batch it is about to train on, never the next batch's, so a
-call submits the prompts it is given and returns the batch the *previous* call submitted (one step off-policy;
-the first call primes the pipeline by running its prompts twice: once for itself, once in flight). The rows'
+Asynchronous rollouts (``prefetch=k``, ``True`` meaning 1): the jobs of the next ``k`` steps run while the
+trainer trains on this one. TRL hands the rollout function the prompts of the batch it is about to train on,
+never the next batch's, so a call submits the prompts it is given and returns the batch submitted ``k`` calls
+earlier (``k`` steps off-policy at most; the first call fills the pipeline by running its prompts ``k + 1``
+times: once for itself, ``k`` times in flight). With ``k = 2`` the servers always hold a batch of the next
+steps while the trainer trains, even when one step's batch generates faster than the step trains. The rows'
 ``prorl_prompt`` names the prompt each row was generated for (TRL's own ``prompts`` argument of the reward
-functions is then the next batch's: use :func:`server_reward` or ``prorl_prompt``). The tokens generated
+functions is then a later batch's: use :func:`server_reward` or ``prorl_prompt``). The tokens generated
 before a weight swap carry the old version, those after it the new one (``prorl_token_versions``).
 
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
@@ -73,7 +75,7 @@ import os
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -135,7 +137,7 @@ class RolloutStats:
     ``token_versions``: ``{version: generated tokens}`` over the rows handed to TRL (``None``: unknown);
     ``mixed_version_turns``: turns that span a weight swap; ``aborted_turns``: generation attempts the servers'
     LLM clients re-sent because a backend aborted them (``llm_pause_retries`` of agent-loop handlers);
-    ``prompt_lag``: 1 when the rows are the previous call's prompts (``prefetch``), else 0."""
+    ``prompt_lag``: how many calls before this one the rows' prompts were submitted (0 without ``prefetch``)."""
 
     step: int
     weight_version: int
@@ -199,8 +201,8 @@ class ProRLRollout:
         unavailable_retry_s: how long a job the server answers 503 is offered again (seconds).
         server_chooser: a :class:`trainer_plugins.admission.ServerChooser` or its name (``"least_in_flight"``,
             the default; ``"rendezvous"``).
-        prefetch: run the next step's jobs while the trainer trains (module docstring, "Asynchronous
-            rollouts"); False: each call runs and returns its own prompts (on-policy).
+        prefetch: how many steps' jobs run ahead while the trainer trains (module docstring, "Asynchronous
+            rollouts"; True: 1); 0 / False: each call runs and returns its own prompts (on-policy).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -209,7 +211,8 @@ class ProRLRollout:
                  request_timeout_s: Optional[float] = None, max_sample_retries: int = 2,
                  token: Optional[str] = None, local_node: Optional[str] = None, measure_ratio: bool = False,
                  unavailable_retry_s: float = 120.0, run_id: Optional[str] = None,
-                 server_chooser: Union[str, ServerChooser] = "least_in_flight", prefetch: bool = False) -> None:
+                 server_chooser: Union[str, ServerChooser] = "least_in_flight",
+                 prefetch: Union[bool, int] = False) -> None:
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
         if token:
             headers = {**headers, "Authorization": f"Bearer {token}"}
@@ -242,8 +245,10 @@ class ProRLRollout:
         self._loop: Optional[_LoopThread] = None
         self._submitter_args = dict(unavailable_retry_s=unavailable_retry_s, request_timeout_s=request_timeout_s)
         self._jobs: Optional[JobSubmitter] = None
-        self.prefetch = prefetch
-        self._pending: Optional[_Batch] = None
+        if int(prefetch) < 0:
+            raise ValueError("prefetch must be >= 0")
+        self.prefetch = int(prefetch)
+        self._pending: "deque[_Batch]" = deque()
         self._batches = 0
 
     # ------------------------------------------------------------------ plumbing
@@ -260,19 +265,17 @@ class ProRLRollout:
     def jobs_in_flight(self) -> int:
         """Row jobs of the prefetched batch not finished yet (what runs while the trainer trains; 0 without
         ``prefetch``)."""
-        b = self._pending
-        return 0 if b is None or b.task.done() else len(b.prompts) - b.finished
+        return sum(len(b.prompts) - b.finished for b in list(self._pending) if not b.task.done())
 
     def close(self) -> None:
         """Cancel a prefetched batch (its jobs are cancelled on the servers), close the HTTP session and stop
         the loop thread (idempotent)."""
         if self._loop is not None:
-            if self._pending is not None:
+            while self._pending:
                 try:
-                    self._loop.run(_cancel(self._pending.task), timeout=120)
+                    self._loop.run(_cancel(self._pending.pop().task), timeout=120)
                 except Exception as e:  # close goes on: the session and the loop must still end
-                    log.warning("cancelling the prefetched batch: %r", e)
-                self._pending = None
+                    log.warning("cancelling a prefetched batch: %r", e)
             if self._jobs is not None:
                 self._loop.run(self._jobs.close())
                 self._jobs = None
@@ -337,13 +340,14 @@ class ProRLRollout:
         if trainer is not None:
             enable_importance_sampling(trainer)
         if self.prefetch:
-            if self._pending is None:  # the first call: one batch for now, one in flight while it trains
-                self._pending = self._start(prompts, instances, sp, n, step)
-            batch, self._pending = self._pending, None
+            if not self._pending:  # the first call: one batch for now (and k more in flight while it trains)
+                self._pending.append(self._start(prompts, instances, sp, n, step))
+            batch = self._pending.popleft()
             outcomes = batch.future.result()
-            # the next step's jobs start now, and run while the trainer trains on this batch
-            self._pending = self._start(prompts, instances, sp, n, step + 1)
-            lag = 1 if batch.prompts is not prompts else 0
+            # this call's jobs (k of them on the first call) start now and run while the trainer trains
+            while len(self._pending) < self.prefetch:
+                self._pending.append(self._start(prompts, instances, sp, n, step + 1 + len(self._pending)))
+            lag = self._calls - batch.call
             prompts = batch.prompts
         else:
             outcomes = self._start(prompts, instances, sp, n, step).future.result()
@@ -376,7 +380,7 @@ class ProRLRollout:
 
     def _start(self, prompts: list, instances: list[dict], sp: dict, n: int, step: int) -> "_Batch":
         self._batches += 1
-        batch = _Batch(prompts=prompts)
+        batch = _Batch(prompts=prompts, call=self._calls)
         batch.task = self.loop.run(_spawn(self._run_batch(prompts, instances, sp, n, step, self._batches, batch)))
         batch.future = asyncio.run_coroutine_threadsafe(_wait(batch.task), self.loop.loop)
         return batch
@@ -483,7 +487,7 @@ class ProRLRollout:
             out["env_mask"][i] = [0]
         stats.rewards = list(out["prorl_reward"])
         stats.failure_kinds = dict(kinds)
-        allowed = {self.weight_version} | ({self.weight_version - 1} if self.prefetch else set())
+        allowed = set(range(self.weight_version - self.prefetch, self.weight_version + 1))
         stale = [v for v in stats.versions if v not in allowed]
         if stale:
             log.warning("rollout step %d: turns generated with weight versions %s while the trainer is at %d",
@@ -498,6 +502,7 @@ class _Batch:
     outcomes for the calling thread, and how many of its rows have finished."""
 
     prompts: list
+    call: int = 0
     task: Any = None
     future: Any = None
     finished: int = 0

@@ -84,7 +84,9 @@ class PushReport:
     backend, slowest), ``resume_s`` (``/weights/resume``, slowest) or ``register_s`` (legacy),
     ``sync_s`` = pause + load + resume (how long generation was held), ``total_s``; ``held_s``: the servers'
     own pause-to-resume time (slowest); ``dropped_jobs`` (older than ``max_staleness``, dropped at pause);
-    ``tokens_discarded``: generated tokens the servers threw away in this swap (None when no server reports it);
+    ``held_calls``: LLM calls in flight at the backends when the servers paused them (held, not aborted);
+    ``tokens_discarded``: generated tokens the servers have thrown away since they started (aborted turns that
+    were re-sent; the resume's answer, summed over the servers; None when no server reports it);
     ``jobs_in_flight``: the trainer's rollout jobs still running when the swap began."""
 
     version: int
@@ -103,6 +105,7 @@ class PushReport:
     total_s: float = 0.0
     held_s: Optional[float] = None
     dropped_jobs: int = 0
+    held_calls: int = 0
     tokens_discarded: Optional[int] = None
     jobs_in_flight: Optional[int] = None
 
@@ -450,6 +453,7 @@ async def swap_weights(session: aiohttp.ClientSession, path: str, version: int,
     not_paused: dict[str, str] = {}
     for s, a in paused.items():
         report.dropped_jobs += int((a or {}).get("dropped_jobs") or 0)
+        report.held_calls += int((a or {}).get("held_calls") or 0)
         for b, st in ((a or {}).get("backends") or {}).items():
             if st != "paused":
                 not_paused[b] = f"{s} could not pause it: {st}"
