@@ -63,6 +63,13 @@
 #   PRORL_VLLM_CMD         vLLM command (word-split)   default: $PRORL_PYTHON -m vllm.entrypoints.openai.api_server
 #   PRORL_VLLM_ARGS        extra vLLM flags (word-split)                          default: none
 #   PRORL_VLLM_CPU         1 = start one vLLM server on a node that has no GPU (CPU build of vLLM)  default: 0
+#   PRORL_FLEET_DIR        a fleet directory (shared filesystem; see README "A fleet that grows and shrinks"):
+#                          each server process keeps a leased record there (trainers following the directory
+#                          route to it within a poll), SIGTERM drains instead of cancelling (jobs held finish,
+#                          up to PRORL_STOP_GRACE - 5 s), the fleet's token is $PRORL_FLEET_DIR/token (made by
+#                          the first job, reused by later ones), and the job ends within seconds when the
+#                          trainer writes $PRORL_FLEET_DIR/END.                         default: off
+#   PRORL_FLEET_TTL_S      lease of each record, seconds (renewed every TTL/3)           default: 5
 #   PRORL_DRY_RUN          1 = print the plan and exit (same as --dry-run)
 #
 # Files: $PRORL_SERVERS_DIR/servers.json (mode 0600: it holds the token) and
@@ -97,6 +104,8 @@ HOST=${PRORL_HOST:-0.0.0.0}
 PORT=${PRORL_PORT:-0}
 STARTUP_TIMEOUT=${PRORL_STARTUP_TIMEOUT:-600}
 STOP_GRACE=${PRORL_STOP_GRACE:-25}
+FLEET_DIR=${PRORL_FLEET_DIR:-}
+DRAIN_S=$((STOP_GRACE > 6 ? STOP_GRACE - 5 : 1))
 VLLM_MODEL=${PRORL_VLLM_MODEL:-}
 BACKENDS=${PRORL_BACKENDS:-}
 [ -z "$BACKENDS" ] && { [ -n "$VLLM_MODEL" ] && BACKENDS=vllm || BACKENDS=trainer; }
@@ -129,6 +138,10 @@ server_args() {  # node -> the server's argv after $SERVER_CMD, one per line
     [ -n "${PRORL_CONFIG:-}" ] && printf '%s\n' --config "$PRORL_CONFIG"
     [ -n "${PRORL_SANDBOX_RUNTIME:-}" ] && printf '%s\n' --sandbox-runtime "$PRORL_SANDBOX_RUNTIME"
     [ "$PROCESSES" != 1 ] && printf '%s\n' --processes "$PROCESSES"
+    if [ -n "$FLEET_DIR" ]; then
+        printf '%s\n' --fleet-dir "$FLEET_DIR" --drain-timeout-s "$DRAIN_S"
+        [ -n "${PRORL_FLEET_TTL_S:-}" ] && printf '%s\n' --fleet-ttl-s "$PRORL_FLEET_TTL_S"
+    fi
     # shellcheck disable=SC2086  # word-splitting of PRORL_SERVER_ARGS is the documented behaviour
     [ -n "${PRORL_SERVER_ARGS:-}" ] && printf '%s\n' ${PRORL_SERVER_ARGS}
     return 0
@@ -180,6 +193,7 @@ node_main() {
         esac
     fi
     echo "$adv" >"$PRORL_L_RUN_DIR/$node.advertise"
+    export PRORL_ADVERTISE_HOST=$adv  # the address a fleet record gives (prorl-server --fleet-dir)
 
     local args=() line
     while IFS= read -r line; do args+=("${line//@NODE@/$node}"); done <<<"$PRORL_L_SERVER_ARGS"
@@ -292,6 +306,10 @@ if [ "$DRY_RUN" = 1 ]; then
              "servers with a weight version after each update (verl plugin: its per-worker relay)"
         echo "    vLLM: off (for evaluation set PRORL_VLLM_MODEL to start one per GPU)"
     fi
+    if [ -n "$FLEET_DIR" ]; then
+        echo "  fleet:             $FLEET_DIR (a leased record per server process; token $FLEET_DIR/token;" \
+             "SIGTERM drains up to $DRAIN_S s; the job ends when $FLEET_DIR/END appears)"
+    fi
     echo "  ready: wait up to ${STARTUP_TIMEOUT} s for every ready file and /health"
     echo "  stop:  on scancel / time limit / SIGUSR1: remove servers.json, SIGTERM the servers," \
          "SIGKILL after ${STOP_GRACE} s"
@@ -304,6 +322,19 @@ if [ -z "$JOB_ID" ]; then
 fi
 
 mkdir -p "$RUN_DIR" && chmod 0700 "$RUN_DIR" || { log "cannot create $RUN_DIR"; exit 1; }
+END_AT_START=
+if [ -n "$FLEET_DIR" ]; then
+    mkdir -p "$FLEET_DIR" || { log "cannot create the fleet directory $FLEET_DIR"; exit 1; }
+    if [ -z "${PRORL_TOKEN:-}" ]; then
+        # one token for the whole fleet: the first job makes it (ln fails if another job was first)
+        tok_tmp=$(mktemp "$FLEET_DIR/.token.XXXXXX") && chmod 0600 "$tok_tmp" \
+            && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$tok_tmp" \
+            && { ln "$tok_tmp" "$FLEET_DIR/token" 2>/dev/null || true; }
+        rm -f "$tok_tmp"
+        PRORL_TOKEN=$(cat "$FLEET_DIR/token" 2>/dev/null) || { log "cannot read $FLEET_DIR/token"; exit 1; }
+    fi
+    END_AT_START=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
+fi
 export PRORL_TOKEN=${PRORL_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 log "job $JOB_ID: ${#NODES[@]} node(s): ${NODES[*]}; servers.json -> $SERVERS_FILE"
@@ -379,9 +410,18 @@ fi
 log "all ${#NODES[@]} server(s) healthy; wrote $SERVERS_FILE"
 "$PY" -m trainer_plugins.servers show "$SERVERS_FILE" | sed 's/^/    /'
 
-# Stay up. `wait -n` returns when a step ends (or a trapped signal arrives, which runs stop_all and exits).
+# Stay up. `wait -n` returns when a step ends (or a trapped signal arrives, which runs stop_all and exits). With a
+# fleet the loop also looks for the trainer's end sentinel every second (one left by an earlier run is ignored).
 while :; do
-    wait -n  # bash 4.3+; the only children here are the server steps
+    if [ -n "$FLEET_DIR" ]; then
+        sleep 1 & wait $!
+        end_now=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
+        if [ -n "$end_now" ] && [ "$end_now" != "$END_AT_START" ]; then
+            stop_all "the trainer ended: $FLEET_DIR/END"; exit 0
+        fi
+    else
+        wait -n  # bash 4.3+; the only children here are the server steps
+    fi
     for node in "${!STEP_PID[@]}"; do
         if ! kill -0 "${STEP_PID[$node]}" 2>/dev/null; then
             log "server step on $node ended while the job runs; see $RUN_DIR/$node.log"
