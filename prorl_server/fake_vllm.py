@@ -65,7 +65,7 @@ class FakeVLLM:
         self._engine: Optional[asyncio.Task] = None
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = self._app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)

@@ -77,7 +77,7 @@ class PausableTimer:
 
     def credit(self, seconds: float) -> None:
         """Take ``seconds`` back off the counted time (time the job spent held by a weight swap)."""
-        self._elapsed -= max(0.0, seconds)
+        self._elapsed -= min(max(0.0, seconds), self.elapsed)  # never below nothing counted
 
     @property
     def running(self) -> bool:
@@ -171,6 +171,7 @@ class Job:
         #: the running stage's deadline (an ``asyncio.Timeout``; None without a budget or between stages)
         self.deadline: Optional[asyncio.Timeout] = None
         self._held_remaining: Optional[float] = None  # seconds the deadline had left when a swap held it
+        self._held_at: Optional[float] = None  # time.monotonic() when a swap started holding it
         self.retained_bytes = 0  # estimated size of the result while the pipeline retains it (result_bytes)
 
         self._backend_address: Optional[str] = None
@@ -280,15 +281,26 @@ class Job:
         running stage's deadline (:attr:`deadline`, the pipeline's ``asyncio.Timeout``) stops until
         :meth:`release_deadline`."""
         deadline = self.deadline
+        if self._held_at is None:
+            self._held_at = time.monotonic()
         if deadline is not None and not deadline.expired() and deadline.when() is not None \
                 and self._held_remaining is None:
             self._held_remaining = deadline.when() - asyncio.get_running_loop().time()
             deadline.reschedule(None)
 
-    def release_deadline(self, held_s: float) -> None:
-        """The swap ended after ``held_s`` seconds: that time is not charged to the job's timeout (the running
+    def clear_deadline(self) -> None:
+        """The stage whose deadline :attr:`deadline` was ended (a hold still running goes on counting)."""
+        self.deadline = None
+        self._held_remaining = None
+
+    def release_deadline(self) -> None:
+        """The swap ended: the time since :meth:`hold_deadline` is not charged to the job's timeout (the running
         stage's deadline restarts with what it had left; later stages get the counted time back)."""
-        self.timer.credit(held_s)
+        if self._held_at is None:
+            return
+        if self.timer.running:
+            self.timer.credit(time.monotonic() - self._held_at)
+        self._held_at = None
         remaining, self._held_remaining = self._held_remaining, None
         deadline = self.deadline
         if remaining is not None and deadline is not None and not deadline.expired():

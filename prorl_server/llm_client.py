@@ -165,7 +165,7 @@ def version_runs(n_tokens: int, start: Optional[int], splits: list[tuple[Optiona
     for n, mark in splits:
         if not mark.resumed:
             continue
-        if n is None:
+        if n is None or n > n_tokens:  # unknown, or more than the turn has: the report cannot be right
             return [[None, n_tokens]]
         n = min(max(n, done), n_tokens)
         if n > done:

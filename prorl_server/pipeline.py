@@ -414,11 +414,14 @@ class Pipeline:
                 raise _JobTimeout()
             try:
                 async with asyncio.timeout(remaining) as deadline:
-                    job.deadline = deadline  # a weight swap extends it by the time it held the job
+                    job.deadline = deadline  # a weight swap stops it while it holds the job
+                    pool = job.services.pool if job.services is not None else None
+                    if pool is not None and pool.held:  # a stage that starts during a swap: held at once
+                        job.hold_deadline()
                     try:
                         return await stage_fn(job)
                     finally:
-                        job.deadline = None
+                        job.clear_deadline()
             except TimeoutError as e:
                 # A TimeoutError the handler raised itself is a stage failure, not the job's timeout.
                 if deadline.expired():

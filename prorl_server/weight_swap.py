@@ -36,7 +36,9 @@ job's running deadline stops at the pause and restarts at the resume with what i
 to resume is taken out of the rotation with its reason (:meth:`~prorl_server.balancer.BackendPool.withdraw`;
 it comes back only when registered again) and the calls it held are re-sent to another backend: no job is
 lost. A trainer that never resumes (it died) does not leave the fleet paused: at the lease's deadline the
-server resumes every backend under its old version by itself, and a late resume is a 409 ``swap_expired``.
+server resumes every backend in the engine and withdraws it (whether the trainer loaded anything is unknown:
+no token is served under a version that may be wrong) until ``/add_llm_server`` registers it again with the
+version it serves; jobs wait for it (``backend_wait_s``); a late resume is a 409 ``swap_expired``.
 
 Sources: vLLM's development endpoints (``vllm/entrypoints/serve/dev/rlhf``: ``/pause`` modes abort / wait /
 keep, ``/resume``; ``dev/cache``: ``/reset_prefix_cache?reset_running_requests``); PipelineRL (in-flight
@@ -53,11 +55,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.balancer import Backend, BackendPool
 from prorl_server.llm_client import LLMClient, SwapMark
-from prorl_server.types import Int64
+from prorl_server.types import Int64, normalise_backend_address
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,13 @@ class ResumeRequest(BaseModel):
     swap_id: str = Field(min_length=1, max_length=64)
     weight_version: Optional[Int64] = Field(None, description="default: the pause's")
     failed: dict[str, str] = Field(default_factory=dict, max_length=4096,
-                                   description="backends that did not load the weights -> why")
+                                   description="backends that did not load the weights -> why (addresses as "
+                                   "registered; a trailing / or /v1 is ignored)")
+
+    @field_validator("failed")
+    @classmethod
+    def _addresses(cls, v: dict[str, str]) -> dict[str, str]:
+        return {normalise_backend_address(k).lower(): r for k, r in v.items()}
 
 
 class ResumeResponse(BaseModel):
@@ -178,7 +186,7 @@ class SwapCoordinator:
 
     def __init__(self, pool: BackendPool, client: Callable[[], LLMClient], *,
                  live_jobs: Callable[[], Any] = lambda: (), cancel_job: Optional[Callable[..., Any]] = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 15.0) -> None:
         self.pool = pool
         self._client = client
         self._live_jobs = live_jobs
@@ -218,8 +226,11 @@ class SwapCoordinator:
             return None
         out: dict[str, int] = {}
         for rid, n in results[0].items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                log.warning("%s reported progress %r for %r: its report is not used", b.address, n, rid)
+                return None  # one impossible count and none of the report is trusted
             m = _OURS.search(str(rid))
-            if m and isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            if m:
                 out[m.group(0)] = n
         return out
 
@@ -298,9 +309,16 @@ class SwapCoordinator:
                     raise SwapError(409, "swap_expired", self._expired[req.swap_id])
                 raise SwapError(409, "unknown_swap", f"no weight swap {req.swap_id!r} is in progress"
                                 + (f" (swap {swap.swap_id} is)" if swap else ""))
+            known = {a.lower(): a for a in swap.marks}
+            unknown = sorted(set(req.failed) - set(known))
+            if unknown:  # a backend said to have failed must be one this swap paused: never guess which
+                raise SwapError(422, "unknown_backend", f"failed names {len(unknown)} address(es) this swap did not "
+                                f"pause: {', '.join(u[:200] for u in unknown[:5])}; it paused "
+                                f"{', '.join(swap.marks) or 'none'} (the swap is still in progress)")
             t0 = time.monotonic()
             version = req.weight_version if req.weight_version is not None else swap.weight_version
-            outcomes = await asyncio.gather(*(self._resume_one(addr, mark, swap, version, req.failed.get(addr))
+            outcomes = await asyncio.gather(*(self._resume_one(addr, mark, swap, version,
+                                                               req.failed.get(addr.lower()))
                                               for addr, mark in swap.marks.items()))
             self._end(swap)
             self._release_jobs(time.monotonic() - swap.t_paused)
@@ -358,8 +376,14 @@ class SwapCoordinator:
             if self.current is not swap:
                 return
             why = (f"the lease of weight swap {swap.swap_id} (weights v{swap.weight_version}) ended after "
-                   f"{lease_s:g} s without a resume: the backends were resumed under their old versions")
+                   f"{lease_s:g} s without a resume: whether the trainer loaded anything is unknown, so its "
+                   "backends were withdrawn (resumed in the engine, out of the rotation until /add_llm_server "
+                   "registers them with the version they serve)")
             log.error("%s", why)
+            for addr in swap.marks:
+                b = self.pool.get(addr)
+                if b is not None:
+                    self._withdraw(b, why)
             await asyncio.gather(*(self._unpause(b, mark, keep_version=True) for addr, mark in swap.marks.items()
                                    if (b := self.pool.get(addr)) is not None))
             self._expired[swap.swap_id] = why
@@ -379,7 +403,7 @@ class SwapCoordinator:
     def _release_jobs(self, held_s: float) -> None:
         for j in self._live_jobs():
             if not j.finished and hasattr(j, "release_deadline"):
-                j.release_deadline(held_s)
+                j.release_deadline()
 
     async def close(self) -> None:
         """Server shutdown: a swap in progress ends as if its lease ran out (backends resumed)."""
