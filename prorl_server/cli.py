@@ -267,6 +267,12 @@ def supervise(settings: ServerSettings, processes: int, poll_s: float = 0.2) -> 
                     if len(ready) == len(members):
                         _write_members(settings, [ready[k] for k in range(len(members))])
             dead = [p for p in procs if not p.is_alive()]
+            if settings.fleet_dir and dead and all(p.exitcode == 0 for p in dead):
+                # in a fleet a member that drained (POST /drain) or saw the end sentinel leaves alone, cleanly
+                if len(dead) == len(procs):
+                    break
+                time.sleep(poll_s)
+                continue
             if dead:
                 log.error("member %s exited (status %s): stopping the others", dead[0].name, dead[0].exitcode)
                 rc = 1

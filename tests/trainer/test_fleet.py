@@ -350,3 +350,44 @@ async def test_drain_control_waits_for_the_jobs_held_and_reports_what_is_left():
     await task
     left["n"] = 1
     assert await c.wait_drained(lambda: left["n"], timeout_s=0.1, poll_s=0.02) == 1
+
+
+async def test_a_rollout_client_follows_the_fleet_with_no_restart_and_ends_it_on_close(tmp_path, serve_handlers,
+                                                                                     varied):
+    from trainer_plugins.client import RolloutClient
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied)
+    ma = Membership(tmp_path, url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path, url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    dataset = [{"data_source": "varied", "id": f"p{i}", "rewards": [0.0, 1.0], "sleeps": [0.05]}
+               for i in range(64)]
+    client = RolloutClient(str(tmp_path), dataset, groups_per_step=2, n_samples=2, max_staleness=None,
+                           end_fleet=True)
+    assert client.fleet is not None
+    try:
+        first = await client.next_batch()
+        assert {g.server for g in first.groups} == {a}
+        await mb.start()  # a server joins mid-run
+        servers = set()
+        for _ in range(10):
+            batch = await client.next_batch()
+            servers |= {g.server for g in batch.groups}
+            if b in servers:
+                break
+        assert b in servers
+        await ma.set_state_now("draining")  # and one drains: new groups go to the other only
+        while client.fleet.urls() != [b]:
+            await asyncio.sleep(0.05)
+        seen = time.monotonic()
+        later = []
+        for _ in range(3):
+            later += [g for g in (await client.next_batch()).groups if g.samples[0].submitted_at > seen]
+        assert later and {g.server for g in later} == {b}
+    finally:
+        await client.close()
+        await ma.close()
+        await mb.close()
+        client.fleet.close()
+    assert (tmp_path / END_SENTINEL).exists()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,13 @@ async def test_the_end_sentinel_stops_every_member_within_30_s(servers, fleet_di
     fleet = Fleet(fleet_dir)
     try:
         await wait_until(lambda: len(fleet) == 3, 15)
+        # one member of the two-process server drains by the management call and leaves alone
+        drained = next(u for u in fleet if u != a.url)
+        req = urllib.request.Request(f"{drained}/drain", data=b"{}", headers={"Content-Type": "application/json"})
+        await asyncio.to_thread(urllib.request.urlopen, req, None, 10)
+        await wait_until(lambda: drained not in fleet and len(fleet) == 2, 10)
+        await wait_until(lambda: len(list(members_dir(fleet_dir).glob("*.json"))) == 2, 10)
+        assert b.proc.poll() is None  # its supervisor and the other member stay
         t0 = time.monotonic()
         await asyncio.to_thread(fleet.end, "test: the trainer ended")
         await asyncio.to_thread(a.proc.wait, 30)
