@@ -214,8 +214,16 @@ def member_settings(settings: ServerSettings, processes: int, ready_dir: str) ->
     if settings.port and settings.port + processes - 1 > 65535:
         raise ValueError(f"--processes {processes} from port {settings.port} needs ports up to "
                          f"{settings.port + processes - 1}, past 65535")
+    def journal(i: int) -> Optional[str]:  # one journal per member ("auto" names it by the member's port)
+        j = settings.journal
+        if j is None or j.lower() in ("auto", "off", "none", "false", "") or processes == 1:
+            return j
+        root, ext = os.path.splitext(j)
+        return f"{root}-member{i}{ext}"
+
     return [settings.model_copy(update={"processes": 1, "port": settings.port + i if settings.port else 0,
-                                        "ready_file": os.path.join(ready_dir, f"member-{i}.json")})
+                                        "ready_file": os.path.join(ready_dir, f"member-{i}.json"),
+                                        "journal": journal(i)})
             for i in range(processes)]
 
 

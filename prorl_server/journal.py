@@ -40,7 +40,7 @@ from typing import Any, Iterator, Optional, Sequence
 log = logging.getLogger(__name__)
 
 #: ``PRAGMA user_version`` of the journals this code writes; another version is refused, never guessed at.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS completions (
     version_runs TEXT NOT NULL,   -- JSON [[version, n], ...]
     finish_reason TEXT,
     stop_reason TEXT,             -- JSON: the stop token id or string that ended it, null for EOS/length
+    params TEXT,                  -- hash of the request's other parameters (max_tokens, sampling): replay key
     t REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS completions_owner ON completions(owner, seq);
@@ -131,6 +132,7 @@ class CompletionRecord:
     finish_reason: Optional[str]
     t: float
     stop_reason: Any = None
+    params: Optional[str] = None
 
 
 class JournalError(RuntimeError):
@@ -152,11 +154,22 @@ class Journal:
     """
 
     def __init__(self, path: str, *, max_age_s: Optional[float] = None, max_bytes: Optional[int] = None,
-                 retention_every_s: float = 60.0, max_queue: int = 1_000_000) -> None:
+                 retention_every_s: float = 60.0, max_queue: int = 1_000_000, readonly: bool = False) -> None:
         self.path = os.path.abspath(path)
+        self.readonly = readonly
+        self._lock_file: Any = None
+        if readonly:  # a reader (prorl-journal, a test) of a journal a server may be writing: no lock, no schema
+            if not os.path.isfile(self.path):
+                raise JournalError(f"no journal at {self.path}")
+            self._init_state(max_age_s, max_bytes, retention_every_s, max_queue)
+            return
         self.max_age_s, self.max_bytes, self.retention_every_s = max_age_s, max_bytes, retention_every_s
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except OSError as e:
+            raise JournalError(f"cannot open the journal {self.path}: {e}") from e
+        self._lock_file = self._take_lock()
+        try:
             db = self._connect()
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
@@ -167,9 +180,20 @@ class Journal:
             db.executescript(SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.close()
-        except (sqlite3.Error, OSError) as e:
+        except (sqlite3.Error, OSError, JournalError) as e:
+            self._lock_file.close()
+            if isinstance(e, JournalError):
+                raise
             raise JournalError(f"cannot open the journal {self.path}: {e}") from e
+        self._init_state(max_age_s, max_bytes, retention_every_s, max_queue)
+
+    def _init_state(self, max_age_s: Optional[float], max_bytes: Optional[int], retention_every_s: float,
+                    max_queue: int) -> None:
+        self.max_age_s, self.max_bytes, self.retention_every_s = max_age_s, max_bytes, retention_every_s
         self._q: "queue.Queue[Any]" = queue.Queue(max_queue)
+        #: why the journal cannot record any more (a write that kept failing, a full queue); None while it can
+        self.failed: Optional[str] = None
+        self._last_error: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
         self._reader: Optional[sqlite3.Connection] = None
         self._reader_lock = threading.Lock()
@@ -181,6 +205,31 @@ class Journal:
         #: seconds from a row being queued to its commit, the last 10,000 (benchmarks read it)
         self.latencies: list[float] = []
 
+    def _take_lock(self) -> Any:
+        """Hold ``<path>.lock`` exclusively (``flock``) for this Journal's life: two servers writing one journal
+        would each take the other's running jobs for interrupted ones and give one job id two results.
+
+        Raises:
+            JournalError: another process holds it (its pid is in the message).
+        """
+        import fcntl
+
+        lock_path = self.path + ".lock"
+        f = open(lock_path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise JournalError(f"the journal {self.path} is in use by another process (pid {holder}, lock "
+                               f"{lock_path}): give each server its own journal") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        return f
+
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
@@ -189,7 +238,12 @@ class Journal:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the writer thread and the checkpointer (idempotent)."""
+        """Start the writer thread and the checkpointer (idempotent).
+
+        Raises:
+            JournalError: the journal was opened ``readonly``."""
+        if self.readonly:
+            raise JournalError(f"the journal {self.path} was opened read-only")
         if self._thread is None:
             self._stopping.clear()
             self._thread = threading.Thread(target=self._writer, name="prorl-journal", daemon=True)
@@ -212,19 +266,30 @@ class Journal:
         finally:
             db.close()
 
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last commit failed, while the writer is retrying it; None when writing works."""
+        return self._last_error
+
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer (a writer still failing gives up after ``timeout_s``)."""
         if self._thread is not None:
-            self._q.put(None)
+            try:
+                self._q.put(None, timeout=timeout_s)
+            except queue.Full:
+                pass
+            self._thread.join(timeout_s)
+            self._stopping.set()  # a writer still retrying gives up now
             self._thread.join(timeout_s)
             self._thread = None
-            self._stopping.set()
             if self._checkpointer is not None:
                 self._checkpointer.join(timeout_s)
                 self._checkpointer = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._lock_file is not None and not self._lock_file.closed:
+            self._lock_file.close()  # releases the flock
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Block until every row queued before this call is committed (from a thread; on the event loop use
@@ -232,7 +297,10 @@ class Journal:
         if self._thread is None:
             return True
         done = threading.Event()
-        self._q.put(done)
+        try:
+            self._q.put(done, timeout=timeout_s)
+        except queue.Full:
+            return False
         return done.wait(timeout_s)
 
     async def aflush(self, timeout_s: float = 30.0) -> bool:
@@ -247,46 +315,58 @@ class Journal:
         def done() -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(True))
 
-        self._q.put(done)
+        try:
+            self._q.put_nowait(done)
+        except queue.Full:
+            return False
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             return False
 
     # ------------------------------------------------------------------ writes (any thread; never block on IO)
+    def _put(self, row: tuple) -> None:
+        try:
+            self._q.put_nowait(row)
+        except queue.Full:  # the writer has been failing for a long time: never block the caller
+            self.counters["dropped"] = self.counters.get("dropped", 0) + 1
+            self.failed = self.failed or (f"{self._q.maxsize} rows wait for a writer that cannot write "
+                                          f"({self._last_error}): rows are being dropped")
+
     def job_submitted(self, job_id: str, handler: str, request_json: bytes) -> None:
         now = time.time()
-        self._q.put(("job", (job_id, handler, request_json, "submitted", now, now), time.perf_counter()))
+        self._put(("job", (job_id, handler, request_json, "submitted", now, now), time.perf_counter()))
 
     def job_state(self, job_id: str, state: str) -> None:
-        self._q.put(("state", (state, time.time(), job_id), time.perf_counter()))
+        self._put(("state", (state, time.time(), job_id), time.perf_counter()))
 
     def job_result(self, job_id: str, result_json: bytes, filtered: bool = False) -> None:
-        self._q.put(("result", (result_json, int(bool(filtered)), time.time(), job_id), time.perf_counter()))
+        self._put(("result", (result_json, int(bool(filtered)), time.time(), job_id), time.perf_counter()))
 
     def completion(self, owner: str, backend: Optional[str], prompt_ids: Sequence[int], token_ids: Sequence[int],
                    logprobs: Sequence[float], version_runs: Sequence[Sequence[Optional[int]]],
-                   finish_reason: Optional[str], stop_reason: Any = None) -> None:
+                   finish_reason: Optional[str], stop_reason: Any = None, params: Optional[str] = None) -> None:
         """Record one completion of ``owner`` (a job id or a gateway session id), in the order they were
         generated. ``prompt_ids`` may be a live context list that is only ever appended to (a conversation's
         ``token_ids``): its first ``len(prompt_ids)`` items at this call are what is recorded; the writer thread
         packs them and finds the prefix shared with the owner's previous completion (bytes compared), so the
         event loop pays O(1) here."""
-        self._q.put(("completion", (owner, backend, prompt_ids, len(prompt_ids), token_ids, logprobs,
-                                    version_runs, finish_reason, stop_reason, time.time()), time.perf_counter()))
+        self._put(("completion", (owner, backend, prompt_ids, len(prompt_ids), token_ids, logprobs,
+                                    version_runs, finish_reason, stop_reason, params, time.time()),
+                     time.perf_counter()))
 
     def reset_owner(self, owner: str) -> None:
         """A new attempt of ``owner`` starts (a resubmitted interrupted job): its journalled completions are
         deleted (read them first: they are what the new attempt replays) and it numbers its turns from 0."""
-        self._q.put(("reset", owner, time.perf_counter()))
+        self._put(("reset", owner, time.perf_counter()))
 
     def forget_owner(self, owner: str) -> None:
         """The owner ended: no further completion of it will come (its previous context is dropped)."""
-        self._q.put(("forget", owner, 0.0))
+        self._put(("forget", owner, 0.0))
 
     def gateway_exchange(self, session_id: str, seq: int, request_hash: str, request: bytes,
                          response: bytes) -> None:
-        self._q.put(("gateway", (session_id, seq, request_hash, request, response, time.time()),
+        self._put(("gateway", (session_id, seq, request_hash, request, response, time.time()),
                      time.perf_counter()))
 
     # ------------------------------------------------------------------ writer thread
@@ -296,7 +376,8 @@ class Journal:
         "state": "UPDATE jobs SET state = ?, updated = ? WHERE job_id = ? AND state != 'done'",
         "result": "UPDATE jobs SET state = 'done', result = ?, filtered = ?, updated = ? WHERE job_id = ?",
         "completion": "INSERT INTO completions(owner, seq, backend, prefix_len, prompt_tail, token_ids, logprobs, "
-                      "version_runs, finish_reason, stop_reason, t) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      "version_runs, finish_reason, stop_reason, params, t) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         "gateway": "INSERT INTO gateway(session_id, seq, request_hash, request, response, t) "
                    "VALUES (?, ?, ?, ?, ?, ?)",
     }
@@ -337,7 +418,7 @@ class Journal:
         db.close()
 
     def _completion_row(self, params: tuple) -> Optional[tuple]:
-        owner, backend, prompt, n, tokens, logprobs, runs, finish, stop, t = params
+        owner, backend, prompt, n, tokens, logprobs, runs, finish, stop, request_params, t = params
         if owner is None:
             return None
         packed = pack_ints(prompt[:n])
@@ -349,7 +430,7 @@ class Journal:
             self._last.pop(next(iter(self._last)))
         return (owner, seq + 1, backend, prefix // 4, packed[prefix:], out, pack_floats(logprobs),
                 json.dumps(runs, separators=(",", ":")), finish,
-                None if stop is None else json.dumps(stop), t)
+                None if stop is None else json.dumps(stop), request_params, t)
 
     def _commit(self, db: sqlite3.Connection, rows: list[tuple[str, Any, float]]) -> None:
         ready: list[tuple[str, Any]] = []
@@ -369,19 +450,31 @@ class Journal:
                     log.error("journal %s: a completion of %s cannot be stored: %r", self.path, params[0], e)
                     continue
             ready.append((self._SQL[kind], params))
-        try:
-            db.execute("BEGIN")
-            for sql, params in ready:
-                db.execute(sql, params)
-            db.execute("COMMIT")
-        except sqlite3.Error as e:
-            self.counters["write_errors"] += 1
-            log.error("journal %s: a write of %d row(s) failed: %s", self.path, len(rows), e)
-            try:
-                db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            return
+        delay = 0.05
+        while True:  # a failed commit (disk full, a lock held too long) is retried, never dropped: the
+            try:     # flushes queued behind it wait, so nothing is answered as recorded that was not
+                db.execute("BEGIN")
+                for sql, params in ready:
+                    db.execute(sql, params)
+                db.execute("COMMIT")
+                if self._last_error is not None:
+                    log.warning("journal %s: writing again after: %s", self.path, self._last_error)
+                self._last_error = None
+                break
+            except sqlite3.Error as e:
+                self.counters["write_errors"] += 1
+                if self._last_error is None:
+                    log.error("journal %s: a write of %d row(s) failed (%s); retrying", self.path, len(rows), e)
+                self._last_error = f"{type(e).__name__}: {e}"
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                if self._stopping.is_set():
+                    self.failed = f"closed while its writes failed ({self._last_error})"
+                    return
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
         now = time.perf_counter()
         self.counters["rows"] += len(rows)
         self.counters["commits"] += 1
@@ -472,7 +565,8 @@ class Journal:
         with self._reader_lock:
             rows = self._read().execute(
                 "SELECT owner, seq, backend, prefix_len, prompt_tail, token_ids, logprobs, version_runs, "
-                "finish_reason, t, stop_reason FROM completions WHERE owner = ? ORDER BY seq", (owner,)).fetchall()
+                "finish_reason, t, stop_reason, params FROM completions WHERE owner = ? ORDER BY seq",
+                (owner,)).fetchall()
         return expand_prompts(rows)
 
     def gateway_exchanges(self, session_id: str) -> list[tuple[int, str, bytes, bytes]]:
@@ -492,6 +586,6 @@ def expand_prompts(rows: Sequence[tuple]) -> list[CompletionRecord]:
         tokens = unpack_ints(ids)
         stop = json.loads(rest[0]) if rest and rest[0] is not None else None
         out.append(CompletionRecord(owner, seq, backend, prompt, tokens, unpack_floats(lps), json.loads(runs),
-                                    finish, t, stop))
+                                    finish, t, stop, rest[1] if len(rest) > 1 else None))
         prev = prompt + tokens
     return out

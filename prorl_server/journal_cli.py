@@ -75,7 +75,7 @@ def open_journal(path: str) -> Journal:
     if missing:
         raise CliError(f"{path} is an SQLite database but not a journal (no table {', '.join(missing)})")
     try:
-        return Journal(path)
+        return Journal(path, readonly=True)
     except JournalError as e:
         raise CliError(str(e)) from None
 
@@ -250,9 +250,12 @@ def _export(args: argparse.Namespace) -> int:
                                              result_row, trainable, trl_row, verl_rows)
     from prorl_server.types import JobResult
 
+    path = args.out
+    real = os.path.realpath(path)
+    if real in {os.path.realpath(args.journal) + suffix for suffix in ("", "-wal", "-shm", ".lock")}:
+        raise CliError(f"--out {path} is the journal itself (or one of its files): export somewhere else")
     journal = open_journal(args.journal)
     matches = HandlerFilter(args.handler, _registry())
-    path = args.out
     parquet = False
     if args.format != "verl" and path.endswith(".parquet"):
         raise CliError(f"--format {args.format} writes JSON lines: give --out a .jsonl name (only verl rows are "
@@ -403,6 +406,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CliError as e:
         print(f"prorl-journal: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an output that cannot be written (missing or read-only directory, full disk)
+        print(f"prorl-journal: {e}", file=sys.stderr)
+        return 1
     except sqlite3.DatabaseError as e:  # damaged past what open_journal's check reads
         print(f"prorl-journal: {args.journal} could not be read: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ Use one :class:`LLMClient` (one ``aiohttp.ClientSession``) per process, not one 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -419,9 +420,13 @@ class LLMClient:
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         source = backend_source(backend)
+        params = None
+        if self.journal is not None:  # what, besides the prompt, makes two requests the same one
+            params = hashlib.sha256(json.dumps([max_tokens, sampling_params or {}], sort_keys=True,
+                                               default=repr).encode()).hexdigest()[:32]
         replay = getattr(source, "replay", None)
         if replay:
-            replayed = self._replayed(source, replay, prompt_ids, max_tokens)
+            replayed = self._replayed(source, replay, prompt_ids, max_tokens, params)
             if replayed is not None:
                 return replayed
         body: dict[str, Any] = {k: v for k, v in (sampling_params or {}).items() if k not in _RESERVED}
@@ -525,23 +530,25 @@ class LLMClient:
                 if owner is not None:
                     self.journal.completion(owner, completion.backend, prompt_ids, completion.token_ids,
                                             completion.logprobs, completion.version_runs,
-                                            completion.finish_reason, completion.stop_reason)
+                                            completion.finish_reason, completion.stop_reason, params)
             source.record_turn(completion.backend,
                                completion.weight_versions[-1] if completion.weight_versions else None,
                                min(completion.weight_versions) if completion.weight_versions else None)
             return completion
 
-    def _replayed(self, source: Any, replay: Any, prompt_ids: list[int], max_tokens: int) -> Optional[Completion]:
+    def _replayed(self, source: Any, replay: Any, prompt_ids: list[int], max_tokens: int,
+                  params: Optional[str]) -> Optional[Completion]:
         """The next recorded completion of ``source`` (a job resumed after a crash) if this request is the one
-        it answered: the same prompt token for token and room for its tokens. Otherwise the replay ends (the
-        rest of it is dropped, the reason kept) and the call goes to a backend."""
+        it answered: the same prompt token for token, and the same ``max_tokens`` and sampling parameters
+        (``params``, their hash). Otherwise the replay ends (the rest of it is dropped, the reason kept) and
+        the call goes to a backend."""
         rec = replay[0]
-        if rec.prompt_ids != prompt_ids or len(rec.token_ids) > max_tokens:
+        if rec.prompt_ids != prompt_ids or rec.params is None or rec.params != params:
             n = min(len(rec.prompt_ids), len(prompt_ids))
             at = next((i for i in range(n) if rec.prompt_ids[i] != prompt_ids[i]), n)
             why = (f"turn {rec.seq}: the prompt differs from the recorded one at token {at} (recorded "
                    f"{len(rec.prompt_ids)} tokens, now {len(prompt_ids)})" if rec.prompt_ids != prompt_ids else
-                   f"turn {rec.seq}: max_tokens {max_tokens} is below the recorded {len(rec.token_ids)} tokens")
+                   f"turn {rec.seq}: max_tokens or the sampling parameters differ from the recorded request's")
             replay.clear()
             log.info("replay of %s ended: %s", getattr(source, "journal_owner", "?"), why)
             if hasattr(source, "replay_event"):
@@ -556,7 +563,7 @@ class LLMClient:
                           weight_versions=versions, attempts=0, version_runs=runs)
         if self.journal is not None and getattr(source, "journal_owner", None) is not None:
             self.journal.completion(source.journal_owner, comp.backend, prompt_ids, comp.token_ids, comp.logprobs,
-                                    comp.version_runs, comp.finish_reason, comp.stop_reason)
+                                    comp.version_runs, comp.finish_reason, comp.stop_reason, params)
         if hasattr(source, "replay_event"):
             source.replay_event(True)
         source.record_turn(comp.backend, versions[-1] if versions else None, min(versions) if versions else None)
@@ -617,6 +624,8 @@ class LLMClient:
         logprobs = [0.0 if x is None else x for x in lp.get("token_logprobs", ())]
         if len(logprobs) != len(ids):
             raise LLMError(f"{b.address} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+        if ids and (min(ids) < 0 or max(ids) >= 2 ** 31):  # no vocabulary has such ids: the backend is broken
+            raise LLMError(f"{b.address} returned token ids outside 0..2**31-1 (min {min(ids)}, max {max(ids)})")
         # At most MAX_WEIGHT_VERSIONS int64 values go into the dict below: ints that differ by multiples of
         # 2**61 - 1 hash alike, so a long list of huge ones would be quadratic.
         listed = _as_list(data.get("weight_versions"))[:MAX_WEIGHT_VERSIONS]

@@ -101,6 +101,8 @@ class Pipeline:
         #: the server's :class:`~prorl_server.journal.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
+        #: seconds a finished job waits for its result to be committed before it is failed instead
+        self.journal_flush_s = 30.0
         self._finished: collections.deque[FinishedJob] = collections.deque()  # finish order, for retention
         self.in_flight = 0
         self.accepting = True
@@ -486,8 +488,15 @@ class Pipeline:
             job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
             self.journal.job_result(job.job_id, job.result_json_cache, result.filter)
             self.journal.forget_owner(job.job_id)
-            if not await self.journal.aflush():
-                log.error("journal: the result of job %s was not committed within 30 s", job.job_id)
+            if self.journal.failed is not None or not await self.journal.aflush(self.journal_flush_s):
+                # never answer a result the journal may lose: the client resubmits (the id stays free until
+                # the row is written; once it is, the resubmission gets this result)
+                why = self.journal.failed or self.journal.last_error or f"no commit within {self.journal_flush_s:g} s"
+                log.error("journal: the result of job %s could not be recorded (%s)", job.job_id, why)
+                result = result.model_copy(update={
+                    "failure_kind": "internal", "filter": True, "reward": 0.0, "resolved": False,
+                    "error": f"the server's journal could not record this result ({why}): resubmit the job"})
+                job.result_json_cache = None
         job.result = result
         job.status = JobState.done
         self.in_flight -= 1

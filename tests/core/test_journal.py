@@ -8,6 +8,7 @@ The store tests use the real SQLite file and writer thread; the server tests the
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from handlers.shout.handler import ShoutHandler
-from prorl_server.app import create_app
+from prorl_server.app import PIPELINE, create_app
 from prorl_server.config import ServerSettings, journal_path
 from prorl_server.fake_vllm import start_fake_vllm
 from prorl_server.journal import Journal, JournalError
@@ -152,7 +153,7 @@ async def test_every_completion_of_a_job_is_journalled_with_its_exact_tokens(aio
                 "sampling_params": {"max_tokens": 7}}
         res = await (await client.post("/process", json=body)).json()
         assert res["failure_kind"] is None
-        j = Journal(str(path))
+        j = Journal(str(path), readonly=True)
         recs = j.completions("s1")
         traj = res["trajectories"][0]
         assert len(recs) == 3
@@ -193,7 +194,7 @@ SHOUT = {"job_id": "r1", "instance": {"data_source": "shout", "prompt": "Hi.", "
          "sampling_params": {"max_tokens": 6}}
 
 
-@pytest.mark.parametrize("diverge", [False, True])
+@pytest.mark.parametrize("diverge", [False, True, "sampling"])
 async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_turns(
         aiohttp_client, tiny_model_dir, tmp_path, diverge):
     # 1. a first attempt's journal: the job was running and had generated 2 of its 3 turns when the server died
@@ -204,7 +205,7 @@ async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_tur
         await client.close()
     finally:
         await runner.cleanup()
-    first = Journal(str(tmp_path / "first.sqlite"))
+    first = Journal(str(tmp_path / "first.sqlite"), readonly=True)
     recs = first.completions("r1")
     first.close()
     assert len(recs) == 3
@@ -214,9 +215,10 @@ async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_tur
     crashed.job_state("r1", "run")
     for k, r in enumerate(recs[:2]):
         prompt = list(r.prompt_ids)
-        if diverge and k == 1:
+        if diverge is True and k == 1:
             prompt[3] += 1  # the second request is not the one the agent sends now
-        crashed.completion("r1", r.backend, prompt, r.token_ids, r.logprobs, r.version_runs, r.finish_reason)
+        crashed.completion("r1", r.backend, prompt, r.token_ids, r.logprobs, r.version_runs, r.finish_reason,
+                           r.stop_reason, r.params)
     crashed.close()
     # 2. the restarted server, whose backend now has other weights (its tokens say so: 1000 + 7)
     fake, runner, address = await start_fake_vllm(step_s=0.001, version=7)
@@ -224,7 +226,9 @@ async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_tur
         client = await _shout_server(aiohttp_client, tiny_model_dir, address, tmp_path / "crashed.sqlite")
         assert (await client.get("/jobs/r1")).status == 404
         assert (await (await client.get("/jobs/r1")).json())["error"]["type"] == "job_interrupted"
-        res = await (await client.post("/process", json=SHOUT)).json()
+        body = SHOUT if diverge != "sampling" else {**SHOUT, "sampling_params": {**SHOUT["sampling_params"],
+                                                                                "temperature": 0.5}}
+        res = await (await client.post("/process", json=body)).json()
         assert res["failure_kind"] is None
         traj = res["trajectories"][0]
         gen = [t for t, m in zip(traj["response_ids"], traj["loss_mask"]) if m]
@@ -233,15 +237,68 @@ async def test_a_job_a_crash_interrupted_resumes_exactly_from_its_journalled_tur
             assert per_turn == [recs[0].token_ids, recs[1].token_ids, [1007] * 6]
             assert fake.counts["requests"] == 1
             assert res["extra"]["replay"] == {"replayed": 2, "recorded": 2, "ended": None}
-        else:  # the replay ends where the request differs, and says where
+        elif diverge is True:  # the replay ends where the request differs, and says where
             assert per_turn == [recs[0].token_ids, [1007] * 6, [1007] * 6]
             assert fake.counts["requests"] == 2
             assert res["extra"]["replay"]["replayed"] == 1
             assert "token 3" in res["extra"]["replay"]["ended"]
+        else:  # same prompts, other sampling parameters: not the recorded requests, nothing replayed
+            assert per_turn == [[1007] * 6] * 3
+            assert res["extra"]["replay"]["replayed"] == 0
+            assert "sampling parameters" in res["extra"]["replay"]["ended"]
         await client.close()
     finally:
         await runner.cleanup()
     # 3. the new attempt's journal holds its own turns, replayed ones included, in order
-    j = Journal(str(tmp_path / "crashed.sqlite"))
+    j = Journal(str(tmp_path / "crashed.sqlite"), readonly=True)
     assert [r.token_ids for r in j.completions("r1")] == per_turn
     j.close()
+
+
+def test_two_journals_on_one_file_are_refused(tmp_path):
+    first = journal(tmp_path)
+    with pytest.raises(JournalError, match="in use by another process"):
+        Journal(first.path)
+    first.close()
+    Journal(first.path).close()  # free again once the first is closed
+
+
+def _hold_write_lock(path: str) -> sqlite3.Connection:
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # stands for a disk that refuses writes: every commit fails meanwhile
+    return other
+
+
+def test_a_write_that_fails_is_retried_and_flush_waits_for_it(tmp_path, monkeypatch):
+    real_connect = Journal._connect
+    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    j = journal(tmp_path)
+    other = _hold_write_lock(j.path)
+    j.job_submitted("a", "h", b"{}")
+    assert j.flush(timeout_s=0.5) is False and j.last_error is not None
+    other.execute("ROLLBACK")
+    other.close()
+    assert j.flush(timeout_s=10) is True and j.job("a") is not None and j.last_error is None
+    j.close()
+
+
+def _short_timeout(db: sqlite3.Connection) -> sqlite3.Connection:
+    db.execute("PRAGMA busy_timeout = 50")
+    return db
+
+
+async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_client, tmp_path, monkeypatch):
+    real_connect = Journal._connect
+    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    path = str(tmp_path / "s.sqlite")
+    client = await make_client(journal=path)
+    client.server.app[PIPELINE].journal_flush_s = 0.5
+    body = {"job_id": "w", "instance": {"data_source": "scripted", "reward": 0.5}}
+    other = _hold_write_lock(path)
+    res = await (await client.post("/process", json=body)).json()
+    assert res["failure_kind"] == "internal" and res["filter"] is True and "journal" in res["error"]
+    other.execute("ROLLBACK")
+    other.close()
+    await asyncio.sleep(0.5)  # the writer's retry goes through
+    again = await (await client.post("/process", json=body)).json()
+    assert again["reward"] == 0.5 and again["failure_kind"] is None  # the real result, recorded since

@@ -36,7 +36,7 @@ async def test_each_exchange_is_journalled_as_sent_and_answered(gateway_server, 
         await client.close()
     finally:
         await runner.cleanup()
-    j = Journal(str(path))
+    j = Journal(str(path), readonly=True)
     rows = j.gateway_exchanges(s["session_id"])
     assert [(seq, h, req, resp) for seq, h, req, resp in rows] == [
         (k + 1, hashlib.sha256(sent[k]).hexdigest(), sent[k], got[k]) for k in range(2)]
