@@ -10,7 +10,7 @@ Counted over the whole run:
 - **resubmittable**: jobs whose ``/process`` call died with the server (connection error), resubmitted.
 The baseline is the same run with ``--journal off`` (the server before the journal). Then, on a quiet journal, the store's own figures: commit latency p99 (queue → committed) at 5,000
 completions/s of 200-2,000-token contexts, and the completions/s one writer sustains (targets on this 2-core
-machine: < 2 ms p99, >= 5,000/s).
+machine: < 2 ms p99, >= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs.
 
 Setup: the backend is :class:`prorl_server.fake_vllm.FakeVLLM` (standing for vLLM's completions endpoint: 2 ms
 per token step), in this process; the handler is ``shout`` (2 turns of 16 tokens) with the tiny model's
@@ -159,6 +159,8 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
     work = Path(tempfile.mkdtemp(prefix="journal-store-"))
     rng = random.Random(1)
 
+    enqueue: list[float] = []
+
     def feed(j: Journal, n: int, paced: bool) -> float:
         ctx: dict[str, list[int]] = {}
         t0 = time.perf_counter()
@@ -169,7 +171,9 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
             owner = f"job-{i % 1000}"
             c = ctx.setdefault(owner, list(range(200)))
             toks = [rng.randrange(4096) for _ in range(32)]
+            t = time.perf_counter()
             j.completion(owner, "http://b", c, toks, [-0.5] * 32, [[0, 32]], "stop")
+            enqueue.append(time.perf_counter() - t)
             c.extend(toks)
             c.extend((1, 2, 3))
             if len(c) > 2000:
@@ -190,7 +194,9 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
     j.close()
     return {"commit_p50_ms": round(1000 * lat[len(lat) // 2], 2),
             "commit_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
-            "completions_per_s": int(n / dt)}
+            "completions_per_s": int(n / dt),
+            "enqueue_us_p50": round(1e6 * sorted(enqueue)[len(enqueue) // 2], 1),
+            "enqueue_us_p99": round(1e6 * sorted(enqueue)[int(0.99 * (len(enqueue) - 1))], 1)}
 
 
 async def main() -> None:
