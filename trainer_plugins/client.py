@@ -334,6 +334,8 @@ class RolloutClient:
             or directory; read once, at construction); or a fleet directory / :class:`trainer_plugins.fleet.Fleet`,
             followed as servers join, drain and die (new groups go to its routable members of the moment).
         end_fleet: with a fleet, :meth:`close` writes its end sentinel: the rollout allocation is released.
+            With a fleet, the backends given to :meth:`update_weights` as one list are also registered with
+            every member that joins later (at the current weight version, within a poll of the fleet).
         dataset: :data:`Dataset`. Items are instances (dicts with ``data_source``) unless ``instance_fn``
             maps them.
         groups_per_step: B, informative groups per :meth:`next_batch`.
@@ -391,6 +393,9 @@ class RolloutClient:
         self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
         self.fleet: Optional[Fleet] = self.urls if isinstance(self.urls, Fleet) else None
         self.end_fleet = end_fleet
+        self._fleet_backends: Optional[list[str]] = None  # what update_weights registered with every member
+        self._registered: dict[str, int] = {}  # fleet member URL -> the weight version registered with it
+        self._follower: Optional[asyncio.Task] = None
         self.headers = {**file_headers, **(headers or {})}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -446,14 +451,17 @@ class RolloutClient:
                                       fleet=self.fleet)
         if self._replenisher is None:
             self._replenisher = asyncio.create_task(self._replenish_forever())
+        if self.fleet is not None and self._follower is None:
+            self._follower = asyncio.create_task(self._register_joining_members())
         return self
 
     async def close(self, cancel_jobs: bool = True) -> None:
         """Stop submitting; with ``cancel_jobs`` cancel every job still running on a server; close HTTP."""
         self._closed = True
-        if self._replenisher is not None:
-            self._replenisher.cancel()
-            await asyncio.gather(self._replenisher, return_exceptions=True)
+        for task in (self._replenisher, self._follower):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if cancel_jobs:
             await self._cancel_groups([g for _, g in self.queue] + list(self._regen), "close")
             # cancels already under way (groups dropped for a filtered sample) finish: their jobs must not
@@ -802,12 +810,36 @@ class RolloutClient:
                 per_server = {u: list(backends.get(u, ())) for u in self.urls}
             else:
                 per_server = {u: list(backends) for u in self.urls}
-            await asyncio.gather(*(self._register(u, per_server.get(u, []), version) for u in self.urls
-                                   if per_server.get(u)))
+            if self.fleet is not None and backends is not None and not isinstance(backends, Mapping):
+                self._fleet_backends = list(backends)  # members that join later get them too
+            targets = [u for u in self.urls if per_server.get(u)]
+            await asyncio.gather(*(self._register(u, per_server[u], version) for u in targets))
+            self._registered.update((u, version) for u in targets)
         self.weight_version = version
         await self._handle_stale([g for _, g in self.queue if self._over_bound(g)])
         self._wake.set()
         return version
+
+    async def _register_joining_members(self) -> None:
+        """With a fleet: register the backends of the last :meth:`update_weights` (a list for every server) with
+        each member that has not got them at the current version (one that joined since), within a poll."""
+        assert self.fleet is not None
+        while not self._closed:
+            await asyncio.sleep(self.fleet.poll_s)
+            if self._fleet_backends is None:
+                continue
+            version = self.weight_version
+            for url in self.fleet.known_urls():
+                if self._registered.get(url) == version:
+                    continue
+                self._registered[url] = version
+                try:
+                    await self._register(url, self._fleet_backends, version)
+                    log.info("fleet: registered %d backend(s) with %s (joined; weight_version %d)",
+                             len(self._fleet_backends), url, version)
+                except RuntimeError as e:
+                    self._registered.pop(url, None)
+                    log.warning("fleet: could not register backends with %s: %s", url, e)
 
     async def _register(self, server: str, backends: Sequence[str], version: int) -> None:
         await register_backends(self._session, server, backends, version, clear=True)

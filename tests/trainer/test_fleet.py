@@ -213,7 +213,7 @@ def test_a_member_that_renews_its_lease_but_answers_nothing_stays_out_until_a_pr
     mute_url = f"http://127.0.0.1:{mute.getsockname()[1]}"
     ok_url = f"http://127.0.0.1:{healthy.server_address[1]}"
     try:
-        fleet = Fleet(tmp_path, poll_s=0.05, probe_interval_s=0.2, probe_timeout_s=0.3, start=True)
+        fleet = Fleet(tmp_path, poll_s=0.05, probe_interval_s=0.2, probe_timeout_s=0.5, start=True)
         stop = threading.Event()
 
         def renew():  # both keep renewing their leases
@@ -232,8 +232,12 @@ def test_a_member_that_renews_its_lease_but_answers_nothing_stays_out_until_a_pr
         fleet.mark_failed(mute_url, "timed out")
         fleet.mark_failed(ok_url, "reset once")
         assert list(fleet) == []  # out at once, both
-        time.sleep(1.5)  # several probes
-        assert list(fleet) == [ok_url]  # the healthy one came back; the mute one's probes time out
+        deadline = time.monotonic() + 10
+        while ok_url not in fleet and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ok_url in fleet  # the healthy one came back at a probe
+        time.sleep(1.0)  # several more probes of the mute one
+        assert list(fleet) == [ok_url]  # its probes time out: it stays out while it renews its lease
         assert not fleet.is_lost(mute_url)  # its lease is live: out because it answers nothing, not lost
         stop.set()
         fleet.close()
@@ -391,3 +395,34 @@ async def test_a_rollout_client_follows_the_fleet_with_no_restart_and_ends_it_on
         await mb.close()
         client.fleet.close()
     assert (tmp_path / END_SENTINEL).exists()
+
+
+async def test_a_member_that_joins_after_a_weight_update_gets_the_trainers_backends_at_the_current_version(
+        tmp_path, serve_handlers, varied):
+    from trainer_plugins.client import RolloutClient
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied)
+    ma = Membership(tmp_path, url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path, url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    client = RolloutClient(Fleet(tmp_path), [], groups_per_step=1, max_staleness=None)
+    backend = "http://127.0.0.1:9"  # never called: the varied handler needs no LLM
+
+    async def backends_of(url):
+        async with client._session.get(f"{url}/status") as r:
+            return [(x["address"], x["weight_version"]) for x in (await r.json())["backends"]]
+
+    try:
+        await client.update_weights(3, backends=[backend])
+        assert await backends_of(a) == [(backend, 3)]
+        await mb.start()  # joins after the update
+        deadline = time.monotonic() + 5
+        while await backends_of(b) != [(backend, 3)]:
+            assert time.monotonic() < deadline, "the joining member never got the trainer's backends"
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+        await ma.close()
+        await mb.close()
+        client.fleet.close()
