@@ -5,6 +5,7 @@
     prorl-journal regrade JOURNAL [--handler NAME] [--out FILE.jsonl] [--sandbox-runtime auto|bubblewrap|none]
                                   [--workers N] [--since UNIX_S] [--timeout-s S] [--config SETTINGS.yaml]
     prorl-journal export JOURNAL --format jsonl|verl|trl --out PATH [--handler NAME] [--since UNIX_S]
+                                 [--rewards REGRADE.jsonl]
     prorl-journal stats JOURNAL [--json]
 
 ``regrade`` grades every finished job again with the current handler code and no LLM backend
@@ -78,6 +79,13 @@ def open_journal(path: str) -> Journal:
         return Journal(path, readonly=True)
     except JournalError as e:
         raise CliError(str(e)) from None
+
+
+def refuse_journal_as_output(out: Optional[str], journal_path: str) -> None:
+    """Raises :class:`CliError` when ``out`` is the journal or one of its files (writing it would destroy it)."""
+    if out is not None and os.path.realpath(out) in {os.path.realpath(journal_path) + suffix
+                                                      for suffix in ("", "-wal", "-shm", ".lock")}:
+        raise CliError(f"--out {out} is the journal itself (or one of its files): write somewhere else")
 
 
 def finished_rows(journal: Journal, since: Optional[float] = None) -> Iterator[Row]:
@@ -171,6 +179,7 @@ def _progress(total: Optional[int], desc: str, quiet: bool) -> Any:
 async def _regrade(args: argparse.Namespace) -> int:
     from prorl_server.regrade import Regrader
 
+    refuse_journal_as_output(args.out, args.journal)
     journal = open_journal(args.journal)
     registry = _registry()
     settings = _server_settings(args.config, registry)
@@ -251,9 +260,7 @@ def _export(args: argparse.Namespace) -> int:
     from prorl_server.types import JobResult
 
     path = args.out
-    real = os.path.realpath(path)
-    if real in {os.path.realpath(args.journal) + suffix for suffix in ("", "-wal", "-shm", ".lock")}:
-        raise CliError(f"--out {path} is the journal itself (or one of its files): export somewhere else")
+    refuse_journal_as_output(path, args.journal)
     journal = open_journal(args.journal)
     matches = HandlerFilter(args.handler, _registry())
     parquet = False
@@ -266,6 +273,7 @@ def _export(args: argparse.Namespace) -> int:
             print("export: pyarrow is not installed: writing verl rows as JSON lines", file=sys.stderr)
             if path.endswith(".parquet"):
                 path = path[: -len(".parquet")] + ".jsonl"
+    regraded = load_regraded(args.rewards) if args.rewards else {}
     counts: Counter = Counter()
     bar = _progress(count_finished(journal, args.since), f"export {args.format}", args.quiet)
     try:
@@ -278,11 +286,20 @@ def _export(args: argparse.Namespace) -> int:
                 if result_json is None:
                     counts["no result"] += 1
                     continue
+                new = regraded.get(job_id)
+                counts["rewards from --rewards"] += new is not None
                 if args.format == "jsonl":
-                    w.write(result_row(result_json))
+                    row = result_row(result_json)
+                    if new is not None:
+                        was = {f"old_{k}": row.get(k) for k in new}
+                        row["extra"] = {**(row.get("extra") or {}), "regrade": was}
+                        row.update(new)
+                    w.write(row)
                     continue
                 try:
                     result = JobResult.model_validate_json(result_json)
+                    if new is not None:
+                        result = result.model_copy(update=new)
                     if not trainable(result):
                         counts["not trainable (filtered or no trajectory)"] += 1
                         continue
@@ -296,10 +313,43 @@ def _export(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         journal.close()
-    skipped = "".join(f"; {k} {v}" for k, v in counts.items() if k != "jobs")
+    skipped = "".join(f"; {k} {v}" for k, v in counts.items() if k != "jobs" and v)
     print(f"export: {counts['jobs']} job(s) -> {w.rows} {args.format} row(s) in {path} "
           f"({'parquet' if parquet else 'jsonl'}){skipped}", file=sys.stderr)
     return 0
+
+
+def load_regraded(path: str) -> dict[str, dict[str, Any]]:
+    """``job_id -> {"reward", "resolved", "failure_kind", "critical_error", "filter"}`` of the ``regraded`` lines
+    of a ``prorl-journal regrade`` output (``--rewards``): export writes those instead of the recorded ones.
+    Lines of another status (skipped, refused, failed) change nothing.
+
+    Raises:
+        CliError: the file cannot be read, or a line is not a regrade line.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if row["status"] != "regraded":
+                        continue
+                    reward, resolved = row["new_reward"], row["new_resolved"]
+                    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or \
+                            not isinstance(resolved, bool) or not isinstance(row["job_id"], str):
+                        raise ValueError("new_reward, new_resolved or job_id has the wrong type")
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CliError(f"--rewards {path} line {n} is not a prorl-journal regrade line: {e}") from None
+                # a job whose old eval failed (filtered) and grades now is trainable: its new outcome, whole
+                out[row["job_id"]] = {"reward": float(reward), "resolved": resolved,
+                                      "failure_kind": row.get("failure_kind"),
+                                      "critical_error": row.get("critical_error"), "filter": bool(row.get("filter"))}
+    except OSError as e:
+        raise CliError(f"--rewards {path}: {e}") from None
+    return out
 
 
 # ------------------------------------------------------------------------------------------ stats
@@ -389,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(e)
     e.add_argument("--format", required=True, choices=("jsonl", "verl", "trl"))
     e.add_argument("--out", required=True, help="output file")
+    e.add_argument("--rewards", metavar="REGRADE.jsonl", help="a prorl-journal regrade output: its re-graded "
+                   "jobs are exported with their new reward, resolved and failure_kind (jsonl rows keep the old "
+                   "ones in extra.regrade)")
     s = sub.add_parser("stats", help="jobs by state, completions, size on disk")
     common(s, since=False)
     s.add_argument("--json", action="store_true", help="print the counts as JSON")

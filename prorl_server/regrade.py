@@ -73,13 +73,16 @@ class RegradeOutcome:
     result: Optional[JobResult] = field(default=None, repr=False)
 
     def row(self) -> dict[str, Any]:
-        """The JSON line ``prorl-journal regrade`` writes: every field but ``result``, plus the new eval's
-        ``extra["eval"]`` (what the grader said) when there is one."""
+        """The JSON line ``prorl-journal regrade`` writes: every field but ``result``, plus, once eval ran, the new
+        result's ``critical_error`` and ``filter`` and its ``extra["eval"]`` (what the grader said) when there is
+        one."""
         out = {k: getattr(self, k) for k in ("job_id", "handler", "status", "old_reward", "new_reward", "changed",
                                               "old_resolved", "new_resolved", "old_failure_kind", "failure_kind",
                                               "reason")}
-        if self.result is not None and "eval" in self.result.extra:
-            out["eval"] = self.result.extra["eval"]
+        if self.result is not None:
+            out["critical_error"], out["filter"] = self.result.critical_error, self.result.filter
+            if "eval" in self.result.extra:
+                out["eval"] = self.result.extra["eval"]
         return out
 
 

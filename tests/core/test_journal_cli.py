@@ -238,6 +238,57 @@ async def test_export_round_trips_the_exact_tokens_as_verl_trl_and_jsonl_rows(sh
     assert pq.read_table(tmp_path / "none.parquet").num_rows == 0
 
 
+async def test_export_takes_the_rewards_of_a_regrade(shout_journal, tmp_path, capsys):
+    path, results, _ = shout_journal
+    first, second, _ = (r["job_id"] for r in results)
+    rewards = tmp_path / "regrade.jsonl"
+    rewards.write_text(json.dumps({"job_id": first, "status": "regraded", "new_reward": 0.25, "new_resolved": False,
+                                   "failure_kind": None}) + "\n"
+                       + json.dumps({"job_id": second, "status": "eval_failed", "new_reward": None,
+                                     "new_resolved": None}) + "\n")
+    assert await cli("export", str(path), "--format", "trl", "--rewards", str(rewards), "--out",
+                     str(tmp_path / "t.jsonl")) == 0
+    trl = {r["prorl_job_id"]: r for r in read_jsonl(tmp_path / "t.jsonl")}
+    assert trl[first]["prorl_reward"] == 0.25  # the re-graded reward
+    assert [trl[r["job_id"]]["prorl_reward"] for r in results[1:]] == [r["reward"] for r in results[1:]]  # as recorded
+    assert await cli("export", str(path), "--format", "jsonl", "--rewards", str(rewards), "--out",
+                     str(tmp_path / "r.jsonl")) == 0
+    row = read_jsonl(tmp_path / "r.jsonl")[0]
+    assert (row["reward"], row["resolved"]) == (0.25, False)
+    assert row["extra"]["regrade"] == {"old_reward": 1.0, "old_resolved": True, "old_failure_kind": None,
+                                       "old_critical_error": None, "old_filter": False}
+    assert "rewards from --rewards 1" in capsys.readouterr().err
+
+    rewards.write_text("not json\n")
+    assert await cli("export", str(path), "--format", "trl", "--rewards", str(rewards), "--out",
+                     str(tmp_path / "t2.jsonl")) == 2
+    assert "line 1 is not a prorl-journal regrade line" in capsys.readouterr().err
+    assert not (tmp_path / "t2.jsonl").exists()
+
+
+def test_a_job_whose_grader_failed_is_graded_now_and_exported_with_its_new_outcome(tmp_path):
+    # the eval stage raised then (a grader bug: filtered, never trained on); the current grader grades it
+    t = Trajectory(prompt_ids=[1, 2], response_ids=[3, 4], response_logprobs=[-0.5, -0.25], loss_mask=[1, 1],
+                   num_turns=1)
+    req = ProcessRequest(instance={"data_source": "arithmetic", "expression": "2*3", "answer": 6}, job_id="bug")
+    res = JobResult(job_id="bug", trajectory_id="t", handler="arithmetic", critical_error="eval", filter=True,
+                    failure_kind="handler", error="eval failed: KeyError: 'value'", trajectories=[t],
+                    extra={"value": 6})
+    path = tmp_path / "j.sqlite"
+    write_journal(path, [(req, json.loads(res.model_dump_json()))])
+    out = tmp_path / "regrade.jsonl"
+    assert main(["regrade", str(path), "--out", str(out), "-q"]) == 0
+    (row,) = read_jsonl(out)
+    assert row["status"] == "regraded" and (row["old_reward"], row["new_reward"]) == (0.0, 1.0) and row["changed"]
+    assert (row["critical_error"], row["filter"], row["failure_kind"]) == (None, False, None)
+    assert main(["export", str(path), "--format", "trl", "--out", str(tmp_path / "before.jsonl"), "-q"]) == 0
+    assert read_jsonl(tmp_path / "before.jsonl") == []  # filtered as recorded
+    assert main(["export", str(path), "--format", "trl", "--rewards", str(out), "--out",
+                 str(tmp_path / "after.jsonl"), "-q"]) == 0
+    (trl,) = read_jsonl(tmp_path / "after.jsonl")
+    assert trl["prorl_reward"] == 1.0 and trl["completion_ids"] == [3, 4]
+
+
 def test_export_leaves_filtered_results_out_of_trainer_rows_and_honours_since(tmp_path):
     t = Trajectory(prompt_ids=[5, 6], response_ids=[10, 11, 12, 13], response_logprobs=[-0.5, 0.0, 0.0, -0.25],
                    loss_mask=[1, 0, 0, 1], num_turns=2, weight_versions=[3, 4], version_runs=[(3, 1), (4, 1)])
@@ -329,6 +380,19 @@ def test_a_journal_damaged_past_its_first_pages_is_exit_2_and_leaves_no_partial_
     assert "malformed" in err and "Traceback" not in err
     if command[0] == "export":
         assert not out.exists() and not Path(str(out) + ".partial").exists()
+
+
+@pytest.mark.parametrize("command", [["regrade"], ["export", "--format", "jsonl"]])
+def test_an_output_that_is_the_journal_is_refused_and_the_journal_kept(tmp_path, capsys, command):
+    req = ProcessRequest(instance={"data_source": "arithmetic", "expression": "1+1", "answer": 2}, job_id="a")
+    res = JobResult(job_id="a", trajectory_id="t", handler="arithmetic", reward=1.0, extra={"value": 2})
+    path = tmp_path / "j.sqlite"
+    write_journal(path, [(req, json.loads(res.model_dump_json()))])
+    before = path.read_bytes()
+    for out in (path, Path(str(path) + "-wal")):
+        assert main([command[0], str(path), *command[1:], "--out", str(out), "-q"]) == 2
+        assert "is the journal itself" in capsys.readouterr().err
+    assert path.read_bytes() == before
 
 
 def test_the_console_script_exits_2_on_a_missing_journal(tmp_path):
