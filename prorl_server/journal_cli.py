@@ -16,8 +16,8 @@ installed and ``--out`` does not end in ``.jsonl``, else JSON lines with the sam
 by state and handler, completions and gateway exchanges, and the file's size. Progress bars (tqdm) go to stderr
 (``--quiet`` hides them).
 
-Exit status: 0 done; 1 ``regrade`` re-graded nothing although jobs matched (every one skipped, refused or
-failed: the summary says why); 2 the journal is missing or unreadable, or a bad argument.
+Exit status: 0 done; 1 ``regrade`` re-graded nothing although jobs matched (every one refused or failed: the
+summary says why), or an output cannot be written; 2 the journal is missing or unreadable, or a bad argument.
 """
 from __future__ import annotations
 
