@@ -128,8 +128,9 @@ async def serve(settings: ServerSettings, app: Optional[web.Application] = None)
     membership = None
     if settings.fleet_dir:
         # in a fleet SIGTERM drains (0 jobs aborted); a second SIGTERM, or SIGINT, stops at once
+        draining = set()  # the drain task, referenced until it ends
         loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if fleet.draining
-                                else loop.create_task(fleet.start_drain()))
+                                else draining.add(loop.create_task(fleet.start_drain())))
         membership = await _join_fleet(app, settings, port, stop)
     try:
         exit_wait = asyncio.ensure_future(fleet.exit_requested.wait())

@@ -239,6 +239,7 @@ class Membership:
         period = self.ttl_s / 3
         last = time.monotonic()
         seen = self._watched()
+        last_end_check = 0.0
         while not self._closed:
             # wake early for a state change; look at the backends every 0.2 s so a registration is published
             # at once (a joining server gets its first job within a poll of the clients)
@@ -257,6 +258,9 @@ class Membership:
                 except OSError as e:  # a shared file system hiccup: the next renewal tries again
                     log.warning("fleet: could not renew the lease of %s: %r", self.record.member_id, e)
                 last = time.monotonic()
+            if time.monotonic() - last_end_check < 1.0:  # a stat on the shared file system: once a second
+                continue
+            last_end_check = time.monotonic()
             marker = await asyncio.to_thread(end_marker, self.fleet_dir)
             if marker is not None and marker != self._end_at_start and self._on_end is not None:
                 log.warning("fleet: end sentinel %s: the trainer ended; this member exits",
