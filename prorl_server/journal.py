@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_updated ON jobs(updated);
+CREATE INDEX IF NOT EXISTS jobs_submitted ON jobs(submitted);
 CREATE TABLE IF NOT EXISTS completions (
     id INTEGER PRIMARY KEY,
     owner TEXT NOT NULL,     -- the job id, or the gateway session id of a session without a job
