@@ -199,7 +199,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if processes > 1:
         return supervise(settings, processes)
     run_event_loop(serve(settings), settings.event_loop)
+    _ignore_late_sigterm(settings)
     return 0
+
+
+def _ignore_late_sigterm(settings: ServerSettings) -> None:
+    """After a fleet member shut down (drained, or saw the end sentinel), a SIGTERM from the launcher stopping
+    its step must not turn the clean exit into a death by signal (status 143)."""
+    if settings.fleet_dir:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # ------------------------------------------------------------------------------------------ several processes
@@ -241,6 +249,7 @@ def _member_main(settings_json: str) -> None:
     logging.basicConfig(level=settings.log_level,
                         format=f"%(asctime)s %(levelname)s [member {os.getpid()}] %(name)s: %(message)s")
     run_event_loop(serve(settings), settings.event_loop)
+    _ignore_late_sigterm(settings)
 
 
 def supervise(settings: ServerSettings, processes: int, poll_s: float = 0.2) -> int:

@@ -403,8 +403,23 @@ for node in "${NODES[@]}"; do
 done
 remaining=$((deadline - SECONDS)); [ "$remaining" -lt 5 ] && remaining=5
 NODE_CSV=$(IFS=,; echo "${NODES[*]}")
-if ! "$PY" -m trainer_plugins.servers compose --run-dir "$RUN_DIR" --nodes "$NODE_CSV" --job-id "$JOB_ID" \
-        --out "$SERVERS_FILE" --timeout "$remaining" >/dev/null; then
+fleet_ended() {  # the trainer wrote the fleet's end sentinel since this job started
+    [ -n "$FLEET_DIR" ] || return 1
+    local now
+    now=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
+    [ -n "$now" ] && [ "$now" != "$END_AT_START" ]
+}
+"$PY" -m trainer_plugins.servers compose --run-dir "$RUN_DIR" --nodes "$NODE_CSV" --job-id "$JOB_ID" \
+    --out "$SERVERS_FILE" --timeout "$remaining" >/dev/null &
+COMPOSE_PID=$!
+while kill -0 "$COMPOSE_PID" 2>/dev/null; do
+    if fleet_ended; then  # the trainer ended while this job was starting: its servers have left already
+        kill "$COMPOSE_PID" 2>/dev/null; wait "$COMPOSE_PID" 2>/dev/null
+        stop_all "the trainer ended during startup: $FLEET_DIR/END"; exit 0
+    fi
+    sleep 0.2
+done
+if ! wait "$COMPOSE_PID"; then
     log "servers did not all answer /health"; stop_all "startup failed"; exit 1
 fi
 log "all ${#NODES[@]} server(s) healthy; wrote $SERVERS_FILE"
@@ -415,8 +430,15 @@ log "all ${#NODES[@]} server(s) healthy; wrote $SERVERS_FILE"
 while :; do
     if [ -n "$FLEET_DIR" ]; then
         sleep 1 & wait $!
-        end_now=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
-        if [ -n "$end_now" ] && [ "$end_now" != "$END_AT_START" ]; then
+        if fleet_ended; then
+            # the servers saw it too and are leaving: a SIGTERM now would race their clean exit
+            log "the trainer ended ($FLEET_DIR/END): waiting up to 10 s for the servers to leave"
+            end_deadline=$((SECONDS + 10))
+            while [ "$SECONDS" -lt "$end_deadline" ]; do
+                end_alive=0; for pid in "${STEP_PID[@]}"; do kill -0 "$pid" 2>/dev/null && end_alive=1; done
+                [ "$end_alive" = 0 ] && break
+                sleep 0.2
+            done
             stop_all "the trainer ended: $FLEET_DIR/END"; exit 0
         fi
     else
