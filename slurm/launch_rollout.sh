@@ -417,6 +417,13 @@ while kill -0 "$COMPOSE_PID" 2>/dev/null; do
         kill "$COMPOSE_PID" 2>/dev/null; wait "$COMPOSE_PID" 2>/dev/null
         stop_all "the trainer ended during startup: $FLEET_DIR/END"; exit 0
     fi
+    for node in "${NODES[@]}"; do  # a server that dies now would leave compose waiting for its /health
+        if ! kill -0 "${STEP_PID[$node]}" 2>/dev/null; then
+            kill "$COMPOSE_PID" 2>/dev/null; wait "$COMPOSE_PID" 2>/dev/null
+            log "server step on $node ended during startup; its log: $RUN_DIR/$node.log"
+            stop_all "startup failed"; exit 1
+        fi
+    done
     sleep 0.2
 done
 if ! wait "$COMPOSE_PID"; then

@@ -564,16 +564,16 @@ class RolloutClient:
     def _servers(self) -> Sequence[str]:
         """The servers a job may go to now: the URLs, or a fleet's routable members (those with a live lease
         when none is routable: a job sent there comes back filtered and is regenerated)."""
-        if self.fleet is not None and not self.fleet:
-            return self.fleet.known_urls() or list(self.urls)
+        if self.fleet is not None:  # a snapshot: the fleet's reading thread changes it under us
+            return list(self.fleet) or self.fleet.known_urls()
         return self.urls
 
     async def _replenish_forever(self) -> None:
         while not self._closed:
-            if self.fleet is not None and not self.fleet:  # no member yet (or none left): wait for one
+            if self.fleet is not None and not self._servers():  # no member yet (or none left): wait for one
                 await self.fleet.wait_for_members(3600.0)
                 continue
-            while len(self.queue) < self.capacity:
+            while len(self.queue) < self.capacity and self._servers():
                 group = self._next_group()
                 if group is None:
                     break
@@ -647,10 +647,11 @@ class RolloutClient:
         assert sample.result is not None
         self._counters["filtered_jobs"] += 1
         self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
-        if sample.retries < self.max_sample_retries and not self._closed and self._servers():
+        servers = self._servers()
+        if sample.retries < self.max_sample_retries and not self._closed and servers:
             self._wasted_s += sample.counted_s
             failed_on = sample.failed_on | {sample.server}
-            server = self._jobs.retry_server(self._servers(), self._group_id(group), failed_on, self.chooser)
+            server = self._jobs.retry_server(servers, self._group_id(group), failed_on, self.chooser)
             group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
                                                                             sample.retries + 1, server, failed_on)
             self._counters["samples_regenerated"] += 1

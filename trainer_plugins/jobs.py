@@ -495,10 +495,14 @@ class JobSubmitter:
         failed_on: set[str] = set()
         attempts: list[Attempt] = []
         while True:
-            if isinstance(servers, Fleet) and not servers:
+            # one snapshot per attempt: a fleet's members change under us (its reading thread)
+            candidates = list(servers) or _fallback(servers)
+            if not candidates and isinstance(servers, Fleet):
                 await servers.wait_for_members(self.unavailable_retry_s)
-            server = self.retry_server(servers if servers else _fallback(servers), request.group_id, failed_on,
-                                       chooser)
+                candidates = list(servers) or _fallback(servers)
+            if not candidates:
+                raise ValueError("no rollout server left to choose from")
+            server = self.retry_server(candidates, request.group_id, failed_on, chooser)
             job_id = f"{job_prefix}-{uuid.uuid4().hex[:16]}"
             chooser.started(server, request.group_id)
             try:

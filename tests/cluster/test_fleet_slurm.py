@@ -122,3 +122,62 @@ async def test_a_job_submitted_mid_run_joins_the_fleet_and_the_end_sentinel_rele
         for job in (first, second):
             if job:
                 cluster.run("scancel", job, check=False)
+
+
+async def test_a_sigkilled_server_is_out_within_2_ttl_and_a_scancelled_job_drains_with_nothing_lost(
+        slurm_cluster, tmp_path):
+    import os
+    import signal
+
+    cluster = slurm_cluster
+    fleet_dir = tmp_path / "fleet"
+    jobs_ = [submit(cluster, tmp_path / "a", fleet_dir), submit(cluster, tmp_path / "b", fleet_dir)]
+    fleet = Fleet(fleet_dir)
+    remote = Fleet(fleet_dir, local_node="another-node")  # where a pid means nothing: only the lease counts
+    try:
+        await _wait(lambda: len(fleet) == 2, 120, "both jobs' servers in the fleet", cluster, jobs_)
+        killed = records_of(fleet_dir, jobs_[1])[0]
+        drained = records_of(fleet_dir, jobs_[0])[0]
+        chooser = Recording()
+        stop = False
+        outcomes = []
+        async with JobSubmitter(fleet.headers, fleet=fleet) as jobs:
+            async def loop(w):
+                i = 0
+                while not stop:
+                    outcomes.append(await jobs.run(fleet, process_request(ARITHMETIC), chooser=chooser,
+                                                   job_prefix=f"w{w}-{i}"))
+                    i += 1
+                    await asyncio.sleep(0.02)
+
+            workers = [asyncio.create_task(loop(w)) for w in range(2)]
+            await _wait(lambda: {s for _, s in chooser.sent} >= {killed.url, drained.url}, 30, "jobs on both")
+            os.kill(killed.pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            await _wait(lambda: killed.url not in fleet, 10, "out for the client")
+            out_client, known_dead_at = time.monotonic() - t_kill, time.time()
+            await _wait(lambda: killed.url not in remote, 2 * 5.0 + 1, "out by the lease")
+            out_lease = time.monotonic() - t_kill
+            sent_after = [s for t, s in chooser.sent if t > known_dead_at]
+            stop = True
+            await asyncio.gather(*workers)
+            # shrink: the other job is told to stop; its server drains (takes no new job) and leaves
+            cluster.run("scancel", jobs_[0])  # SIGTERM to the steps and the batch shell, as a user would
+            await _wait(lambda: drained.url not in fleet, 10, "the drained server out of the rotation")
+        print(f"slurm SIGKILL: out for the client {out_client:.2f} s, by the lease alone {out_lease:.2f} s after "
+              "the kill")
+        assert out_lease <= 2 * 5.0
+        assert sent_after and killed.url not in sent_after  # never a job to a server known dead
+        assert outcomes and not any(o.filtered for o in outcomes)  # nothing lost, none aborted
+        final = {"", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"}
+        await _wait(lambda: all(cluster.job_state(j) in final for j in jobs_), 60, "both jobs left Slurm", cluster,
+                    jobs_)
+        out = (tmp_path / "a" / f"job-{jobs_[0]}.out").read_text(errors="replace")
+        assert "exited rc=0" in out, out  # the drained server left cleanly
+        node_log = next((tmp_path / "a").glob("prorl-*/*.log")).read_text(errors="replace")
+        assert "draining" in node_log and "SIGKILL" not in node_log, node_log
+    finally:
+        fleet.close()
+        remote.close()
+        for job in jobs_:
+            cluster.run("scancel", job, check=False)
