@@ -82,6 +82,16 @@ def _token_ids(n: int) -> Any:
 
 #: A signed 64-bit integer (what vLLM's integer parameters are; larger JSON numbers are refused).
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+def _json_integer(v: Any) -> Any:
+    """A JSON integer (``5`` or, as JSON Schema counts it, ``5.0``), never ``true`` or ``"5"``."""
+    if isinstance(v, (bool, str, bytes)):
+        raise ValueError("must be a JSON integer, not a boolean or a string")
+    return v
+
+
+#: An int64 given as a JSON integer: ``true`` or ``"1"`` are refused (a weight version is an exact label: a
+#: coerced one would be a silent mislabel); ``5.0`` is 5, as JSON Schema's ``integer`` allows.
+StrictInt64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1), BeforeValidator(_json_integer)]
 
 
 #: A token id 0..:data:`MAX_TOKEN_ID` (2147483647) written in decimal, up to 10 leading zeros: the pattern the
@@ -293,7 +303,7 @@ class AddBackendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str = Field(pattern=ADDRESS_PATTERN, description="http(s)://host[:port][/path]; a trailing /v1 "
                          "(the OpenAI base URL) is removed")
-    weight_version: Optional[Int64] = None
+    weight_version: Optional[StrictInt64] = None
 
     @field_validator("address")
     @classmethod

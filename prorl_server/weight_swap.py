@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.balancer import Backend, BackendPool
 from prorl_server.llm_client import LLMClient, SwapMark
-from prorl_server.types import Int64, normalise_backend_address
+from prorl_server.types import StrictInt64, normalise_backend_address
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,13 @@ class PauseRequest(BaseModel):
     """Body of ``POST /weights/pause``."""
 
     model_config = ConfigDict(extra="forbid")
-    weight_version: Int64 = Field(description="the version the trainer is about to load")
+    weight_version: StrictInt64 = Field(description="the version the trainer is about to load")
     kv: Literal["keep", "recompute"] = Field("keep", description="keep: frozen requests go on over the KV cache "
                                              "computed with the old weights; recompute: it is recomputed with "
                                              "the new ones at resume")
-    max_staleness: Optional[int] = Field(None, ge=0, description="cancel jobs whose first turn is older than "
+    max_staleness: Optional[int] = Field(None, ge=0, strict=True, description="cancel jobs whose first turn is older than "
                                          "weight_version - max_staleness")
-    lease_s: float = Field(300.0, gt=0, le=3600, description="seconds until the server resumes by itself")
+    lease_s: float = Field(300.0, gt=0, le=3600, strict=True, description="seconds until the server resumes by itself")
 
 
 class PauseResponse(BaseModel):
@@ -109,7 +109,7 @@ class ResumeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     swap_id: str = Field(min_length=1, max_length=64)
-    weight_version: Optional[Int64] = Field(None, description="default: the pause's")
+    weight_version: Optional[StrictInt64] = Field(None, description="default: the pause's")
     failed: dict[str, str] = Field(default_factory=dict, max_length=4096,
                                    description="backends that did not load the weights -> why (addresses as "
                                    "registered; a trailing / or /v1 is ignored)")
