@@ -9,13 +9,13 @@ from typing import Any, Iterator, Optional
 @contextlib.contextmanager
 def vllm_address(address: Optional[str], model_dir: str, **start_kwargs: Any) -> Iterator[str]:
     """The base URL of ``address`` if given, else of a CPU vLLM server started for the tiny model (built in
-    ``model_dir`` if missing; ``start_kwargs`` go to :func:`prorl_server.vllm_launcher.start_vllm`) and
+    ``model_dir`` if missing; ``start_kwargs`` go to :func:`prorl_server.dev.vllm_launcher.start_vllm`) and
     stopped on exit."""
     if address is not None:
         yield address.rstrip("/")
         return
-    from prorl_server import tiny_model
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev import tiny_model
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     tiny_model.build(model_dir)
     t0 = time.monotonic()

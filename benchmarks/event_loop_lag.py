@@ -101,7 +101,7 @@ class AnswerMathHandler(MathHandler):
         pass
 
     async def run(self, job):
-        job.state["final_answer"] = job.instance["response"]
+        job.state.final_answer = job.instance["response"]
 
 
 class InlineMathHandler(AnswerMathHandler):
@@ -110,7 +110,7 @@ class InlineMathHandler(AnswerMathHandler):
     name = "math_inline"
 
     async def eval(self, job):
-        reward, info = score(job.instance, job.state["final_answer"])
+        reward, info = score(job.instance, job.state.final_answer)
         job.reward, job.resolved = reward, reward >= 1.0
         job.extra["eval"] = info
 
@@ -372,7 +372,7 @@ def _lag_row(lags: list[float], wall_s: float) -> dict:
 
 async def hostile_part(args, url: str, monitor) -> dict:
     """Normal traffic alone, then normal traffic with hostile bodies; lag of each round and what came back."""
-    from prorl_server import tiny_model
+    from prorl_server.dev import tiny_model
 
     model_dir = str(tiny_model.build(ROOT / ".cache" / "tiny-model"))
     ctx = multiprocessing.get_context("spawn")

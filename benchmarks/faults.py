@@ -5,7 +5,7 @@ Phase 1: ``--arith-jobs`` (10,000) ``arithmetic`` jobs through ``POST /process``
 (256) against a server process: lost jobs (no well-formed result) and the server's RSS growth per 1000 jobs
 (least-squares slope of RSS sampled every 1000 results, the first 1000 left out as warm-up).
 
-Phase 2: bubblewrap sandboxes and a real vLLM CPU backend (the tiny model, ``prorl_server/tiny_model.py``):
+Phase 2: bubblewrap sandboxes and a real vLLM CPU backend (the tiny model, ``prorl_server/dev/tiny_model.py``):
 for each scenario ``--code-jobs`` (64) ``code`` jobs (HumanEval) at ``--code-concurrency`` (32), with a fault
 injected once a quarter of them have ended:
 
@@ -336,7 +336,7 @@ class Backend:
     """The tiny model on vLLM CPU, restartable on its port."""
 
     def __init__(self, work: Path) -> None:
-        from prorl_server.tiny_model import build
+        from prorl_server.dev.tiny_model import build
 
         self.model = build(ROOT / ".cache" / "tiny-model")
         self.log_dir = work
@@ -345,7 +345,7 @@ class Backend:
         self.port: Optional[int] = None
 
     def start(self) -> float:
-        from prorl_server.vllm_launcher import start_vllm
+        from prorl_server.dev.vllm_launcher import start_vllm
 
         t0 = time.monotonic()
         self.server = start_vllm(self.model, port=self.port, max_model_len=4096, max_num_batched_tokens=4096,

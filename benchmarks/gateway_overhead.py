@@ -72,7 +72,7 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 from _common import print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
-from prorl_server.llm_client import KEEPALIVE_S  # noqa: E402
+from prorl_server.llm.client import KEEPALIVE_S  # noqa: E402
 from prorl_server.stats import percentile  # noqa: E402
 
 

@@ -12,7 +12,7 @@ The baseline is the same run with ``--journal off`` (the server before the journ
 completions/s of 200-2,000-token contexts, and the completions/s one writer sustains (targets on this 2-core
 machine: < 2 ms p99, >= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs.
 
-Setup: the backend is :class:`prorl_server.fake_vllm.FakeVLLM` (standing for vLLM's completions endpoint: 2 ms
+Setup: the backend is :class:`prorl_server.dev.fake_vllm.FakeVLLM` (standing for vLLM's completions endpoint: 2 ms
 per token step), in this process; the handler is ``shout`` (2 turns of 16 tokens) with the tiny model's
 tokenizer. The last line printed is one JSON object.
 
@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from prorl_server import tiny_model  # noqa: E402
-from prorl_server.fake_vllm import start_fake_vllm  # noqa: E402
-from prorl_server.journal import Journal  # noqa: E402
+from prorl_server.dev import tiny_model  # noqa: E402
+from prorl_server.dev.fake_vllm import start_fake_vllm  # noqa: E402
+from prorl_server.journal.store import Journal  # noqa: E402
 
 
 def free_port() -> int:

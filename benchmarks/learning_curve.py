@@ -93,8 +93,8 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from handlers.shout import load_dataset
-    from prorl_server import tiny_model
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev import tiny_model
+    from prorl_server.dev.vllm_launcher import start_vllm
     from trainer_plugins.trl import ProRLRollout, WeightPushCallback, server_reward
 
     torch.manual_seed(args.seed)

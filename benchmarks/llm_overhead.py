@@ -40,8 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 
 from _common import print_table, vllm_address  # noqa: E402 (benchmarks/, the script's folder)
-from prorl_server.conversation import Conversation  # noqa: E402
-from prorl_server.llm_client import LLMClient  # noqa: E402
+from prorl_server.llm.conversation import Conversation  # noqa: E402
+from prorl_server.llm.client import LLMClient  # noqa: E402
 from prorl_server.stats import percentile  # noqa: E402
 
 

@@ -32,7 +32,7 @@ async def sequential(instances, sampling, address) -> tuple[float, list[dict]]:
     from handlers.code import CodeHandler
     from prorl_server.balancer import BackendPool
     from prorl_server.job import Job
-    from prorl_server.llm_context import LLMContext
+    from prorl_server.llm.context import LLMContext
     from sandbox import make_runtime
 
     pool = BackendPool()
@@ -96,8 +96,8 @@ async def main() -> None:
     from handlers.code.data import load_dataset
     from prorl_server.app import create_app
     from prorl_server.config import ServerSettings
-    from prorl_server.tiny_model import build
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.tiny_model import build
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     instances = [{**inst, "max_turns": args.max_turns} for inst in load_dataset(limit=args.problems)
                  for _ in range(args.samples)]

@@ -424,7 +424,7 @@ async def main(args: argparse.Namespace) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 4,096 client sockets + the servers'
     if not (MODEL_DIR / "tokenizer.json").exists():
-        from prorl_server import tiny_model
+        from prorl_server.dev import tiny_model
 
         tiny_model.build(MODEL_DIR)
     print(f"server_scale: shout handler, 2 turns x 16 tokens, fake vLLM backend (50 ms + 1 ms/token), levels "

@@ -2,7 +2,7 @@
 swap it replaces.
 
 Setup (one process, this machine): a real rollout server (``create_app``: pipeline, agent, LLM client, the
-``shout`` handler with the tiny model's tokenizer) over 4 :class:`prorl_server.fake_vllm.FakeVLLM` backends,
+``shout`` handler with the tiny model's tokenizer) over 4 :class:`prorl_server.dev.fake_vllm.FakeVLLM` backends,
 **fakes standing for vLLM 0.31's completions and development endpoints** (one token per running request per
 20 ms engine step; ``/pause?mode=keep|abort``, ``/resume``, the ``prorl_progress`` report). ``--jobs`` shout
 jobs (2 turns of ``--tokens`` tokens) are in flight when each of ``--swaps`` swaps starts.
@@ -38,10 +38,10 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from handlers.shout.handler import ShoutHandler  # noqa: E402
-from prorl_server import tiny_model  # noqa: E402
+from prorl_server.dev import tiny_model  # noqa: E402
 from prorl_server.app import create_app  # noqa: E402
 from prorl_server.config import ServerSettings  # noqa: E402
-from prorl_server.fake_vllm import TOKEN_BASE, start_fake_vllm  # noqa: E402
+from prorl_server.dev.fake_vllm import TOKEN_BASE, start_fake_vllm  # noqa: E402
 from prorl_server.plugin.registry import HandlerRegistry  # noqa: E402
 
 

@@ -20,6 +20,7 @@ import math
 import operator
 import random
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -84,11 +85,19 @@ class ArithmeticInstance(BaseModel):
                                     description="the expected value (none: reward 0.0)")
 
 
+
+@dataclass
+class ArithmeticState:
+    """What an ``arithmetic`` job carries from run to eval (``job.state``)."""
+
+    value: Optional[float] = None  # the expression's value run computed
+
 class ArithmeticHandler(AgentHandler):
     name = "arithmetic"
     aliases = ("calc",)
     needs_llm = False
     instance_model = ArithmeticInstance
+    state_model = ArithmeticState
 
     def instance_by_id(self, instance_id: str) -> Optional[dict[str, Any]]:
         """``arith-<seed>-<i>``: the i-th instance of ``load_dataset("arithmetic", seed=<seed>)``."""
@@ -100,7 +109,7 @@ class ArithmeticHandler(AgentHandler):
 
     async def run(self, job) -> None:
         value = evaluate(job.instance["expression"])
-        job.state["value"] = value
+        job.state.value = value
         job.extra["value"] = value
         job.messages.append({"role": "assistant", "content": repr(value)})
 
@@ -108,14 +117,14 @@ class ArithmeticHandler(AgentHandler):
         """The value :meth:`run` computed, recorded in ``extra["value"]``."""
         if "value" not in result.extra:
             raise NotRegradableError("the result has no extra.value (the expression's value run computed)")
-        job.state["value"] = result.extra["value"]
+        job.state.value = result.extra["value"]
 
     async def eval(self, job) -> None:
         expected = job.instance.get("answer")
         if expected is None:
             job.reward = 0.0
             return
-        value = job.state["value"]
+        value = job.state.value
         job.resolved = math.isclose(float(value), float(expected), rel_tol=1e-9, abs_tol=1e-12)
         job.reward = 1.0 if job.resolved else 0.0
 

@@ -1,0 +1,5 @@
+"""The ProRL rollout server. Public import paths for handlers and trainer plugins: README, "Public import
+paths"."""
+from prorl_server import _moved
+
+_moved.install()

@@ -26,13 +26,13 @@ from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.config import ServerSettings, journal_path
-from prorl_server.journal import Journal
+from prorl_server.journal.store import Journal
 from prorl_server.membership import FleetControl
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
 from prorl_server.gc_control import CollectorControl
-from prorl_server.gateway import Gateway, add_gateway_routes
+from prorl_server.gateway import Gateway, add_gateway_routes, agent_app
 from prorl_server.job import JobServices, SandboxOpener
-from prorl_server.llm_context import LLMContext
+from prorl_server.llm.context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
 from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, Pipeline,
@@ -233,7 +233,7 @@ class Components:
     services: JobServices
     pipeline: Pipeline
     collector: Optional[CollectorControl] = None
-    journal: Any = None  # a prorl_server.journal.Journal, or None
+    journal: Any = None  # a prorl_server.journal.store.Journal, or None
     _health: Optional[asyncio.Task] = field(default=None, repr=False)
     _health_session: Optional[aiohttp.ClientSession] = field(default=None, repr=False)
     _started: list[str] = field(default_factory=list, repr=False)
@@ -370,7 +370,7 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     m.export_counts(LLM_CLIENT_COUNTS, lambda: llm.client.counters)
     gateway = Gateway(llm, pool, max_sessions=settings.gateway_max_sessions,
                       idle_timeout_s=settings.gateway_idle_timeout_s, keep_finished=settings.gateway_keep_finished,
-                      parser=settings.gateway_tool_parser, on_token_stats=m.count_token_stats)
+                      parser=settings.gateway_tool_parser, on_token_stats=m.count_token_stats, agent_app=agent_app)
     m.export_counts(GATEWAY_COUNTS, lambda: gateway.counters)
     services = JobServices(pool=pool, backend_wait_s=settings.backend_wait_s,
                            sandbox_opener=sandbox_opener(runtime, settings.sandbox_image) if runtime is not None

@@ -159,7 +159,7 @@ class BackendPool:
         """Take one backend out of the rotation until it is registered again (``/add_llm_server``): a backend
         that failed a weight swap (its weights are unknown), so the health probe does not bring it back. Jobs
         holding it move on their next call (:meth:`assign` skips a backend out of rotation for a job only when
-        told to exclude it; :class:`~prorl_server.llm_client.LLMClient` does). Returns it, or None if unknown."""
+        told to exclude it; :class:`~prorl_server.llm.client.LLMClient` does). Returns it, or None if unknown."""
         b = self.get(address)
         if b is None:
             return None

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.plugin.registry import default_registry
-from prorl_server.turn import AUTO, check_parser_name
+from prorl_server.llm.turn import AUTO, check_parser_name
 
 
 class ServerSettings(BaseModel):
@@ -63,7 +63,7 @@ class ServerSettings(BaseModel):
                                        "finalize and GET /sessions/{id}")
     gateway_tool_parser: str = Field(default=AUTO, description="how the gateway parses tool calls out of "
                                      "generated text: auto (the served model family's parser, from its chat "
-                                     "template) or a name of prorl_server.tool_parser.PARSERS")
+                                     "template) or a name of prorl_server.llm.tool_parser.PARSERS")
     cpu_workers: Optional[int] = Field(default=None, ge=1, description="processes of the pool that runs "
                                        "CPU-bound scoring off the event loop; default min(4, CPU count)")
     handlers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="each handler's own "
@@ -83,7 +83,7 @@ class ServerSettings(BaseModel):
                            "only): each is its own member with its own port (port, port+1, ...; or each a free "
                            "port with port 0), listed in the ready file's members; 0 = one per CPU core")
     journal: Optional[str] = Field(default=None, description="the SQLite journal of jobs, results and "
-                                   "completions (prorl_server.journal): a file path, 'auto' "
+                                   "completions (prorl_server.journal.store): a file path, 'auto' "
                                    "(~/.local/state/prorl/journal/<host>_<port>.sqlite; what prorl-server uses "
                                    "when this is not set) or 'off'; null (the default of an app built in code) "
                                    "is off")

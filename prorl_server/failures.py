@@ -24,7 +24,7 @@ Filtered kinds (``filter: true``):
     only :class:`~sandbox.errors.SandboxStartError`).
 ``llm_backend``
     no LLM backend could serve the job (:class:`~prorl_server.balancer.NoBackendError`,
-    :class:`~prorl_server.llm_client.LLMError`).
+    :class:`~prorl_server.llm.client.LLMError`).
 ``harness``
     the handler's harness failed: an agent launcher that could not start, a grader that gave no verdict
     (raise ``InfrastructureError("harness", ...)``).
@@ -38,14 +38,14 @@ Filtered kinds (``filter: true``):
 ``invalid_instance``
     the instance is malformed: a ``ValueError`` raised in ``init`` (where handlers validate their
     instance), :class:`InvalidInstanceError` anywhere, or a prompt that does not fit the model's context
-    (:class:`~prorl_server.conversation.ContextLengthError`). The trainer's bug, not the model's.
+    (:class:`~prorl_server.llm.conversation.ContextLengthError`). The trainer's bug, not the model's.
 ``handler``
     any other exception of a handler's stage before the model acted: a handler bug.
 ``internal``
     a bug of the rollout server itself (a stage worker crashed).
 ``configuration``
     the server's setup cannot run the job and no retry will (the served model's tokenizer cannot be loaded:
-    :class:`~prorl_server.llm_context.TokenizerUnavailableError`); trainer clients stop on it
+    :class:`~prorl_server.llm.context.TokenizerUnavailableError`); trainer clients stop on it
     (``trainer_plugins.jobs.ConfigurationError``) instead of regenerating the sample forever.
 
 Scored kinds (``filter: false``, reward 0.0, trajectories kept):
@@ -181,8 +181,8 @@ def _any_timeout(exc: BaseException, seen: set[int]) -> bool:
 
 def _classify(exc: BaseException, stage: Optional[str], seen: set[int]) -> str:
     from prorl_server.balancer import NoBackendError
-    from prorl_server.conversation import ContextLengthError
-    from prorl_server.llm_client import LLMError
+    from prorl_server.llm.conversation import ContextLengthError
+    from prorl_server.llm.client import LLMError
     from sandbox.errors import SandboxError, ToolError
 
     seen.add(id(exc))
@@ -191,7 +191,7 @@ def _classify(exc: BaseException, stage: Optional[str], seen: set[int]) -> str:
         return next((k for k in kinds if k != "handler"), "handler")
     if isinstance(exc, InfrastructureError):
         return exc.kind
-    from prorl_server.llm_context import TokenizerUnavailableError
+    from prorl_server.llm.context import TokenizerUnavailableError
 
     if isinstance(exc, TokenizerUnavailableError):
         return "configuration"

@@ -1,6 +1,7 @@
 """A job: one instance run through init -> run -> eval, and what handlers see of it.
 
-Handlers read ``job.instance`` / ``job.sampling_params``, keep stage-to-stage state in ``job.state``,
+Handlers read ``job.instance`` / ``job.sampling_params``, keep stage-to-stage state in ``job.state`` (an
+instance of the handler's ``state_model``: ``Job[S]`` has ``state: S``),
 write their outcome to ``job.reward``, ``job.resolved``, ``job.messages``, ``job.trajectories`` and
 ``job.extra``, and ask for resources through the job (``await job.backend()``, ``await job.open_sandbox()``)
 so the pipeline releases them when the job ends, is cancelled or times out. The server's shared components
@@ -14,17 +15,16 @@ import collections
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Optional, TypeVar
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
 from prorl_server.failures import is_filtered
 
 if TYPE_CHECKING:
-    from prorl_server.plugin.handler import AgentHandler
     from prorl_server.balancer import Backend, BackendPool
     from prorl_server.cpu_pool import CpuPool
     from prorl_server.gateway import Gateway
-    from prorl_server.llm_context import LLMContext
+    from prorl_server.llm.context import LLMContext
 
 SandboxOpener = Callable[..., Awaitable[Any]]
 """``async (spec=None, **spec_fields) -> handle``: starts a sandbox from the server's runtime."""
@@ -100,21 +100,28 @@ class JobEndedError(RuntimeError):
     nobody would release."""
 
 
-class Job:
+S = TypeVar("S")
+
+
+class Job(Generic[S]):
     """Runtime state of one job. Created by the pipeline; handlers get it in every callback.
+
+    ``handler``: the job's :class:`~prorl_server.plugin.handler.AgentHandler` (typed ``Any`` here: the handler
+    API imports this module, not the other way round). ``state``: what the handler carries between stages,
+    ``handler.new_state()`` unless given (a ``dict`` for a handler that declares no ``state_model``).
 
     ``services``: the server's shared components (:class:`JobServices`). Outside a server (tests, scripts)
     the keyword arguments ``pool``, ``sandbox_opener``, ``backend_wait_s``, ``llm`` and ``cpu_pool`` build it
     instead; giving both is a ``TypeError``.
 
-    A job is a :class:`~prorl_server.llm_client.BackendSource` (``acquire`` / ``record_turn``): pass it as the
-    ``backend`` of :meth:`~prorl_server.llm_client.LLMClient.complete` or
-    :meth:`~prorl_server.agent_loop.AgentLoop.run` and its turns fail over within its sticky assignment and
+    A job is a :class:`~prorl_server.llm.client.BackendSource` (``acquire`` / ``record_turn``): pass it as the
+    ``backend`` of :meth:`~prorl_server.llm.client.LLMClient.complete` or
+    :meth:`~prorl_server.llm.agent_loop.AgentLoop.run` and its turns fail over within its sticky assignment and
     set its result's ``backend`` and ``weight_version``.
     """
 
     def __init__(self, *, job_id: Optional[str], instance: dict[str, Any], sampling_params: dict[str, Any],
-                 handler: "AgentHandler", handler_name: str, timeout_s: Optional[float],
+                 handler: Any, handler_name: str, timeout_s: Optional[float], state: Optional[S] = None,
                  services: Optional[JobServices] = None, group_id: Optional[str] = None,
                  pool: Optional["BackendPool"] = None, sandbox_opener: Optional[SandboxOpener] = None,
                  backend_wait_s: Optional[float] = None, llm: Optional["LLMContext"] = None,
@@ -140,7 +147,8 @@ class Job:
         self.created_at = time.time()
 
         # handler-owned outcome
-        self.state: dict[str, Any] = {}
+        self.state: S = state if state is not None else handler.new_state() if hasattr(handler, "new_state") \
+            else {}
         self.reward: float = 0.0
         self.resolved: bool = False
         self.filter: bool = False
@@ -156,7 +164,7 @@ class Job:
         self.token_stats: Optional[TokenStats] = None
         self.extra: dict[str, Any] = {}
         #: completions journalled by an attempt of this job that a crash interrupted, oldest first: the LLM
-        #: client answers the same requests with them again (exact resume; see prorl_server.llm_client)
+        #: client answers the same requests with them again (exact resume; see prorl_server.llm.client)
         self.replay: Optional[collections.deque] = None
 
         # pipeline-owned outcome
@@ -238,7 +246,7 @@ class Job:
         return b
 
     def acquire(self, exclude: frozenset[str]) -> Awaitable["Backend"]:
-        """:class:`~prorl_server.llm_client.BackendSource`: the same as :meth:`backend`."""
+        """:class:`~prorl_server.llm.client.BackendSource`: the same as :meth:`backend`."""
         return self.backend(exclude)
 
     def add_token_stats(self, stats: TokenStats) -> None:

@@ -98,7 +98,7 @@ class Pipeline:
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job | FinishedJob] = {}  # live jobs and the records of the most recent finished ones
-        #: the server's :class:`~prorl_server.journal.Journal`, or None: with one, a job's request, states and
+        #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
         #: seconds a finished job waits for its result to be committed before it is failed instead

@@ -389,10 +389,10 @@ class Timing(BaseModel):
 
 class TokenStats(BaseModel):
     """The drift report of one rollout: how true its token stream stayed to the model's chat template
-    (:meth:`prorl_server.conversation.Conversation.token_stats`, summed over a job's or a session's
+    (:meth:`prorl_server.llm.conversation.Conversation.token_stats`, summed over a job's or a session's
     conversations with ``+``).
 
-    ``family``: the chat-template family (``prorl_server.chat_templates.FAMILIES``; ``"mixed"`` when summed
+    ``family``: the chat-template family (``prorl_server.llm.chat_templates.FAMILIES``; ``"mixed"`` when summed
     stats disagree; null before any conversation). ``turns``: generated turns. ``splits``: trajectories
     closed because the template rewrote history (``template_drops_generated_text``,
     ``template_not_append_only``) or, in a gateway session, the agent's request did not extend the served

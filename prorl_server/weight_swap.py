@@ -16,7 +16,7 @@ away. Then the backend is asked how far each frozen request had got (``POST /col
 {"method": "prorl_progress"}``, the worker extension :class:`trainer_plugins.vllm_progress.ProgressExtension`, included in
 :class:`trainer_plugins.vllm_weights.WeightLoaderExtension`),
 which splits each of those turns exactly into an old-version prefix and a new-version suffix
-(:attr:`~prorl_server.llm_client.Completion.version_runs`); a backend without the extension answers nothing
+(:attr:`~prorl_server.llm.client.Completion.version_runs`); a backend without the extension answers nothing
 and such a turn is labelled ``[[None, n]]`` (unknown split) and counted as mixed.
 
 **Staleness.** With ``max_staleness: k``, jobs whose first turn was generated with weights older than
@@ -58,7 +58,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm_client import LLMClient, SwapMark
+from prorl_server.llm.client import LLMClient, SwapMark
 from prorl_server.types import StrictInt64, normalise_backend_address
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ MAX_MODEL_LEN = 2048
 def tiny_model_dir() -> Path:
     """The tiny random Qwen2 model + locally trained tokenizer (built once, cached in .cache/tiny-model)."""
     pytest.importorskip("transformers")
-    from prorl_server.tiny_model import build
+    from prorl_server.dev.tiny_model import build
 
     return build(ROOT / ".cache" / "tiny-model")
 
@@ -35,11 +35,11 @@ def tokenizer(tiny_model_dir):
 
 def start_vllm_server(model_dir: Path, tag: str):
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     log = ROOT / ".cache" / "logs" / f"vllm-{tag}-{os.getpid()}.log"
     # max_num_batched_tokens = max_model_len: no chunked prefill, so seeded requests are safe on CPU
-    # (see prorl_server.vllm_launcher.plan_vllm).
+    # (see prorl_server.dev.vllm_launcher.plan_vllm).
     return start_vllm(model_dir, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_MODEL_LEN,
                       log_path=log, timeout_s=300)
 
@@ -58,7 +58,7 @@ def vllm_ext_server(tiny_model_dir):
     (``trainer_plugins.vllm_weights.WeightLoaderExtension``: weight loads and the progress report a weight
     swap reads), shared by the session's tests that load weights into a running engine."""
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     log = ROOT / ".cache" / "logs" / f"vllm-ext-{os.getpid()}.log"
     server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, log_path=log,

@@ -127,9 +127,9 @@ def _needs_llm(instances: list[dict[str, Any]]) -> bool:
 
 async def start_embedded_llm(model: Optional[str], max_model_len: int, out: Path):
     """The embedded default backend: a real vLLM CPU server for ``model`` (default: the tiny test model, built
-    here with no download). Returns the running :class:`~prorl_server.vllm_launcher.VLLMServer`."""
-    from prorl_server.tiny_model import build
-    from prorl_server.vllm_launcher import start_vllm_async
+    here with no download). Returns the running :class:`~prorl_server.dev.vllm_launcher.VLLMServer`."""
+    from prorl_server.dev.tiny_model import build
+    from prorl_server.dev.vllm_launcher import start_vllm_async
 
     if model is None:
         print("building the tiny test model (first run only) ...", file=sys.stderr)

@@ -47,6 +47,7 @@ import shlex
 import shutil
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -184,6 +185,21 @@ def _read_workspace_file(workspace: str, name: str, max_bytes: int = 8 << 20) ->
         return f.read(max_bytes).decode("utf-8", errors="replace")
 
 
+@dataclass
+class CliAgentState:
+    """What a ``cli_agent`` job carries from init to run to eval (``job.state``)."""
+
+    sandbox: Any = None  # the agent's sandbox handle (opened in init, closed when run ends)
+    gateway_dir: str = ""  # the 0700 host directory of the session's socket and capability file
+    owner: Optional[tuple[int, int]] = None  # the sandbox's (uid, gid) when it runs as another user
+    command: str = ""
+    eval: str = "none"  # "code" | "reward_info" | "none"
+    agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    complete_grace_s: float = DEFAULT_COMPLETE_GRACE_S
+    solution: Optional[str] = None  # eval="code": the solution file the agent left
+    reward_info: Optional[dict[str, Any]] = None  # eval="reward_info": what the agent posted to its session
+
+
 class CliAgentHandler(AgentHandler):
     """Instance: ``{"data_source": "cli_agent", "command": "<shell command run in /workspace>",
     "files"?: {path: text}, "env"?: {name: value}, "eval"?: "code" | "reward_info" | "none",
@@ -208,6 +224,7 @@ class CliAgentHandler(AgentHandler):
     needs_llm = True
     instance_model = CliAgentInstance
     settings_model = CliAgentSettings
+    state_model = CliAgentState
 
     def __init__(self, command: Optional[str] = None, eval: Optional[str] = None,
                  sandbox_image: Optional[str] = None) -> None:
@@ -225,8 +242,8 @@ class CliAgentHandler(AgentHandler):
         env = inst.get("env") or {}
         if not isinstance(files, dict) or not isinstance(env, dict):
             raise InvalidInstanceError("cli_agent: 'files' and 'env' must be objects")
-        timeouts = {"agent_timeout_s": _seconds(inst, "agent_timeout_s", DEFAULT_AGENT_TIMEOUT_S),
-                    "complete_grace_s": _seconds(inst, "complete_grace_s", DEFAULT_COMPLETE_GRACE_S)}
+        agent_timeout_s = _seconds(inst, "agent_timeout_s", DEFAULT_AGENT_TIMEOUT_S)
+        complete_grace_s = _seconds(inst, "complete_grace_s", DEFAULT_COMPLETE_GRACE_S)
 
         # mkdtemp makes it 0700: no other local user can reach the socket or read the session file in it.
         gw_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="prorl-gw-")
@@ -250,16 +267,18 @@ class CliAgentHandler(AgentHandler):
                 raise InvalidInstanceError(f"cli_agent: files[{str(path)!r}] cannot be written: {e}") from None
         if mode == "code":
             await handle.upload(SOLUTION, inst["prompt"].encode())
-        job.state.update(sandbox=handle, gateway_dir=gw_dir, owner=owner, command=command, eval=mode, **timeouts)
+        job.state = CliAgentState(sandbox=handle, gateway_dir=gw_dir, owner=owner, command=command, eval=mode,
+                                  agent_timeout_s=agent_timeout_s, complete_grace_s=complete_grace_s)
 
     async def run(self, job) -> None:
-        handle = job.state["sandbox"]
+        state: CliAgentState = job.state
+        handle = state.sandbox
         gw = job.services.gateway
         if gw is None:
             raise RuntimeError("this server has no gateway (job.services.gateway is None)")
         session = gw.create_session(job=job, metadata={"job_id": job.job_id, "instance_id": job.instance_id})
         job.add_closer(_abort_if_open(gw, session), "run")
-        gw_dir, owner = job.state["gateway_dir"], job.state["owner"]
+        gw_dir, owner = state.gateway_dir, state.owner
         runner = await gw.serve_unix(session, os.path.join(gw_dir, SOCKET_NAME), owner=owner)
         job.add_closer(runner.cleanup, "run")
         # The capability travels in a file only the sandbox's user can read, never in a command line (every
@@ -267,14 +286,14 @@ class CliAgentHandler(AgentHandler):
         await asyncio.to_thread(_write_private, os.path.join(gw_dir, SESSION_FILE), f"/sessions/{session.ref}",
                                 owner)
         argv = ["python3", f"{GATEWAY_DIR}/launcher.py", f"{GATEWAY_DIR}/{SOCKET_NAME}",
-                f"{GATEWAY_DIR}/{SESSION_FILE}", "--", "bash", "-c", job.state["command"]]
-        timeout_s = _within_budget(job, job.state["agent_timeout_s"])
+                f"{GATEWAY_DIR}/{SESSION_FILE}", "--", "bash", "-c", state.command]
+        timeout_s = _within_budget(job, state.agent_timeout_s)
         agent = asyncio.ensure_future(handle.bash(" ".join(shlex.quote(a) for a in argv), timeout_s=timeout_s))
         completed = asyncio.ensure_future(session.completed.wait())
         try:
             await asyncio.wait({agent, completed}, return_when=asyncio.FIRST_COMPLETED)
             if not agent.done():  # completed by /complete: the process gets a grace period to exit
-                await asyncio.wait({agent}, timeout=job.state["complete_grace_s"])
+                await asyncio.wait({agent}, timeout=state.complete_grace_s)
         except BaseException:  # cancelled or timed out: the sandbox closes, the tool call goes with it
             agent.cancel()
             _keep_what_the_model_did(job, session)
@@ -298,12 +317,12 @@ class CliAgentHandler(AgentHandler):
             with contextlib.suppress(BaseException):
                 await agent
             end = "complete"
-        if job.state["eval"] == "code":
-            job.state["solution"] = await asyncio.to_thread(_read_workspace_file, handle.workspace, SOLUTION)
+        if state.eval == "code":
+            state.solution = await asyncio.to_thread(_read_workspace_file, handle.workspace, SOLUTION)
         result = gw.finalize(session, reason=end)
         job.trajectories = session.trajectories()
         job.messages = result["messages"]
-        job.state["reward_info"] = session.reward_info
+        state.reward_info = session.reward_info
         job.extra["gateway"] = {**session.summary(), **info}
         await _raise_if_not_the_models(handle, session, end, info)
 
@@ -315,15 +334,16 @@ class CliAgentHandler(AgentHandler):
                                  "be re-graded")
 
     async def eval(self, job) -> None:
-        mode = job.state.get("eval")
+        state: CliAgentState = job.state
+        mode = state.eval
         if mode == "code":
             limits = grading_limits({"eval_timeout_s": job.instance.get("eval_timeout_s")})
-            reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.get("solution"),
+            reward, info = await evaluate_solution(job.open_sandbox, job.instance, state.solution,
                                                    limits.timeout_s, limits.call_timeout_s)
             job.reward, job.resolved = reward, reward == 1.0
             job.extra["eval"] = info
         elif mode == "reward_info":
-            info = job.state.get("reward_info") or {}
+            info = state.reward_info or {}
             value = info.get("reward", 0.0)
             job.reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
             job.resolved = bool(info.get("resolved", job.reward >= 1.0))
@@ -342,7 +362,7 @@ def _within_budget(job: Any, agent_timeout_s: float) -> float:
     if left is None:
         return agent_timeout_s
     reserve = EVAL_RESERVE_S
-    if job.state.get("eval") == "code":
+    if job.state.eval == "code":
         reserve += grading_limits({"eval_timeout_s": job.instance.get("eval_timeout_s")}).timeout_s
     return max(1.0, min(agent_timeout_s, left - reserve))
 

@@ -16,6 +16,7 @@ Settings (``handlers: {code: {max_turns, eval_timeout_s, eval_call_timeout_s}}``
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from handlers.code.task import (DEFAULT_EVAL_TIMEOUT_S, SOLUTION, CodeInstance, CodeSettings, evaluate_solution,
@@ -33,6 +34,14 @@ USER_TEMPLATE = ("Complete the function below. The file /workspace/{solution} al
                  "like, then call finish.\n\n```python\n{prompt}```")
 
 
+
+@dataclass
+class CodeState:
+    """What a ``code`` job carries between stages (``job.state``)."""
+
+    sandbox: Any = None  # the run sandbox, with the prompt in the solution file
+    solution: Optional[str] = None  # the solution file the agent left (None: it wrote none); eval grades it
+
 class CodeHandler(AgentHandler):
     """Instance: :class:`~handlers.code.task.CodeInstance` (``{"data_source": "code", "prompt", "tests",
     "entry_point"}``, HumanEval or inline, or ``{"data_source": "code", "instance_id": "HumanEval/0"}``);
@@ -44,6 +53,7 @@ class CodeHandler(AgentHandler):
     needs_llm = True
     instance_model = CodeInstance
     settings_model = CodeSettings
+    state_model = CodeState
 
     def instance_by_id(self, instance_id: str) -> Optional[dict[str, Any]]:
         return instance_by_id(instance_id)
@@ -51,10 +61,10 @@ class CodeHandler(AgentHandler):
     async def init(self, job) -> None:
         handle = await job.open_sandbox(sandbox_spec())
         await handle.upload(SOLUTION, job.instance["prompt"].encode())
-        job.state["sandbox"] = handle
+        job.state.sandbox = handle
 
     async def run(self, job) -> None:
-        handle = job.state["sandbox"]
+        handle = job.state.sandbox
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": USER_TEMPLATE.format(solution=SOLUTION,
                                                                      prompt=job.instance["prompt"])}]
@@ -65,7 +75,7 @@ class CodeHandler(AgentHandler):
         finally:
             # Whatever happened, keep what the agent wrote: eval scores the file, not the conversation. The
             # result records it too (None: no file), so the graded artifact can be graded again.
-            job.state["solution"] = job.extra["solution"] = await _read_solution(handle)
+            job.state.solution = job.extra["solution"] = await _read_solution(handle)
 
     def restore_for_eval(self, job, result) -> None:
         """The solution file :meth:`run` read back from the sandbox, recorded in ``extra["solution"]`` (None:
@@ -76,11 +86,11 @@ class CodeHandler(AgentHandler):
         solution = result.extra["solution"]
         if solution is not None and not isinstance(solution, str):
             raise NotRegradableError("extra.solution is not a string")
-        job.state["solution"] = solution
+        job.state.solution = solution
 
     async def eval(self, job) -> None:
         limits = grading_limits(job.instance, self.settings)
-        reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.get("solution"),
+        reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.solution,
                                                limits.timeout_s, limits.call_timeout_s)
         job.reward, job.resolved = reward, reward == 1.0
         job.extra["eval"] = info

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -84,6 +85,14 @@ class MathSettings(BaseModel):
                            "sets none")
 
 
+@dataclass
+class MathState:
+    """What a ``math`` job carries between stages (``job.state``)."""
+
+    sandbox: Any = None  # the agent's sandbox (IPython), opened in init
+    final_answer: str = ""  # the answer run extracted; eval scores it
+
+
 class MathHandler(AgentHandler):
     """Instance: :class:`MathInstance`; optional ``max_turns`` (default: the ``max_turns`` setting, 6)."""
 
@@ -93,18 +102,19 @@ class MathHandler(AgentHandler):
     needs_llm = True
     instance_model = MathInstance
     settings_model = MathSettings
+    state_model = MathState
 
     async def init(self, job) -> None:
-        job.state["sandbox"] = await job.open_sandbox(
+        job.state.sandbox = await job.open_sandbox(
             SandboxSpec(network="none", limits=Limits(max_processes=256, max_memory_bytes=8 << 30)))
 
     async def run(self, job) -> None:
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": str(job.instance["question"])}]
         max_turns = job.instance.get("max_turns") or self.settings.max_turns
-        result = await run_agent(job, messages, sandbox_tools(job.state["sandbox"], ("ipython", "think")),
+        result = await run_agent(job, messages, sandbox_tools(job.state.sandbox, ("ipython", "think")),
                                  AgentConfig(max_turns=int(max_turns)))
-        job.state["final_answer"] = final_answer(result.answer, result.messages)
+        job.state.final_answer = final_answer(result.answer, result.messages)
 
     def restore_for_eval(self, job, result) -> None:
         """The final answer, rebuilt as :meth:`run` made it: the finish tool's arguments are recorded in
@@ -113,7 +123,7 @@ class MathHandler(AgentHandler):
         if not isinstance(agent, dict) or "answer" not in agent:
             raise NotRegradableError("the result has no extra.agent.answer (the agent loop's record of the finish "
                                      "tool): its final answer cannot be rebuilt")
-        job.state["final_answer"] = final_answer(agent["answer"], result.messages)
+        job.state.final_answer = final_answer(agent["answer"], result.messages)
 
     #: Wall-clock limit of scoring one answer in a CPU worker, seconds. math-verify's own limits (5 s to parse
     #: each side, 5 s per comparison) end a slow answer well before; this one also ends a scorer stuck in C.
@@ -121,7 +131,7 @@ class MathHandler(AgentHandler):
 
     async def eval(self, job) -> None:
         try:
-            reward, info = await job.run_cpu(score, job.instance, job.state.get("final_answer", ""),
+            reward, info = await job.run_cpu(score, job.instance, job.state.final_answer,
                                              timeout_s=self.score_timeout_s)
         except CpuTimeoutError:
             # The answer made the scorer run past its limit: the answer's doing, so a 0.0, not a failure.

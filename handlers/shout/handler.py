@@ -22,11 +22,12 @@ fewer lower-case letters in it, which is the task.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.conversation import Conversation
+from prorl_server.llm.conversation import Conversation
 from prorl_server.plugin import AgentHandler, NotRegradableError
 from prorl_server.types import TokenStats
 
@@ -55,18 +56,27 @@ def capital_share(text: str) -> tuple[float, int]:
     return (upper / cased if cased else 0.0), cased
 
 
+
+@dataclass
+class ShoutState:
+    """What a ``shout`` job carries between stages (``job.state``)."""
+
+    instance: Optional[ShoutInstance] = None  # the validated instance (init)
+    turns: int = 0  # model turns the episode had (run)
+
 class ShoutHandler(AgentHandler):
     """See the module docstring. Instance: :class:`ShoutInstance`."""
 
     name = "shout"
     needs_llm = True
     instance_model = ShoutInstance  # a malformed instance is refused at submit (422)
+    state_model = ShoutState
 
     async def init(self, job) -> None:
-        job.state["instance"] = ShoutInstance.model_validate(job.instance)
+        job.state.instance = ShoutInstance.model_validate(job.instance)
 
     async def run(self, job) -> None:
-        inst: ShoutInstance = job.state["instance"]
+        inst: ShoutInstance = job.state.instance
         if job.llm is None:
             raise RuntimeError("this server has no LLM context")
         backend = await job.backend()
@@ -93,7 +103,7 @@ class ShoutHandler(AgentHandler):
         job.messages = conv.messages
         job.trajectories = conv.trajectories()
         job.add_token_stats(TokenStats(**conv.token_stats()))
-        job.state["turns"] = conv.num_turns
+        job.state.turns = conv.num_turns
         job.extra["shout"] = {"turns": conv.num_turns, "finish_reason": finish}
 
     def restore_for_eval(self, job, result) -> None:
@@ -103,15 +113,15 @@ class ShoutHandler(AgentHandler):
         turns = shout.get("turns") if isinstance(shout, dict) else None
         if not isinstance(turns, int) or isinstance(turns, bool):
             raise NotRegradableError("the result has no extra.shout.turns (how many model turns the episode had)")
-        job.state["instance"] = ShoutInstance.model_validate(job.instance)
-        job.state["turns"] = turns
+        job.state.instance = ShoutInstance.model_validate(job.instance)
+        job.state.turns = turns
 
     async def eval(self, job) -> None:
-        inst: ShoutInstance = job.state["instance"]
+        inst: ShoutInstance = job.state.instance
         # The reward is the last generated turn's alone, and only if the episode reached it: a rollout cut
         # short by the context has no answer to the feedback.
         last = next((m.get("content") or "" for m in reversed(job.messages) if m.get("role") == "assistant"), "")
-        reached = job.state.get("turns", 0) >= inst.turns
+        reached = job.state.turns >= inst.turns
         share, cased = capital_share(last) if reached else (0.0, 0)
         job.reward = share
         job.resolved = reached and cased >= inst.min_letters and share == 1.0

@@ -36,6 +36,7 @@ import asyncio
 import importlib.resources
 import secrets
 import shlex
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -140,6 +141,16 @@ async def _checkout(handle, instance: dict[str, Any]) -> str:
     return r.output.strip().splitlines()[-1]
 
 
+@dataclass
+class SweState:
+    """What a ``swe`` job carries between stages (``job.state``)."""
+
+    sandbox: Any = None  # the run sandbox, with the repository copied into ~/repo
+    base_commit: str = ""  # the commit the agent started from
+    patch: str = ""  # what the agent changed (git diff against base_commit), taken when run ends
+    patch_error: Optional[str] = None  # why no patch could be taken (the agent's doing: graded as empty)
+
+
 class SweHandler(AgentHandler):
     """Instance: :class:`SweInstance` (see the module docstring); optional ``max_turns`` and
     ``eval_timeout_s`` override the settings (:class:`SweSettings`: 20 turns, 600 s)."""
@@ -150,15 +161,16 @@ class SweHandler(AgentHandler):
     needs_llm = True
     instance_model = SweInstance
     settings_model = SweSettings
+    state_model = SweState
 
     async def init(self, job) -> None:
         inst = job.instance
         handle = await job.open_sandbox(_spec(inst))
-        job.state["base_commit"] = await _checkout(handle, inst)
-        job.state["sandbox"] = handle
+        job.state.base_commit = await _checkout(handle, inst)
+        job.state.sandbox = handle
 
     async def run(self, job) -> None:
-        handle = job.state["sandbox"]
+        handle = job.state.sandbox
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": "The repository is in ./repo (bash starts in its parent "
                      f"directory). Fix this issue:\n\n{job.instance.get('problem_statement', '')}"}]
@@ -166,7 +178,7 @@ class SweHandler(AgentHandler):
             await run_agent(job, messages, sandbox_tools(handle, ("bash", "str_replace_editor")),
                             AgentConfig(max_turns=int(job.instance.get("max_turns") or self.settings.max_turns)))
         finally:
-            job.state["patch"], job.state["patch_error"] = await self._take_patch(handle, job.state["base_commit"])
+            job.state.patch, job.state.patch_error = await self._take_patch(handle, job.state.base_commit)
 
     @staticmethod
     async def _take_patch(handle, base: str) -> tuple[str, str | None]:
@@ -193,10 +205,10 @@ class SweHandler(AgentHandler):
 
     async def eval(self, job) -> None:
         inst = job.instance
-        patch = job.state.get("patch", "")
+        patch = job.state.patch
         handle = await job.open_sandbox(_spec(inst))
         info: dict[str, Any] = {"patch_bytes": len(patch.encode("utf-8", "surrogateescape")),
-                                "patch_error": job.state.get("patch_error")}
+                                "patch_error": job.state.patch_error}
         base = await _checkout(handle, inst)
         # The grader's own directory: in the workspace but outside the repository, its name random and chosen
         # here, created before any code of the patch can run.

@@ -32,10 +32,10 @@ another session is useless.
 Tokens. Each request's messages are normalised (``content`` None → ``""``, text parts joined, tool-call
 arguments parsed from JSON, keys with null values dropped; whitespace kept) and compared with the session's
 history as served (generated turns in the form the gateway answered them). A prefix → only the new messages
-are rendered and tokenized (:class:`~prorl_server.conversation.Conversation`); anything else (history
+are rendered and tokenized (:class:`~prorl_server.llm.conversation.Conversation`); anything else (history
 compression, rewrite, a sub-agent, changed tools) closes the current trajectory with ``split_reason`` naming
 the first diverging message and how it differs, and starts a new one from the request's messages. The
-prompt goes token-in/token-out to the session's sticky backend (:class:`~prorl_server.llm_client.LLMClient`);
+prompt goes token-in/token-out to the session's sticky backend (:class:`~prorl_server.llm.client.LLMClient`);
 the answer's tool calls are parsed from the generated text (hermes) while the raw tokens are kept.
 
 ``stream=true`` answers in the OpenAI server-sent-events format; the turn is generated whole, so its chunks

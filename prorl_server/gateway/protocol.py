@@ -18,7 +18,7 @@ from typing import Any, Optional
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from prorl_server.tool_parser import ARGUMENTS_BOUNDS, ParsedTurn
+from prorl_server.llm.tool_parser import ARGUMENTS_BOUNDS, ParsedTurn
 from prorl_server.types import MAX_SAMPLING_ENTRIES, MAX_TOKEN_ID
 from sandbox.bounded_json import SCAN_CHUNK_BYTES, JsonBoundError, JsonBounds, aloads, loads
 
@@ -41,7 +41,7 @@ MAX_TOOLS = 128
 #: the context of the models served here, decoded in at most ~7.5 ms on the event loop (strings dense in
 #: escapes, ~3.6 ms per MB; plain text ~1 ms per MB); 32768 items (arrays, objects, strings, commas), a few
 #: thousand messages with tool calls, ~4 ms at the worst (integers past int64). Tool-call arguments inside
-#: it, JSON text in a string, are decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` each.
+#: it, JSON text in a string, are decoded within :data:`~prorl_server.llm.tool_parser.ARGUMENTS_BOUNDS` each.
 BODY_BOUNDS = JsonBounds(max_bytes=2 << 20, max_items=1 << 15)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: Tool-call formats a forced tool call (``tool_choice`` ``"required"`` or named) can be constrained to, by
@@ -96,7 +96,7 @@ def json_error(e: JsonBoundError, what: str, code: str = "", param: Optional[str
 
 async def decode_arguments(body: Any) -> None:
     """Decode, in place, the JSON-string ``arguments`` of the tool calls in ``body["messages"]`` (a Chat
-    Completions body), each within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS` and yielding to the
+    Completions body), each within :data:`~prorl_server.llm.tool_parser.ARGUMENTS_BOUNDS` and yielding to the
     event loop between them every :data:`~sandbox.bounded_json.SCAN_CHUNK_BYTES`, so that
     :func:`normalize_message`, which decodes the strings it still finds on the calling thread, has only
     decoded values left. Anything not of that shape is left for :func:`parse_chat_request` to refuse.
@@ -134,7 +134,7 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
 
     ``content``: a string (None → ``""``; a list of text parts joined; whitespace kept). ``tool_calls``:
     ``[{"id"?, "type": "function", "function": {"name", "arguments": <parsed JSON object>}}]`` (arguments
-    given as a JSON string are decoded within :data:`~prorl_server.tool_parser.ARGUMENTS_BOUNDS`). Keys whose
+    given as a JSON string are decoded within :data:`~prorl_server.llm.tool_parser.ARGUMENTS_BOUNDS`). Keys whose
     value is null are dropped (SDKs add ``refusal: null``, ``audio: null``...).
 
     Raises:

@@ -9,7 +9,7 @@ Each request's messages (normalised by :mod:`prorl_server.gateway.protocol`) are
 history as served: a prefix → only the new messages are rendered and tokenized; anything else closes the
 current trajectory with a ``split_reason`` naming the first diverging message and starts a new one. The turn
 itself (context limit, generation on the session's sticky backend, tool-call parsing) is the shared
-:class:`~prorl_server.turn.TurnEngine`'s, the same the server's own agent loop uses.
+:class:`~prorl_server.llm.turn.TurnEngine`'s, the same the server's own agent loop uses.
 """
 from __future__ import annotations
 
@@ -23,25 +23,35 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from aiohttp import web
 
 from prorl_server.balancer import NoBackendError
-from prorl_server.conversation import ContextLengthError, Conversation
+from prorl_server.llm.conversation import ContextLengthError, Conversation
 from prorl_server.gateway.protocol import (ChatRequest, GatewayError, answer_choice, assistant_message,
                                            chat_completion, check_logit_bias, normalize_message, token_logprobs)
-from prorl_server.gateway.routes import agent_app
-from prorl_server.llm_client import (BackendSource, Completion, LLMRequestError, LLMUnavailableError, ModelInfo,
+from prorl_server.llm.client import (BackendSource, Completion, LLMRequestError, LLMUnavailableError, ModelInfo,
                                      PoolBackends)
-from prorl_server.tool_parser import ParsedTurn
-from prorl_server.turn import AUTO, ContextFullError, ContextUnknownError, ToolParserUnavailableError, TurnEngine
+from prorl_server.llm.tool_parser import ParsedTurn
+from prorl_server.llm.turn import AUTO, ContextFullError, ContextUnknownError, ToolParserUnavailableError, TurnEngine
 from prorl_server.types import TokenStats, Trajectory
 
 if TYPE_CHECKING:
     from prorl_server.balancer import BackendPool
-    from prorl_server.job import Job
-    from prorl_server.llm_context import LLMContext
+    from prorl_server.llm.context import LLMContext
+
+
+class SessionJob(BackendSource, Protocol):
+    """What a session uses of the job it is bound to (:class:`prorl_server.job.Job` is one; the gateway does not
+    import it, the job's services hold the gateway): the job's sticky backend and turn records
+    (:class:`~prorl_server.llm.client.BackendSource`), its id, and where the session's drift report goes."""
+
+    job_id: str
+
+    def add_token_stats(self, stats: TokenStats) -> None:
+        """Add ``stats`` to the job's drift report."""
+        ...
 
 
 #: UTF-8 bytes of text per token of the context beyond which a gateway request is refused unread: a token of
@@ -129,7 +139,7 @@ class Session:
 
     session_id: str
     key: str
-    job: Optional["Job"] = None
+    job: Optional[SessionJob] = None
     metadata: dict[str, Any] = field(default_factory=dict)
     state: str = "open"  # open | completed | finalized | aborted | expired
     end_reason: Optional[str] = None
@@ -174,7 +184,7 @@ class Session:
 
     def token_stats(self) -> TokenStats:
         """The session's drift report (:class:`~prorl_server.types.TokenStats`): its conversations'
-        :meth:`~prorl_server.conversation.Conversation.token_stats` summed, plus the gateway's own splits (a
+        :meth:`~prorl_server.llm.conversation.Conversation.token_stats` summed, plus the gateway's own splits (a
         request that did not extend the served history) by reason code. ``n > 1`` branches are not splits."""
         if self.conv is None:
             return self.past_stats
@@ -200,13 +210,13 @@ class Gateway:
     """Sessions of one rollout server.
 
     Args:
-        llm: the server's :class:`~prorl_server.llm_context.LLMContext` (shared client, tokenizer).
+        llm: the server's :class:`~prorl_server.llm.context.LLMContext` (shared client, tokenizer).
         pool: the backend pool (a session without a job holds one backend, sticky, until it ends).
         max_sessions: open sessions at most (``POST /sessions`` answers 429 beyond).
         idle_timeout_s: an open session unused this long (seconds) expires (its tokens are kept for finalize).
         keep_finished: ended sessions kept for ``finalize`` / status (oldest dropped first).
-        parser: tool-call parser name (:mod:`prorl_server.tool_parser`); ``"auto"``: the served model
-            family's (:attr:`~prorl_server.chat_templates.FamilySpec.tool_parser`).
+        parser: tool-call parser name (:mod:`prorl_server.llm.tool_parser`); ``"auto"``: the served model
+            family's (:attr:`~prorl_server.llm.chat_templates.FamilySpec.tool_parser`).
         on_token_stats: called with the drift report (:meth:`Session.token_stats`) of each session without a
             job that ends with its tokens kept (not aborted); a job's sessions add theirs to the job's
             ``token_stats`` instead, reported with the job. The server counts them on ``/metrics``.
@@ -217,8 +227,12 @@ class Gateway:
 
     def __init__(self, llm: "LLMContext", pool: "BackendPool", *, max_sessions: int = 1024,
                  idle_timeout_s: float = 900.0, keep_finished: int = 1024, parser: str = AUTO,
-                 on_token_stats: Optional[Callable[[TokenStats], None]] = None) -> None:
+                 on_token_stats: Optional[Callable[[TokenStats], None]] = None,
+                 agent_app: Optional[Callable[["Gateway", str], web.Application]] = None) -> None:
         self.llm = llm
+        #: ``(gateway, session_id) -> app`` of :meth:`serve_unix` (``prorl_server.gateway.routes.agent_app``,
+        #: given by the composition root: the HTTP routes import this module, not the other way round)
+        self.agent_app = agent_app
         self.on_token_stats = on_token_stats
         self.pool = pool
         self.max_sessions = max_sessions
@@ -252,7 +266,7 @@ class Gateway:
         for s in list(self.open.values()):
             self._end(s, "expired", "server_shutdown")
 
-    def create_session(self, job: Optional["Job"] = None, metadata: Optional[dict[str, Any]] = None) -> Session:
+    def create_session(self, job: Optional[SessionJob] = None, metadata: Optional[dict[str, Any]] = None) -> Session:
         """Open a session (bound to ``job``: its sticky backend; else one from the pool on first use).
 
         Raises:
@@ -625,8 +639,15 @@ class Gateway:
         """Serve ``session``'s agent routes (and nothing else) on a Unix socket at ``path``, mode 0700: only
         its owner connects (the server's user, or ``owner`` = ``(uid, gid)``, the sandbox's user when a root
         server runs its sandboxes as another uid; the socket is chowned to it). Put it in a 0700 directory of
-        that user too. Returns the runner; ``await runner.cleanup()`` stops it."""
-        runner = web.AppRunner(agent_app(self, session.session_id), access_log=None, handle_signals=False)
+        that user too. Returns the runner; ``await runner.cleanup()`` stops it.
+
+        Raises:
+            RuntimeError: the gateway was built without an ``agent_app`` (outside :func:`prorl_server.app.create_app`).
+        """
+        if self.agent_app is None:
+            raise RuntimeError("this gateway has no agent_app to serve a session with: build it with "
+                               "Gateway(..., agent_app=prorl_server.gateway.agent_app)")
+        runner = web.AppRunner(self.agent_app(self, session.session_id), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.UnixSite(runner, path)
         await site.start()

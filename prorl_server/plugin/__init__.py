@@ -8,7 +8,7 @@
 - :mod:`prorl_server.plugin.toolkit`: sandbox tools as agent tools and the shared tool-using agent loop
   (:func:`~prorl_server.plugin.toolkit.run_agent` with an :class:`AgentConfig`).
 """
-from prorl_server.agent_loop import AgentConfig
+from prorl_server.llm.agent_loop import AgentConfig
 from prorl_server.datasets import DatasetError
 from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, InfrastructureError,
                                          InstanceValidationError, InvalidInstanceError, NotRegradableError)

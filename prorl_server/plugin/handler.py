@@ -20,7 +20,7 @@ its own command timing out) is not an exception: it is an observation or a rewar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from pydantic import BaseModel, ValidationError
 
@@ -77,6 +77,11 @@ class AgentHandler:
         settings_model: a pydantic model of the handler's server-side settings, filled from the settings
             file's ``handlers: {<name>: {...}}`` section (None: the handler takes no settings). Give it
             ``extra="forbid"``; the registry refuses unknown keys in any case.
+        state_model: what the handler carries from one stage of a job to the next (``job.state``): a class
+            called with no argument when the job is created, typically a dataclass whose fields all have
+            defaults (``job.state.sandbox``, ``job.state.solution``), so a typo is an AttributeError and a type
+            checker sees the fields (``Job[MyState]``). The default, ``dict``, keeps handlers written for the
+            string-keyed ``job.state["..."]`` working.
     """
 
     name: ClassVar[str] = ""
@@ -85,6 +90,7 @@ class AgentHandler:
     needs_sandbox: ClassVar[bool] = False
     instance_model: ClassVar[Optional[type[BaseModel]]] = None
     settings_model: ClassVar[Optional[type[BaseModel]]] = None
+    state_model: ClassVar[Callable[[], Any]] = dict
 
     # ------------------------------------------------------------------ settings and instances
     @property
@@ -161,6 +167,10 @@ class AgentHandler:
 
     async def eval_exception(self, job: "Job", exc: BaseException) -> None:
         """Called when ``eval`` raised."""
+
+    def new_state(self) -> Any:
+        """A fresh ``job.state`` for a new job (``state_model()``)."""
+        return self.state_model()
 
     def restore_for_eval(self, job: "Job", result: "JobResult") -> None:
         """Rebuild, from a finished job's recorded ``result``, what :meth:`eval` reads that the pipeline does

@@ -1,5 +1,5 @@
 """Agent-facing tools over a sandbox: OpenAI tool schemas bound to a :class:`sandbox.SandboxHandle`, in the
-``name -> (schema, async fn)`` form :class:`prorl_server.agent_loop.AgentLoop` takes, and the one helper every
+``name -> (schema, async fn)`` form :class:`prorl_server.llm.agent_loop.AgentLoop` takes, and the one helper every
 LLM handler uses to run its agent loop.
 
 The schemas follow the SWE-agent / OpenHands conventions (``bash``, ``str_replace_editor`` with
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from prorl_server.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec, tool_time_left
+from prorl_server.llm.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec, tool_time_left
 
 __all__ = ["AgentConfig", "run_agent", "sandbox_tools"]
 
@@ -63,7 +63,7 @@ def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_r
     propagates and ends the job, scored 0.0 as ``model_crashed_sandbox`` / ``model_stalled_sandbox`` since
     the model acted (:mod:`prorl_server.failures`). ``bash`` and ``ipython``
     carry their limit as ``fn.timeout_s``, so the agent loop's ``tool_timeout_s`` never fires before it. Both
-    limits are clamped to what is left of the job's time budget (:func:`~prorl_server.agent_loop.tool_time_left`
+    limits are clamped to what is left of the job's time budget (:func:`~prorl_server.llm.agent_loop.tool_time_left`
     minus :data:`DEADLINE_MARGIN_S`), so a command the model keeps busy ends as its own ``[timed out]``."""
 
     async def bash(args: dict) -> str:
@@ -102,7 +102,7 @@ async def run_agent(job: "Job", messages: list[dict], tools: dict[str, "ToolSpec
 
     Raises:
         RuntimeError: the server has no LLM context.
-        prorl_server.llm_client.LLMUnavailableError: no backend could generate (the stage fails: ``run``,
+        prorl_server.llm.client.LLMUnavailableError: no backend could generate (the stage fails: ``run``,
             ``failure_kind="llm_backend"``).
         sandbox.errors.SandboxError: a tool's sandbox failed or stopped answering (never a ``ToolError``, which
             the model sees as an observation): ``failure_kind="sandbox"`` before the model's first turn,

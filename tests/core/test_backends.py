@@ -139,7 +139,7 @@ async def test_dead_backend_leaves_rotation_and_returns_when_it_answers(unused_t
 async def test_one_dropped_connection_does_not_take_out_the_only_backend(aiohttp_server):
     """Fault injection: a stand-in for vLLM's /v1/completions that drops the first connection (as a server
     closing an idle keep-alive connection does) and answers afterwards."""
-    from prorl_server.llm_client import LLMClient
+    from prorl_server.llm.client import LLMClient
 
     calls = []
 

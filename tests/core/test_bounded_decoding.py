@@ -19,7 +19,7 @@ import pytest
 
 from prorl_server.config import ServerSettings
 from prorl_server.plugin.registry import HandlerRegistry
-from prorl_server.tool_parser import ToolCallError, get_parser
+from prorl_server.llm.tool_parser import ToolCallError, get_parser
 from prorl_server.types import MAX_TOKEN_ID
 from sandbox import bounded_json
 from sandbox.bounded_json import JsonBoundError, JsonBounds
@@ -264,7 +264,7 @@ async def test_an_exec_server_line_past_the_line_limit_is_a_protocol_error(fake_
 
 def test_a_backends_weight_versions_are_read_bounded():
     from prorl_server.balancer import Backend
-    from prorl_server.llm_client import MAX_WEIGHT_VERSIONS, LLMClient
+    from prorl_server.llm.client import MAX_WEIGHT_VERSIONS, LLMClient
 
     choice = {"token_ids": [1], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "stop", "text": "a"}
     data = {"choices": [choice], "weight_version": 3, "weight_versions": COLLIDING[:5000] + [2**70]}

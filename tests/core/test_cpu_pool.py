@@ -134,7 +134,7 @@ class AnswerMathHandler(MathHandler):
         pass
 
     async def run(self, job):
-        job.state["final_answer"] = job.instance["response"]
+        job.state.final_answer = job.instance["response"]
 
 
 async def test_the_server_scores_in_its_pool_and_exports_loop_lag_and_pool_outcomes(aiohttp_client):

@@ -16,11 +16,11 @@ import json
 
 import pytest
 
-from prorl_server.agent_loop import AgentConfig
+from prorl_server.llm.agent_loop import AgentConfig
 from prorl_server.plugin.handler import AgentHandler, InfrastructureError, InvalidInstanceError
 from prorl_server.balancer import NoBackendError
 from prorl_server.failures import FAILURE_KINDS, classify
-from prorl_server.llm_client import LLMRequestError, LLMUnavailableError
+from prorl_server.llm.client import LLMRequestError, LLMUnavailableError
 from sandbox.errors import (EditorError, FileTransferError, ProtocolError, SandboxClosedError, SandboxDeadError,
                             SandboxStartError, ToolError, ToolTimeout)
 
@@ -209,7 +209,7 @@ class ToolAgentHandler(AgentHandler):
 
     async def run(self, job):
         from prorl_server.plugin.toolkit import run_agent
-        from prorl_server.agent_loop import AgentConfig
+        from prorl_server.llm.agent_loop import AgentConfig
 
         async def probe(args):
             if job.instance.get("fault"):
@@ -445,8 +445,8 @@ async def test_a_ten_megabyte_observation_is_cut_before_it_is_tokenized(registry
 async def test_the_observations_of_one_turn_are_bounded_together():
     """Sixty calls in one turn, each printing 40,000 characters: each output was cut, but 2.4 M characters were
     tokenized for the turn (~5 s of the server's CPU: second red-team pass). The turn's outputs share a budget."""
-    from prorl_server.agent_loop import AgentLoop
-    from prorl_server.tool_parser import ParsedTurn, ToolCall
+    from prorl_server.llm.agent_loop import AgentLoop
+    from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
     async def probe(args):
         return "\u4e00" * 40000

@@ -1,9 +1,9 @@
-"""The journal (``prorl_server.journal``): what it stores comes back exactly, and a server with one answers a
+"""The journal (``prorl_server.journal.store``): what it stores comes back exactly, and a server with one answers a
 finished job's result again for its id (idempotent resubmission), after its memory forgot it, and records
 every completion of the job with its exact tokens.
 
 The store tests use the real SQLite file and writer thread; the server tests the real app with the
-``scripted`` handler (tests/core/conftest.py) and ``shout`` over :class:`prorl_server.fake_vllm.FakeVLLM`
+``scripted`` handler (tests/core/conftest.py) and ``shout`` over :class:`prorl_server.dev.fake_vllm.FakeVLLM`
 (standing for vLLM's completions endpoint).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from handlers.shout.handler import ShoutHandler
 from prorl_server.app import PIPELINE, create_app
 from prorl_server.config import ServerSettings, journal_path
-from prorl_server.fake_vllm import start_fake_vllm
-from prorl_server.journal import Journal, JournalError
+from prorl_server.dev.fake_vllm import start_fake_vllm
+from prorl_server.journal.store import Journal, JournalError
 from prorl_server.plugin.registry import HandlerRegistry
 
 

@@ -1,7 +1,7 @@
-"""``prorl-journal`` (prorl_server/journal_cli.py): re-grading journalled jobs with the current handler code and
+"""``prorl-journal`` (prorl_server/journal/cli.py): re-grading journalled jobs with the current handler code and
 no LLM backend, exporting them as verl / TRL / JSONL rows, and the journal's counts.
 
-The journals are written with :class:`prorl_server.journal.Journal` itself, from results the real handlers made:
+The journals are written with :class:`prorl_server.journal.store.Journal` itself, from results the real handlers made:
 shout jobs run through a real rollout server (create_app) whose backend is the scripted policy of
 tests/conftest.py (a labelled test double for a capable model, in vLLM's token-in/token-out dialect with the
 tiny model's real tokenizer); math results are built by hand around real reasoning-gym problems (a real math
@@ -19,8 +19,8 @@ import pytest
 from handlers.shout import ShoutHandler
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
-from prorl_server.journal import Journal
-from prorl_server.journal_cli import main
+from prorl_server.journal.store import Journal
+from prorl_server.journal.cli import main
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.types import JobResult, ProcessRequest, Trajectory
 
@@ -403,9 +403,9 @@ def test_the_console_script_exits_2_on_a_missing_journal(tmp_path):
 
     cfg = configparser.ConfigParser()
     cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
-    assert "prorl-journal = prorl_server.journal_cli:main" in cfg["options.entry_points"]["console_scripts"]
+    assert "prorl-journal = prorl_server.journal.cli:main" in cfg["options.entry_points"]["console_scripts"]
     # the module as a program, and the installed script (.ci/install's editable install makes it)
-    commands = [[sys.executable, "-m", "prorl_server.journal_cli"]]
+    commands = [[sys.executable, "-m", "prorl_server.journal.cli"]]
     script = shutil.which("prorl-journal", path=str(Path(sys.executable).parent))
     if script is not None:
         commands.append([script])

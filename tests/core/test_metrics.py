@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorl_server.gateway import GATEWAY
-from prorl_server.llm_client import LLMClient
+from prorl_server.llm.client import LLMClient
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS
 
 ROOT = Path(__file__).resolve().parents[2]

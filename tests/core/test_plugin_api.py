@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
@@ -63,10 +64,38 @@ class Bare(AgentHandler):
         job.reward = float(len(job.instance))
 
 
+@dataclass
+class CountState:
+    """A typed per-job state: what ``Count`` carries from init to run to eval."""
+
+    seen: list[str] = field(default_factory=list)
+    n: int = 0
+
+
+class Count(AgentHandler):
+    """A plugin with a typed state: each stage appends to it; eval scores what the stages left."""
+
+    name = "count"
+    needs_llm = False
+    state_model = CountState
+
+    async def init(self, job):
+        job.state.seen.append("init")
+        job.state.n = int(job.instance.get("n", 1))
+
+    async def run(self, job):
+        job.state.seen.append("run")
+
+    async def eval(self, job):
+        job.state.seen.append("eval")
+        job.extra["seen"] = job.state.seen
+        job.reward = float(job.state.n)
+
+
 @pytest.fixture
 def plugin_registry():
     r = HandlerRegistry()
-    for h in (ArithmeticHandler, Greet, Bare):
+    for h in (ArithmeticHandler, Greet, Bare, Count):
         r.register(h)
     return r
 
@@ -78,6 +107,35 @@ def client_of(aiohttp_client, plugin_registry):
         return await aiohttp_client(create_app(ServerSettings(**settings), registry=plugin_registry))
 
     return make
+
+
+# ------------------------------------------------------------------------------------------ per-job state
+async def test_a_handlers_state_model_gives_each_job_its_own_typed_state_and_the_default_is_a_dict(client_of):
+    client = await client_of()
+    results = [await (await client.post("/process", json={"instance": {"data_source": "count", "n": n}})).json()
+               for n in (2, 3)]
+    # each job got a fresh CountState (a shared default would have accumulated six entries)
+    assert [(r["reward"], r["extra"]["seen"]) for r in results] == [(2.0, ["init", "run", "eval"]),
+                                                                      (3.0, ["init", "run", "eval"])], results
+    assert isinstance(Bare().new_state(), dict) and isinstance(Count().new_state(), CountState)
+
+
+def test_modules_that_moved_into_sub_packages_keep_their_old_import_paths_as_the_same_module():
+    """Issue #27: third-party handlers written against ``prorl_server.conversation`` (and the other moved
+    modules) keep working; the old name is the very module of the new path, with a DeprecationWarning."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import prorl_server.llm.conversation as new\n"
+            "try:\n    import prorl_server.conversation\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import prorl_server.conversation as old\n"
+            "from prorl_server.agent_loop import AgentConfig\n"
+            "from prorl_server.llm.agent_loop import AgentConfig as A2\n"
+            "print(old is new, AgentConfig is A2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["warned prorl_server.conversation moved to prorl_server.llm.conversation; import it "
+                                "from there", "True True"], out
+    r = subprocess.run([sys.executable, "-c", "import prorl_server.no_such_module"], capture_output=True, text=True)
+    assert r.returncode == 1 and "No module named 'prorl_server.no_such_module'" in r.stderr
 
 
 # ------------------------------------------------------------------------------------------ instance models
@@ -231,7 +289,8 @@ def test_the_wire_types_import_nothing_of_the_server_or_its_handlers():
     code = ("import sys, prorl_server.types\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prorl_server', 'handlers', 'sandbox')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.replace("'", '"')) == ["prorl_server", "prorl_server.types"]
+    # prorl_server._moved: the package's finder for moved module paths (standard library only)
+    assert json.loads(out.replace("'", '"')) == ["prorl_server", "prorl_server._moved", "prorl_server.types"]
 
 
 def test_a_handler_package_imports_only_the_plugin_api_of_the_server():
@@ -241,7 +300,7 @@ def test_a_handler_package_imports_only_the_plugin_api_of_the_server():
     from pathlib import Path
 
     allowed = {"prorl_server.plugin", "prorl_server.plugin.toolkit", "prorl_server.cpu_pool",
-               "prorl_server.conversation", "prorl_server.types"}  # types: the wire models (TokenStats, ...)
+               "prorl_server.llm.conversation", "prorl_server.types"}  # types: the wire models (TokenStats, ...)
     seen = {}
     for path in Path(__file__).resolve().parents[2].joinpath("handlers").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -15,10 +15,10 @@ import pytest
 from aiohttp import web
 
 from prorl_server.plugin.handler import AgentHandler
-from prorl_server.agent_loop import AgentConfig, AgentLoop
+from prorl_server.llm.agent_loop import AgentConfig, AgentLoop
 from prorl_server.balancer import Backend, BackendPool, NoBackendError
-from prorl_server.llm_client import LLMClient
-from prorl_server.tool_parser import ParsedTurn, ToolCall
+from prorl_server.llm.client import LLMClient
+from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
 START = [{"role": "system", "content": "You are a test agent."}, {"role": "user", "content": "Echo things."}]
 

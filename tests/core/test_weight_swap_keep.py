@@ -5,7 +5,7 @@ stale jobs are dropped; a backend that fails a step is withdrawn and its calls m
 not leave the fleet paused.
 
 The server is the real one (pipeline, agent, LLM client, ``shout`` handler with the tiny model's tokenizer);
-its backends are :class:`prorl_server.fake_vllm.FakeVLLM`, standing for vLLM 0.31's completions and
+its backends are :class:`prorl_server.dev.fake_vllm.FakeVLLM`, standing for vLLM 0.31's completions and
 development endpoints: its tokens are ``1000 + version`` of the weights that generated them, which is the
 truth each test compares the server's ``version_runs`` with.
 """
@@ -18,7 +18,7 @@ import pytest
 from handlers.shout.handler import ShoutHandler
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
-from prorl_server.fake_vllm import TOKEN_BASE, start_fake_vllm
+from prorl_server.dev.fake_vllm import TOKEN_BASE, start_fake_vllm
 from prorl_server.plugin.registry import HandlerRegistry
 
 

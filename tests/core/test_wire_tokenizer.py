@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm_context import LLMContext, TokenizerUnavailableError
+from prorl_server.llm.context import LLMContext, TokenizerUnavailableError
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ class EveryTurnCallsEcho:
     name = "every-turn-echo"
 
     def parse(self, text: str):
-        from prorl_server.tool_parser import ParsedTurn, ToolCall
+        from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
         call = ToolCall(name="echo", arguments={"text": text[:24]})
         return ParsedTurn(content=text, calls=[call], items=[call], raw=text)

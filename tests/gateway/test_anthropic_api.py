@@ -16,7 +16,7 @@ from prorl_server.gateway import GATEWAY, describe_divergence, normalize_message
 from prorl_server.gateway.anthropic import (AnthropicError, from_gateway_error, sse, stream_events,
                                             to_chat_request, to_message)
 from prorl_server.gateway.protocol import answer_choice, assistant_message, chat_completion
-from prorl_server.tool_parser import ParsedTurn, ToolCall
+from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(RawMessageStreamEvent)

@@ -295,7 +295,7 @@ async def test_session_key_is_in_no_command_line_and_its_socket_is_private(gatew
     (session,) = gw.open.values()
     leaks = {pid: c for pid, c in _all_cmdlines().items() if session.key in c}
     assert not leaks, leaks
-    gw_dir = app[PIPELINE].get("cap").state["gateway_dir"]
+    gw_dir = app[PIPELINE].get("cap").state.gateway_dir
     for path, mode in [(gw_dir, 0o700), (os.path.join(gw_dir, "gateway.sock"), 0o700),
                        (os.path.join(gw_dir, "session"), 0o600)]:
         st = os.stat(path)

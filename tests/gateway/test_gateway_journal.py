@@ -1,13 +1,13 @@
 """With a journal, every gateway exchange of a session is recorded: the request body exactly as the agent sent
 it (and its SHA-256) and the answer it received, in order; the completions behind them are journalled with
-their exact tokens. The backend is :class:`prorl_server.fake_vllm.FakeVLLM` (standing for vLLM)."""
+their exact tokens. The backend is :class:`prorl_server.dev.fake_vllm.FakeVLLM` (standing for vLLM)."""
 from __future__ import annotations
 
 import hashlib
 import json
 
-from prorl_server.fake_vllm import start_fake_vllm
-from prorl_server.journal import Journal
+from prorl_server.dev.fake_vllm import start_fake_vllm
+from prorl_server.journal.store import Journal
 
 from .conftest import AUTH
 

@@ -2,14 +2,14 @@
 flight when ``POST /weights/pause`` lands is frozen and finishes after the resume, one sent during the swap
 waits in the server, both answer 200, and the session's trajectory records the exact version of every token.
 
-The backend is :class:`prorl_server.fake_vllm.FakeVLLM`, standing for vLLM 0.31's completions and
+The backend is :class:`prorl_server.dev.fake_vllm.FakeVLLM`, standing for vLLM 0.31's completions and
 development endpoints; its token ids say which weights generated them (``1000 + version``).
 """
 from __future__ import annotations
 
 import asyncio
 
-from prorl_server.fake_vllm import TOKEN_BASE, start_fake_vllm
+from prorl_server.dev.fake_vllm import TOKEN_BASE, start_fake_vllm
 
 from .conftest import AUTH
 

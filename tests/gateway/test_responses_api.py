@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from prorl_server.gateway import GATEWAY, GatewayError, describe_divergence, normalize_message, parse_chat_request
 from prorl_server.gateway.responses import sse, stream_events, to_chat_request, to_response
 from prorl_server.gateway.protocol import answer_choice, assistant_message, chat_completion
-from prorl_server.tool_parser import ParsedTurn, ToolCall
+from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
 AUTH = {"Authorization": "Bearer server-secret"}
 EVENTS = TypeAdapter(ResponseStreamEvent)

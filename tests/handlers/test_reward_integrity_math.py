@@ -155,7 +155,7 @@ class AnswerMathHandler(MathHandler):
         pass
 
     async def run(self, job):
-        job.state["final_answer"] = job.instance["response"]
+        job.state.final_answer = job.instance["response"]
 
 
 async def test_an_answer_that_hangs_the_scorer_scores_zero_without_stalling_other_jobs(aiohttp_client):

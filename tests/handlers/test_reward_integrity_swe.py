@@ -150,7 +150,7 @@ async def grade(runtime, inst: dict, patch: str) -> tuple[float, dict]:
     job = Job(job_id=None, instance=inst, sampling_params={}, handler=handler, handler_name="swe", timeout_s=None,
               sandbox_opener=runtime.start)
     job.status = JobState.eval
-    job.state["patch"] = patch
+    job.state.patch = patch
     try:
         await handler.eval(job)
     finally:

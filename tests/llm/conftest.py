@@ -16,7 +16,7 @@ def second_vllm_server(tiny_model_dir, vllm_server):
     """A second server like ``vllm_server`` (same context length) that a failover test may kill; stopping a
     dead one is a no-op."""
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     limit = vllm_server.plan.argv[vllm_server.plan.argv.index("--max-model-len") + 1]
     server = start_vllm(tiny_model_dir, max_model_len=int(limit), max_num_batched_tokens=int(limit),
@@ -28,8 +28,8 @@ def second_vllm_server(tiny_model_dir, vllm_server):
 @pytest.fixture(scope="session")
 def family_model_dir():
     """``family_model_dir(template) -> Path``: the tiny model carrying a bundled family chat template
-    (:func:`prorl_server.tiny_model.build` ``template=``), built once per template into .cache/tiny-model-<name>."""
+    (:func:`prorl_server.dev.tiny_model.build` ``template=``), built once per template into .cache/tiny-model-<name>."""
     pytest.importorskip("transformers")
-    from prorl_server.tiny_model import build
+    from prorl_server.dev.tiny_model import build
 
     return lambda template: build(ROOT / ".cache" / f"tiny-model-{template}", template=template)

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from prorl_server.agent_loop import AgentConfig, AgentLoop, tool_schema
+from prorl_server.llm.agent_loop import AgentConfig, AgentLoop, tool_schema
 from prorl_server.balancer import Backend
 from prorl_server.failures import InfrastructureError
-from prorl_server.llm_client import Completion, LLMClient, ModelInfo
+from prorl_server.llm.client import Completion, LLMClient, ModelInfo
 from sandbox.errors import (EditorError, KernelDiedError, ProtocolError, SandboxDeadError, SandboxStartError,
                             ToolTimeout)
 

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from prorl_server.conversation import OFFLOAD_CHARS, ContextLengthError, Conversation
-from prorl_server.llm_client import Completion
+from prorl_server.llm.conversation import OFFLOAD_CHARS, ContextLengthError, Conversation
+from prorl_server.llm.client import Completion
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command.",
                                            "parameters": {"type": "object",

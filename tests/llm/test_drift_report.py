@@ -24,16 +24,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
-from prorl_server.agent_loop import AgentConfig, AgentLoop
+from prorl_server.llm.agent_loop import AgentConfig, AgentLoop
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
-from prorl_server.conversation import Conversation
-from prorl_server.llm_client import Completion, LLMClient, ModelInfo
+from prorl_server.llm.conversation import Conversation
+from prorl_server.llm.client import Completion, LLMClient, ModelInfo
 from prorl_server.metrics import Metrics
 from prorl_server.plugin import AgentHandler, HandlerRegistry
 from prorl_server.plugin.toolkit import run_agent
-from prorl_server.tool_parser import HermesToolParser
-from prorl_server.turn import TurnEngine, parser_for, parser_name_for
+from prorl_server.llm.tool_parser import HermesToolParser
+from prorl_server.llm.turn import TurnEngine, parser_for, parser_name_for
 from prorl_server.types import TokenStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,7 +259,7 @@ async def test_a_vllm_parser_is_built_off_the_event_loop_once_per_tokenizer(fami
     pytest.importorskip("vllm")
     from transformers import AutoTokenizer
 
-    import prorl_server.turn as turn_mod
+    import prorl_server.llm.turn as turn_mod
 
     built_in = []
     real_build = turn_mod._build
@@ -337,8 +337,8 @@ async def test_a_llama_family_rollout_on_vllm_has_no_split_in_its_result_and_on_
 
     import weakref
 
-    import prorl_server.turn as turn_mod
-    from prorl_server.vllm_launcher import start_vllm
+    import prorl_server.llm.turn as turn_mod
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     monkeypatch.setattr(turn_mod, "_PARSERS_BY_TOKENIZER", weakref.WeakKeyDictionary())  # this test's builds only
     model_dir = family_model_dir("llama3_1")

@@ -1,5 +1,5 @@
 """Token truth per model family: scripted multi-turn tool rollouts against each family's published chat template
-(bundled in prorl_server/chat_templates/templates, sources in that package's docstring) are one trajectory
+(bundled in prorl_server/llm/chat_templates/templates, sources in that package's docstring) are one trajectory
 whose generated tokens are kept as-is; the token stream equals the canonical rendering where the family
 allows it; families that rewrite history split with a reason. The generations are scripted token ids standing
 for what a model would return (no vLLM here; tests/llm/test_families_vllm.py runs them against real ones)."""
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from prorl_server.chat_templates import (FAMILIES, TEMPLATE_DIR, TEMPLATE_FAMILY, detect_family, family_spec,
+from prorl_server.llm.chat_templates import (FAMILIES, TEMPLATE_DIR, TEMPLATE_FAMILY, detect_family, family_spec,
                                          load_template)
-from prorl_server.conversation import Conversation
-from prorl_server.llm_client import Completion
-from prorl_server.tiny_model import build_tokenizer
+from prorl_server.llm.conversation import Conversation
+from prorl_server.llm.client import Completion
+from prorl_server.dev.tiny_model import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command.",
                                            "parameters": {"type": "object",

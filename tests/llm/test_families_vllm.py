@@ -1,5 +1,5 @@
 """Token truth per model family against real vLLM CPU: each family's tiny test model (tiny random Qwen2 weights,
-a tokenizer carrying the family's published chat template, see prorl_server.chat_templates) served by vLLM;
+a tokenizer carrying the family's published chat template, see prorl_server.llm.chat_templates) served by vLLM;
 an 8-turn tool-using rollout is one trajectory whose generated tokens and logprobs are exactly what vLLM
 returned, and the logprobs are within 1e-3 of a transformers forward pass over the final sequence.
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from prorl_server.chat_templates import TEMPLATE_FAMILY, family_spec
-from prorl_server.conversation import Conversation
-from prorl_server.llm_client import LLMClient
+from prorl_server.llm.chat_templates import TEMPLATE_FAMILY, family_spec
+from prorl_server.llm.conversation import Conversation
+from prorl_server.llm.client import LLMClient
 
 pytestmark = pytest.mark.real
 
@@ -41,7 +41,7 @@ SERVED = {
 @pytest.fixture(scope="module", params=sorted(SERVED))
 def family_server(request, family_model_dir):
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     template = request.param
     model_dir = family_model_dir(template)

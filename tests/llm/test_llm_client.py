@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm_client import LLMClient, LLMRequestError, LLMUnavailableError, PoolBackends
+from prorl_server.llm.client import LLMClient, LLMRequestError, LLMUnavailableError, PoolBackends
 
 
 def choice(ids, finish="length"):
@@ -181,7 +181,7 @@ async def test_one_session_is_shared_across_calls(aiohttp_server):
 
 
 def test_launcher_shows_its_plan_without_running(capsys, tmp_path):
-    from prorl_server.vllm_launcher import main, plan_vllm
+    from prorl_server.dev.vllm_launcher import main, plan_vllm
 
     plan = plan_vllm(tmp_path, port=1234, max_model_len=2048, max_num_batched_tokens=2048)
     assert plan.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -195,7 +195,7 @@ def test_launcher_shows_its_plan_without_running(capsys, tmp_path):
 def test_launcher_refuses_a_port_something_listens_on(tmp_path):
     import socket
 
-    from prorl_server.vllm_launcher import VLLMStartError, port_in_use, start_vllm
+    from prorl_server.dev.vllm_launcher import VLLMStartError, port_in_use, start_vllm
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from prorl_server.tool_parser import HermesToolParser, ToolCall, ToolCallError, get_parser, new_call_id
+from prorl_server.llm.tool_parser import HermesToolParser, ToolCall, ToolCallError, get_parser, new_call_id
 
 P = HermesToolParser()
 

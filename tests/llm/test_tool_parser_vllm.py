@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prorl_server.tool_parser import (PARSERS, HermesToolParser, ToolCall, ToolCallError, VllmToolParser, get_parser,
+from prorl_server.llm.tool_parser import (PARSERS, HermesToolParser, ToolCall, ToolCallError, VllmToolParser, get_parser,
                                       new_call_id, vllm_parser_names)
 
 pytest.importorskip("vllm")
@@ -105,7 +105,7 @@ def test_names_come_from_vllms_registry_without_importing_vllm():
     """Listing and checking names (what settings validation does) must not pay vLLM's import."""
     import subprocess
 
-    code = ("import sys; from prorl_server.tool_parser import PARSERS, vllm_parser_names; "
+    code = ("import sys; from prorl_server.llm.tool_parser import PARSERS, vllm_parser_names; "
             "assert 'qwen3_coder' in PARSERS and 'mistral' in PARSERS and 'vllm:hermes' in PARSERS; "
             "assert 'nope' not in PARSERS and 'vllm:nope' not in PARSERS; "
             "print(len(vllm_parser_names()), 'vllm' in sys.modules)")

@@ -1,4 +1,4 @@
-"""The turn engine both the agent loop and the gateway generate through (prorl_server.turn): the context-limit
+"""The turn engine both the agent loop and the gateway generate through (prorl_server.llm.turn): the context-limit
 rule, one turn through a job (failover source, recorded backend and weight version, parsed tool calls), a
 turn its caller refuses, and a full context. Generation goes through the real LLM client to the scripted
 policy (tests/conftest.py: a labelled stand-in for a model that writes tool calls) with the tiny model's real
@@ -12,8 +12,8 @@ import pytest
 
 from prorl_server.balancer import BackendPool
 from prorl_server.job import Job
-from prorl_server.llm_client import LLMClient
-from prorl_server.turn import ContextFullError, ContextUnknownError, TurnEngine, context_limit
+from prorl_server.llm.client import LLMClient
+from prorl_server.llm.turn import ContextFullError, ContextUnknownError, TurnEngine, context_limit
 
 START = [{"role": "user", "content": "Say it with a tool."}]
 CALL = '<tool_call>\n{"name": "echo", "arguments": {"text": "hi"}}\n</tool_call>'

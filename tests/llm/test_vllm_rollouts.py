@@ -8,10 +8,10 @@ import json
 import aiohttp
 import pytest
 
-from prorl_server.agent_loop import AgentConfig, AgentLoop
+from prorl_server.llm.agent_loop import AgentConfig, AgentLoop
 from prorl_server.balancer import BackendPool
-from prorl_server.llm_client import LLMClient, LLMUnavailableError
-from prorl_server.tool_parser import ParsedTurn, ToolCall
+from prorl_server.llm.client import LLMClient, LLMUnavailableError
+from prorl_server.llm.tool_parser import ParsedTurn, ToolCall
 
 pytestmark = pytest.mark.real
 

@@ -182,7 +182,7 @@ class ChatHandler(AgentHandler):
 
     async def run(self, job):
         from prorl_server.plugin.toolkit import run_agent
-        from prorl_server.agent_loop import AgentConfig
+        from prorl_server.llm.agent_loop import AgentConfig
 
         await run_agent(job, job.instance["messages"], {}, AgentConfig(max_turns=1, finish_tool=None))
 

@@ -2,7 +2,7 @@
 tied embeddings, fused MoE experts, FSDP-sharded models, the rank-0 guard.
 
 Models are tiny random ones built here from transformers' own classes (nothing is downloaded): the project's
-tiny Qwen2 (``prorl_server/tiny_model.py``) with ``tie_word_embeddings=True`` (what Qwen2.5 <= 3B, Qwen3 <= 4B
+tiny Qwen2 (``prorl_server/dev/tiny_model.py``) with ``tie_word_embeddings=True`` (what Qwen2.5 <= 3B, Qwen3 <= 4B
 and Llama-3.2 ship), and tiny Qwen3-MoE / Mixtral configs (transformers 5 fuses their experts into
 ``mlp.experts.gate_up_proj`` / ``down_proj``; checkpoints and vLLM name them per expert).
 
@@ -205,7 +205,7 @@ FSDP_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.parametrize("fail", [False, True], ids=["push", "failed-push"])
 def test_an_fsdp_sharded_model_is_pushed_whole_by_rank_0_alone(tiny_model_dir, tmp_path, fail):
-    from prorl_server.vllm_launcher import free_port
+    from prorl_server.dev.vllm_launcher import free_port
 
     script = tmp_path / "fsdp_push.py"
     script.write_text(FSDP_SCRIPT)
@@ -230,7 +230,7 @@ def test_an_fsdp_sharded_model_is_pushed_whole_by_rank_0_alone(tiny_model_dir, t
 @pytest.fixture(scope="module")
 def tied_vllm(tied_model_dir):
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     server = start_vllm(tied_model_dir, max_model_len=512, max_num_batched_tokens=512, timeout_s=300,
                         log_path=ROOT / ".cache" / "logs" / f"vllm-tied-{os.getpid()}.log",

@@ -35,7 +35,7 @@ IDS = list(range(100, 140))
 @pytest.fixture(scope="module")
 def ext_vllm(tiny_model_dir):
     pytest.importorskip("vllm")
-    from prorl_server.vllm_launcher import start_vllm
+    from prorl_server.dev.vllm_launcher import start_vllm
 
     server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, timeout_s=300,
                         log_path=ROOT / ".cache" / "logs" / f"vllm-weights-{os.getpid()}.log",

@@ -77,7 +77,7 @@ async def test_a_failed_push_leaves_the_old_version_registered_and_says_why(star
 
 async def test_an_unreachable_backend_is_a_push_error_and_keeps_its_version(start_llm_server, start_fake_vllm,
                                                                            tmp_path):
-    from prorl_server.vllm_launcher import free_port
+    from prorl_server.dev.vllm_launcher import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     server = await start_llm_server()

@@ -2,7 +2,7 @@
 weight version of every generated turn (ProRL Agent paper, section 3.3).
 
 Each verl ``AgentLoopWorker`` process (a Ray actor) runs one :class:`Relay`: a small aiohttp server that
-answers the subset of vLLM's OpenAI API the rollout server's LLM client uses (``prorl_server/llm_client.py``)
+answers the subset of vLLM's OpenAI API the rollout server's LLM client uses (``prorl_server/llm/client.py``)
 on top of the worker's ``server_manager.generate`` (verl's ``LLMServerClient``):
 
 - ``POST /v1/completions``: ``prompt`` as a token id list, ``max_tokens`` and sampling parameters in; the

@@ -6,7 +6,7 @@
 #   DRY_RUN=1 bash trainer_plugins/verl/examples/run_cpu.sh  # compose and print verl's config (--cfg job), run nothing
 #
 # What it does (the same as run_gpu.sh, with the `shout` handler, which a tiny random model can score on):
-#   1. builds the tiny random Qwen2 model locally (prorl_server/tiny_model.py) unless MODEL is set;
+#   1. builds the tiny random Qwen2 model locally (prorl_server/dev/tiny_model.py) unless MODEL is set;
 #   2. writes a parquet dataset of `shout` instances in verl's RLHFDataset format;
 #   3. starts a rollout server on loopback with NO backend of its own, bubblewrap sandboxes, and the tokenizer
 #      given explicitly (--tokenizer);
@@ -38,7 +38,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_TARGET_DEVICE=cp
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 
 # 1. model
-MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.tiny_model import build; print(build(sys.argv[1]))' \
+MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.dev.tiny_model import build; print(build(sys.argv[1]))' \
     "$ROOT/.cache/tiny-model")}
 echo "model: $MODEL"
 

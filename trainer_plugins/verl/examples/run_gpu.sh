@@ -6,7 +6,7 @@
 #   DRY_RUN=1 bash trainer_plugins/verl/examples/run_gpu.sh  # compose and print verl's config (--cfg job), run nothing
 #
 # What it does:
-#   1. builds the tiny random Qwen2 model locally (prorl_server/tiny_model.py; no download) unless MODEL is set;
+#   1. builds the tiny random Qwen2 model locally (prorl_server/dev/tiny_model.py; no download) unless MODEL is set;
 #   2. writes a parquet dataset of `math` problems ("What is 17 + 25?", answer 42) in verl's RLHFDataset format,
 #      each row carrying its rollout-server instance in extra_info.instance;
 #   3. starts a rollout server on loopback with NO backend of its own (what `slurm/launch_rollout.sh --no-vllm`
@@ -42,7 +42,7 @@ export VERL_USE_EXTERNAL_MODULES=trainer_plugins.verl.cpu_platform
 SANDBOX_RUNTIME=${SANDBOX_RUNTIME:-bubblewrap}   # the math handler runs its tools in a sandbox
 
 # 1. model
-MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.tiny_model import build; print(build(sys.argv[1]))' \
+MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.dev.tiny_model import build; print(build(sys.argv[1]))' \
     "$ROOT/.cache/tiny-model")}
 echo "model: $MODEL"
 

@@ -1,6 +1,6 @@
 """Re-grading: a finished job's recorded trajectory graded again by the current handler code, with no LLM backend.
 
-Per journalled job (:mod:`prorl_server.journal`: the ``ProcessRequest`` JSON and the ``JobResult`` JSON),
+Per journalled job (:mod:`prorl_server.journal.store`: the ``ProcessRequest`` JSON and the ``JobResult`` JSON),
 :meth:`Regrader.regrade` rebuilds the :class:`~prorl_server.job.Job` the eval stage saw: the instance
 (``handler.prepare_instance`` of the recorded request's, as at submit), the messages, trajectories, token stats
 and ``extra`` of the result (``extra["eval"]`` dropped: it is eval's own output), then asks the handler for the
@@ -160,7 +160,7 @@ class Regrader:
 
     async def regrade(self, job_id: str, handler_name: Optional[str], request_json: Optional[bytes],
                       result_json: Optional[bytes]) -> RegradeOutcome:
-        """Grade one journalled job again (a row of :meth:`prorl_server.journal.Journal.iter_jobs`). Never
+        """Grade one journalled job again (a row of :meth:`prorl_server.journal.store.Journal.iter_jobs`). Never
         raises for a bad record: the outcome's ``status`` and ``reason`` say what happened."""
         try:
             request = json.loads(request_json or b"null")

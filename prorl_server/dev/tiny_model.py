@@ -9,13 +9,13 @@ written with ``save_pretrained`` so ``AutoTokenizer`` / ``AutoModelForCausalLM``
 like any hub model.
 
 ``template=`` builds a *family test model* instead: the same kind of tokenizer and weights carrying one of the
-published chat templates bundled in :mod:`prorl_server.chat_templates` (``qwen2_5``, ``qwen3``, ``llama3_1``,
+published chat templates bundled in :mod:`prorl_server.llm.chat_templates` (``qwen2_5``, ``qwen3``, ``llama3_1``,
 ``llama3_2``, ``mistral_v3_tekken``, ``mistral_v7_tekken``, ``gemma3``, ``deepseekv3``), with that family's
 markers as single tokens and its end-of-turn token as ``eos_token`` (and the model's stop tokens).
 
 Usage::
 
-    python -m prorl_server.tiny_model --out DIR [--force] [--template NAME]
+    python -m prorl_server.dev.tiny_model --out DIR [--force] [--template NAME]
 
 Measured here: ~10 s on 2 cores, ~5 MB on disk.
 """
@@ -143,7 +143,7 @@ def build_tokenizer(vocab_size: int = 4096, corpus_bytes: int = 6_000_000, model
 
     Args:
         template: None: the ChatML tokenizer below; else a bundled template name
-            (:func:`prorl_server.chat_templates.load_template`): its family's markers are added as single tokens
+            (:func:`prorl_server.llm.chat_templates.load_template`): its family's markers are added as single tokens
             (special, except the hermes tool tags and ``<think>`` tags, which Qwen keeps as plain added tokens).
 
     Returns:
@@ -158,7 +158,7 @@ def build_tokenizer(vocab_size: int = 4096, corpus_bytes: int = 6_000_000, model
     from transformers import PreTrainedTokenizerFast
 
     if template is not None:
-        from prorl_server.chat_templates import TEMPLATE_FAMILY, family_spec, load_template
+        from prorl_server.llm.chat_templates import TEMPLATE_FAMILY, family_spec, load_template
 
         text = load_template(template)
         spec = family_spec(TEMPLATE_FAMILY[Path(template).stem + ".jinja"])
@@ -221,7 +221,7 @@ def build_model(tokenizer, *, hidden_size: int = 128, num_layers: int = 2, num_h
 
 def _extra_stops(tokenizer) -> list[str]:
     """Tokens besides ``eos_token`` that end a turn in the tokenizer's template family (Llama's ``<|eom_id|>``)."""
-    from prorl_server.chat_templates import detect_family, family_spec
+    from prorl_server.llm.chat_templates import detect_family, family_spec
 
     spec = family_spec(detect_family(tokenizer.chat_template))
     return [t for t in spec.extra_stop if t in tokenizer.get_vocab()]

@@ -353,7 +353,7 @@ class LLMClient:
                                          "swap_moved": 0, "swap_held": 0}
         #: requests on the wire, by backend address and request id (what a weight swap pauses and splits)
         self.in_flight: dict[str, dict[str, InFlightCall]] = {}
-        #: a :class:`prorl_server.journal.Journal` that records every kept completion of a source with a
+        #: a :class:`prorl_server.journal.store.Journal` that records every kept completion of a source with a
         #: ``journal_owner`` (a job; a gateway session's pool assignment), or None
         self.journal: Any = None
 

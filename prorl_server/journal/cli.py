@@ -1,4 +1,4 @@
-"""``prorl-journal``: re-grade, export and inspect a rollout server's journal (:mod:`prorl_server.journal`).
+"""``prorl-journal``: re-grade, export and inspect a rollout server's journal (:mod:`prorl_server.journal.store`).
 
 ::
 
@@ -9,9 +9,9 @@
     prorl-journal stats JOURNAL [--json]
 
 ``regrade`` grades every finished job again with the current handler code and no LLM backend
-(:mod:`prorl_server.regrade`) and writes one JSON line per job (``job_id``, ``old_reward``, ``new_reward``,
+(:mod:`prorl_server.journal.regrade`) and writes one JSON line per job (``job_id``, ``old_reward``, ``new_reward``,
 ``changed``, ``failure_kind``, ``status``, ...; to ``--out`` or stdout), then a summary on stderr. ``export``
-writes the finished results as trainer rows (:mod:`prorl_server.journal_export`; verl as Parquet when pyarrow is
+writes the finished results as trainer rows (:mod:`prorl_server.journal.export`; verl as Parquet when pyarrow is
 installed and ``--out`` does not end in ``.jsonl``, else JSON lines with the same columns). ``stats`` counts jobs
 by state and handler, completions and gateway exchanges, and the file's size. Progress bars (tqdm) go to stderr
 (``--quiet`` hides them).
@@ -32,7 +32,7 @@ import urllib.parse
 from collections import Counter
 from typing import Any, Iterator, Optional, Sequence
 
-from prorl_server.journal import Journal, JournalError
+from prorl_server.journal.store import Journal, JournalError
 
 #: Tables a file must hold to be read as a journal.
 JOURNAL_TABLES = ("jobs", "completions")
@@ -177,7 +177,7 @@ def _progress(total: Optional[int], desc: str, quiet: bool) -> Any:
 
 # ------------------------------------------------------------------------------------------ regrade
 async def _regrade(args: argparse.Namespace) -> int:
-    from prorl_server.regrade import Regrader
+    from prorl_server.journal.regrade import Regrader
 
     refuse_journal_as_output(args.out, args.journal)
     journal = open_journal(args.journal)
@@ -255,7 +255,7 @@ async def _regrade(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ export
 def _export(args: argparse.Namespace) -> int:
-    from prorl_server.journal_export import (VERL_COLUMNS, InvalidRecordError, RowWriter, parquet_available,
+    from prorl_server.journal.export import (VERL_COLUMNS, InvalidRecordError, RowWriter, parquet_available,
                                              result_row, trainable, trl_row, verl_rows)
     from prorl_server.types import JobResult
 

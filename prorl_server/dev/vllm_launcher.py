@@ -11,7 +11,7 @@ signalling its own process group (SIGTERM, then SIGKILL after a grace period), n
 
 Show the plan without running it::
 
-    python -m prorl_server.vllm_launcher --model DIR --dry-run
+    python -m prorl_server.dev.vllm_launcher --model DIR --dry-run
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import aiohttp
 
-from prorl_server.llm_client import LLMClient, LLMUnavailableError
+from prorl_server.llm.client import LLMClient, LLMUnavailableError
 
 if TYPE_CHECKING:
     from prorl_server.balancer import Backend, BackendPool
@@ -46,7 +46,7 @@ class LLMContext:
         """The tokenizer of the model ``backend`` serves (loaded in a worker thread, once per name).
 
         Raises:
-            prorl_server.llm_client.LLMUnavailableError: the backend does not answer ``/v1/models``.
+            prorl_server.llm.client.LLMUnavailableError: the backend does not answer ``/v1/models``.
             TokenizerUnavailableError: a name from the backend is not loadable from local files, or the
                 ``tokenizer`` setting cannot be loaded (``failure_kind="configuration"``: a trainer stops).
         """

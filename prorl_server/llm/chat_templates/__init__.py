@@ -3,7 +3,7 @@
 A *family* is a chat-template dialect (ChatML/Qwen2.5, Qwen3, Llama 3.x, Mistral tekken, Gemma, DeepSeek).
 :func:`detect_family` names it from the template text (or take an explicit setting); :data:`FAMILIES` says
 what the family's template does to a generated turn when the conversation is rendered again and which
-special tokens it needs as single tokens. :class:`prorl_server.conversation.Conversation` uses it to keep a
+special tokens it needs as single tokens. :class:`prorl_server.llm.conversation.Conversation` uses it to keep a
 multi-turn rollout one trajectory:
 
 - **exact**: the template re-renders the latest generated turn verbatim; the appended delta is the canonical
@@ -69,7 +69,7 @@ class FamilySpec:
         tool_role: the role tool observations are sent as (Gemma has no tool role: ``"user"``).
         rewrites_history: what the template rewrites (splits), for the README and reports; None: nothing.
         templates: bundled template files of this family (first: the default for test models).
-        tool_parser: the :mod:`prorl_server.tool_parser` name that reads this family's tool calls (what the
+        tool_parser: the :mod:`prorl_server.llm.tool_parser` name that reads this family's tool calls (what the
             ``auto`` parser setting picks). Gemma 3 has no tool-call format of its own (its template renders
             neither tools nor calls): ``hermes``, the format agents fine-tuned on it are usually taught, and
             the one parser that needs no vLLM; ``generic`` (an unknown template) gets ``hermes`` too.

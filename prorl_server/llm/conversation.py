@@ -9,7 +9,7 @@ The token ids sent to the model are the truth; text is derived from them, never 
   only text after the generated turn is ever tokenized, nothing generated is re-tokenized.
 
 How the delta is found depends on what the model family's template does to a generated turn when it renders
-the conversation again (:mod:`prorl_server.chat_templates` names the family from the template, or take
+the conversation again (:mod:`prorl_server.llm.chat_templates` names the family from the template, or take
 ``family=``):
 
 - *exact*: the rendering extends the previous one with the generated text verbatim: the delta is the text
@@ -18,7 +18,7 @@ the conversation again (:mod:`prorl_server.chat_templates` names the family from
 - *continued*: the template renders the latest turn differently but keeps all of its text (Qwen3's
   ``<think>`` spacing and the empty think block of ``enable_thinking=False``, ``| trim``): the delta is the
   rest of the turn's terminator plus the new messages rendered after a synthetic assistant turn (verl's
-  Continuous Token rule, see :mod:`prorl_server.chat_templates`);
+  Continuous Token rule, see :mod:`prorl_server.llm.chat_templates`);
 - *split*: the template drops generated text (past reasoning) or changes text before the latest turn: the
   current :class:`Trajectory` segment is closed with ``split_reason`` (``"<code>: <why>"``) and a new
   segment starts from a fresh rendering of the whole conversation.
@@ -45,11 +45,11 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from prorl_server.chat_templates import FamilySpec, detect_family, family_spec, synthetic_assistant
+from prorl_server.llm.chat_templates import FamilySpec, detect_family, family_spec, synthetic_assistant
 from prorl_server.types import Trajectory
 
 if TYPE_CHECKING:
-    from prorl_server.llm_client import Completion
+    from prorl_server.llm.client import Completion
 
 # Rendering + tokenizing more than this many characters of new text goes to a worker thread so a large
 # observation (a long file, a build log) does not stall the event loop; smaller deltas cost ~0.1 ms inline,
@@ -81,7 +81,7 @@ class ChatTokenizer:
 
     ``tools``: OpenAI-style tool schemas passed to the template (``apply_chat_template(tools=...)``).
     ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
-    ``family``: a key of :data:`prorl_server.chat_templates.FAMILIES`; None: detected from the template.
+    ``family``: a key of :data:`prorl_server.llm.chat_templates.FAMILIES`; None: detected from the template.
 
     Raises:
         ValueError: ``family`` is not a known family.
@@ -211,7 +211,7 @@ class Conversation:
         tools: tool schemas rendered by the template (``tools=``).
         max_context_tokens: the model's context (tokens); prompt + all turns never exceed it.
         window: render only head + the latest two turns per step (O(1) in history); False: whole conversation.
-        family: the model family (a key of :data:`prorl_server.chat_templates.FAMILIES`); None: detected from
+        family: the model family (a key of :data:`prorl_server.llm.chat_templates.FAMILIES`); None: detected from
             the tokenizer's chat template. Ignored when ``tokenizer`` is a :class:`ChatTokenizer`.
 
     Raises:

@@ -1,16 +1,16 @@
 """One generation turn, the same for every caller: context limit -> conversation -> complete -> parse tool calls.
 
-:class:`~prorl_server.agent_loop.AgentLoop` (the server drives the tools) and the gateway's
+:class:`~prorl_server.llm.agent_loop.AgentLoop` (the server drives the tools) and the gateway's
 :meth:`~prorl_server.gateway.Gateway.chat` (a black-box agent drives them) both generate through a
 :class:`TurnEngine`: the conversation starts under the one context-limit rule (:func:`context_limit`), each
 turn's budget is what the context has left (capped by the caller's per-turn ``max_tokens``), the prompt goes
-token-in/token-out through the shared :class:`~prorl_server.llm_client.LLMClient` (failover, pause retries and
+token-in/token-out through the shared :class:`~prorl_server.llm.client.LLMClient` (failover, pause retries and
 weight versions are its business), the generated tokens are appended as generated, and tool calls are parsed
-from the generated text (:mod:`prorl_server.tool_parser`). What the caller does with a turn (run tools, answer
+from the generated text (:mod:`prorl_server.llm.tool_parser`). What the caller does with a turn (run tools, answer
 an HTTP request) is the caller's.
 
 The parser is named once per engine (``"auto"``: the one of the conversation's model family,
-:attr:`~prorl_server.chat_templates.FamilySpec.tool_parser`) and built per tokenizer, since vLLM's parsers need
+:attr:`~prorl_server.llm.chat_templates.FamilySpec.tool_parser`) and built per tokenizer, since vLLM's parsers need
 it: :func:`parser_for` builds each (name, tokenizer) pair once per process and keeps it; a vLLM-backed parser is
 built in a worker thread (its first build imports vLLM: seconds), never on the event loop.
 """
@@ -23,9 +23,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from prorl_server.conversation import ChatTokenizer, Conversation
-from prorl_server.llm_client import Backends, Completion, LLMClient, backend_source
-from prorl_server.tool_parser import PARSERS, ParsedTurn, ToolParser, VllmToolParser, get_parser
+from prorl_server.llm.conversation import ChatTokenizer, Conversation
+from prorl_server.llm.client import Backends, Completion, LLMClient, backend_source
+from prorl_server.llm.tool_parser import PARSERS, ParsedTurn, ToolParser, VllmToolParser, get_parser
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ToolParserUnavailableError(ValueError):
 
 
 def check_parser_name(name: str) -> str:
-    """``name`` if it is ``"auto"`` or a :data:`~prorl_server.tool_parser.PARSERS` name (cheap: vLLM is not
+    """``name`` if it is ``"auto"`` or a :data:`~prorl_server.llm.tool_parser.PARSERS` name (cheap: vLLM is not
     imported). Raises ValueError naming the registered ones."""
     if name != AUTO and name not in PARSERS:
         raise ValueError(f"unknown tool parser {name!r}; registered: {sorted(PARSERS)}, or 'auto' (the model "
@@ -54,8 +54,8 @@ def check_parser_name(name: str) -> str:
 
 def parser_name_for(setting: str, tokenizer: Any) -> str:
     """The parser name a setting means for ``tokenizer`` (a transformers tokenizer or a
-    :class:`~prorl_server.conversation.ChatTokenizer`): ``"auto"`` -> its family's
-    :attr:`~prorl_server.chat_templates.FamilySpec.tool_parser` (from the chat template), else ``setting``."""
+    :class:`~prorl_server.llm.conversation.ChatTokenizer`): ``"auto"`` -> its family's
+    :attr:`~prorl_server.llm.chat_templates.FamilySpec.tool_parser` (from the chat template), else ``setting``."""
     if setting != AUTO:
         return setting
     tok = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
@@ -173,7 +173,7 @@ class TurnEngine:
 
     Args:
         client: the shared token-in/token-out client.
-        parser: a :class:`~prorl_server.tool_parser.ToolParser`, or its name (``"hermes"``, ``"llama3_json"``,
+        parser: a :class:`~prorl_server.llm.tool_parser.ToolParser`, or its name (``"hermes"``, ``"llama3_json"``,
             ...) or ``"auto"`` (each conversation's model family's, :attr:`FamilySpec.tool_parser`): a name is
             built for each conversation's tokenizer on its first parsed turn (:func:`parser_for`).
 
@@ -226,7 +226,7 @@ class TurnEngine:
 
         Raises:
             ContextUnknownError: no context length is known.
-            prorl_server.conversation.ContextLengthError: the prompt alone fills the context.
+            prorl_server.llm.conversation.ContextLengthError: the prompt alone fills the context.
             Exception: the chat template refused the messages (e.g. roles out of order).
         """
         limit = context_limit(tokenizer, *caps)
@@ -239,7 +239,7 @@ class TurnEngine:
         """Generate the next assistant turn of ``conv`` and append it.
 
         Args:
-            backends: where to generate (:data:`~prorl_server.llm_client.Backends`; a job or a session's pool
+            backends: where to generate (:data:`~prorl_server.llm.client.Backends`; a job or a session's pool
                 assignment: failover through it, each kept turn recorded on it).
             max_tokens: the caller's per-turn limit (tokens); the turn gets at most what the context has left.
             sampling_params: passed to vLLM (the client's own keys are ignored).
@@ -250,8 +250,8 @@ class TurnEngine:
 
         Raises:
             ContextFullError: no room is left for a generated token (nothing was sent).
-            prorl_server.llm_client.LLMUnavailableError: no backend could generate the turn.
-            prorl_server.llm_client.LLMRequestError: the backend refused the request (4xx).
+            prorl_server.llm.client.LLMUnavailableError: no backend could generate the turn.
+            prorl_server.llm.client.LLMRequestError: the backend refused the request (4xx).
             ToolParserUnavailableError: ``parse`` and the parser cannot be built (checked before generating).
         """
         parser = await self.parser_for(conv) if parse else None
