@@ -465,24 +465,7 @@ class Pipeline:
             self.pool.release(job.job_id)
         for e in close_errors:
             log.warning("closing a resource of job %s failed: %r", job.job_id, e)
-        try:
-            result = await job.handler.final_result(job)
-            if not isinstance(result, JobResult):
-                raise TypeError(f"final_result returned {type(result).__name__}, not JobResult")
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # SystemExit from a handler's final_result must not stop the server
-            log.exception("final_result of handler %s raised", job.handler_name)
-            if job.error is None:
-                job.error = f"final_result failed: {type(e).__name__}: {e}"
-            result = job.build_result()
-        if job.failure_kind is not None and result.failure_kind is None:  # a final_result of the handler's own
-            result = result.model_copy(update={"failure_kind": job.failure_kind,
-                                               "filter": result.filter or is_filtered(job.failure_kind)})
-        elif is_filtered(result.failure_kind) and not result.filter:
-            result = result.model_copy(update={"filter": True})
-        if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
-            result = result.model_copy(update={"reward": 0.0, "resolved": False})
+        result = await handler_result(job)
         if self.journal is not None:
             # committed before anyone sees it: a result a client received survives a crash of this process
             job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
@@ -639,3 +622,36 @@ class _HandlerBaseException(Exception):
     def __init__(self, original: BaseException) -> None:
         super().__init__(f"{type(original).__name__}: {original}")
         self.original = original
+
+
+async def handler_result(job: Job) -> JobResult:
+    """The result of an ending job as its handler builds it (``final_result``), with the reward invariants the
+    server enforces whatever the handler returns (README, "Reward integrity", I3): a failure kind the job
+    declared is on the result, a filtered kind is ``filter: true``, a scored kind (the model's doing) scores
+    0.0, unresolved. A ``final_result`` that raises (SystemExit included: it must not stop the server) or
+    returns something else falls back to :meth:`Job.build_result`, its error kept in ``job.error``.
+
+    Shared by the pipeline's finish and the journal's re-grading (:mod:`prorl_server.journal.regrade`).
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled.
+    """
+    try:
+        result = await job.handler.final_result(job)
+        if not isinstance(result, JobResult):
+            raise TypeError(f"final_result returned {type(result).__name__}, not JobResult")
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        log.exception("final_result of handler %s raised", job.handler_name)
+        if job.error is None:
+            job.error = f"final_result failed: {type(e).__name__}: {e}"
+        result = job.build_result()
+    if job.failure_kind is not None and result.failure_kind is None:  # a final_result of the handler's own
+        result = result.model_copy(update={"failure_kind": job.failure_kind,
+                                           "filter": result.filter or is_filtered(job.failure_kind)})
+    elif is_filtered(result.failure_kind) and not result.filter:
+        result = result.model_copy(update={"filter": True})
+    if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
+        result = result.model_copy(update={"reward": 0.0, "resolved": False})
+    return result

@@ -384,8 +384,7 @@ class SwapCoordinator:
                 b = self.pool.get(addr)
                 if b is not None:
                     self._withdraw(b, why)
-            await asyncio.gather(*(self._unpause(b, mark, keep_version=True) for addr, mark in swap.marks.items()
-                                   if (b := self.pool.get(addr)) is not None))
+            await self._resume_unlabelled(swap)
             self._expired[swap.swap_id] = why
             while len(self._expired) > 64:
                 self._expired.pop(next(iter(self._expired)))
@@ -410,9 +409,14 @@ class SwapCoordinator:
         swap = self.current
         if swap is not None and swap.lease is not None:
             swap.lease.cancel()
-            await asyncio.gather(*(self._unpause(b, mark, keep_version=True) for addr, mark in swap.marks.items()
-                                   if (b := self.pool.get(addr)) is not None), return_exceptions=True)
+            await self._resume_unlabelled(swap)
             self._end(swap)
+
+    async def _resume_unlabelled(self, swap: _Swap) -> None:
+        """Resume the engines ``swap`` paused without labelling them with its version (the swap did not
+        complete); a failure to resume is the backend's (withdrawn by :meth:`_unpause`), never the caller's."""
+        await asyncio.gather(*(self._unpause(b, mark, keep_version=True) for addr, mark in swap.marks.items()
+                               if (b := self.pool.get(addr)) is not None), return_exceptions=True)
 
     # ------------------------------------------------------------------ state
     def state(self) -> WeightsState:

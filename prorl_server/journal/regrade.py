@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from prorl_server.failures import SCORED_KINDS, classify, is_filtered
 from prorl_server.job import Job, JobServices
+from prorl_server.pipeline import handler_result
 from prorl_server.plugin.handler import AgentHandler, NotRegradableError
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError
 from prorl_server.types import JobResult, JobState
@@ -259,20 +260,7 @@ class Regrader:
             job.resolved = False
         job.finishing = True
         await job.close_resources()
-        try:
-            result = await handler.final_result(job)
-            if not isinstance(result, JobResult):
-                raise TypeError(f"final_result returned {type(result).__name__}, not JobResult")
-        except Exception as e:
-            job.error = job.error or f"final_result failed: {type(e).__name__}: {e}"
-            result = job.build_result()
-        if job.failure_kind is not None and result.failure_kind is None:
-            result = result.model_copy(update={"failure_kind": job.failure_kind,
-                                               "filter": result.filter or is_filtered(job.failure_kind)})
-        elif is_filtered(result.failure_kind) and not result.filter:
-            result = result.model_copy(update={"filter": True})
-        if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
-            result = result.model_copy(update={"reward": 0.0, "resolved": False})
+        result = await handler_result(job)
         timing = old.timing.model_copy(update={"eval_s": eval_s,
                                                 "counted_s": old.timing.init_s + old.timing.run_s + eval_s})
         # what the run stage decided stays as recorded
