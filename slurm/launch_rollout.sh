@@ -63,7 +63,7 @@
 #   PRORL_VLLM_CMD         vLLM command (word-split)   default: $PRORL_PYTHON -m vllm.entrypoints.openai.api_server
 #   PRORL_VLLM_ARGS        extra vLLM flags (word-split)                          default: none
 #   PRORL_VLLM_CPU         1 = start one vLLM server on a node that has no GPU (CPU build of vLLM)  default: 0
-#   PRORL_FLEET_DIR        a fleet directory (shared filesystem; see README "A fleet that grows and shrinks"):
+#   PRORL_FLEET_DIR        a fleet directory (shared filesystem; see docs/cluster.md "A fleet that grows and shrinks"):
 #                          each server process keeps a leased record there (trainers following the directory
 #                          route to it within a poll), SIGTERM drains instead of cancelling (jobs held finish,
 #                          up to PRORL_STOP_GRACE - 5 s), the fleet's token is $PRORL_FLEET_DIR/token (made by

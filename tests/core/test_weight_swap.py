@@ -129,7 +129,7 @@ async def test_a_job_holding_a_cleared_backend_keeps_it_and_is_counted_once():
     pool.clear()
     assert changes[-1] == ("http://a:1", 1, False)  # metrics see it leave the rotation, still loaded
     new = pool.add("http://b:1", weight_version=2)  # the trainer's servers moved to another address
-    assert pool.assign("j") is old  # the job keeps its backend until it ends (README)
+    assert pool.assign("j") is old  # the job keeps its backend until it ends (docs/http-api.md, Pipeline semantics)
     assert pool.assign("k") is new
     assert (old.in_flight, new.in_flight) == (1, 1)
     pool.release("j")

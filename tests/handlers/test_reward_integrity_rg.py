@@ -1,4 +1,4 @@
-"""Reward integrity of the ``math`` handler on reasoning-gym tasks (README, "Reward integrity", I1): nothing the
+"""Reward integrity of the ``math`` handler on reasoning-gym tasks (docs/reward-integrity.md, I1): nothing the
 policy wrote is executed or evaluated outside a sandbox, and a scorer that chokes on an answer scores it 0.0.
 
 reasoning-gym's own scorers evaluate some answers as Python (``eval``, sympy's ``parse_expr``). Before the

@@ -276,7 +276,7 @@ async def test_source_that_forges_the_verdict_scores_one_on_the_clean_harness_al
     """The residual risk, measured: the bug is not fixed, pytest fails the test, and a forgery that makes pytest
     itself report a pass still gets 1.0 past the clean harness (so the patch check is what stops it); one that
     rewrites the report after pytest wrote it is caught by pytest's exit code. If this ever fails, the harness
-    closed a way: say so in the README's residual risk."""
+    closed a way: say so in the residual risk (docs/reward-integrity.md, handlers/swe/README.md)."""
     patch = make_patch(base_repo, tmp_path, RESIDUAL[name])
     reward, ev = await grade(bwrap_runtime, instance(base_repo, check=False), patch)
     if name in REWRITES_AFTER_PYTEST:  # pytest still exits 1 under the rewritten report: the host sees that

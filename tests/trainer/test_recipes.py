@@ -1,5 +1,6 @@
-"""Recipes are tests (issue #22 item 2): every ``bash`` block of the README's "Training with verl" and "Running
-on a cluster" sections runs as written, extracted from the README so the two cannot drift; ``run_gpu.sh`` and
+"""Recipes are tests (issue #22 item 2): every ``bash`` block of the docs pages "Training with verl"
+(``docs/training-verl.md``) and "Running on a cluster" (``docs/cluster.md``) runs as written, extracted from the
+pages so the two cannot drift (issue #27 moved them out of the README); ``run_gpu.sh`` and
 ``run_cpu.sh`` compose verl's config (``DRY_RUN=1``; ``run_cpu.sh``'s real run is ``test_verl_cpu_run.py``).
 
 What cannot run here is stood in for by a shell function of the same name, each saying what it stands for:
@@ -23,7 +24,8 @@ pytest.importorskip("verl")
 pytestmark = pytest.mark.real  # runs bash, the launcher and verl's main_ppo as processes (about a minute)
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+PAGES = {"Training with verl": ROOT / "docs" / "training-verl.md",
+         "Running on a cluster": ROOT / "docs" / "cluster.md"}
 
 STAND_INS = r'''
 set -eo pipefail
@@ -46,15 +48,15 @@ export DRY_RUN=1  # run_gpu.sh / run_cpu.sh: compose verl's config (run_cpu.sh r
 '''
 
 
-def section(name: str) -> str:
-    text = README.read_text()
-    start = text.index(f"## {name}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+def page(name: str) -> str:
+    """The whole page titled ``name`` (its subsections included: the fleet's block is part of the cluster page)."""
+    text = PAGES[name].read_text()
+    assert text.startswith(f"# {name}\n"), f"{PAGES[name]} is not the page {name!r}"
+    return text
 
 
 def bash_blocks(name: str) -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", section(name), re.S)
+    return re.findall(r"```bash\n(.*?)```", page(name), re.S)
 
 
 BLOCKS = [(name, i, block) for name in ("Training with verl", "Running on a cluster")
@@ -69,7 +71,7 @@ def test_the_sections_have_their_command_blocks():
 
 
 @pytest.mark.parametrize("name, index, block", BLOCKS, ids=[f"{n.split()[-1]}-{i}" for n, i, _ in BLOCKS])
-def test_readme_block_runs_as_written(name, index, block, tmp_path, tiny_model_dir):
+def test_docs_block_runs_as_written(name, index, block, tmp_path, tiny_model_dir):
     if "pip install" in block:
         pytest.skip("installs packages (.ci/install does it)")
     script = block.replace("/shared/models/my-model", str(tiny_model_dir)).replace("/shared/", f"{tmp_path}/shared/")
@@ -77,7 +79,7 @@ def test_readme_block_runs_as_written(name, index, block, tmp_path, tiny_model_d
     env = {**os.environ, "ROOT": str(ROOT), "OUT": str(tmp_path / "out"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-c", STAND_INS + "\n" + script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, f"README block {name}[{index}] failed:\n{script}\n---\n{proc.stdout[-3000:]}" \
+    assert proc.returncode == 0, f"docs block {name}[{index}] failed:\n{script}\n---\n{proc.stdout[-3000:]}" \
                                  f"\n{proc.stderr[-3000:]}"
     if "verl.trainer.main_ppo" in block:  # the composed config has the block's settings
         assert "servers: " + f"{tmp_path}/shared/run1/servers.json" in proc.stdout
