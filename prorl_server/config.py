@@ -68,7 +68,7 @@ class ServerSettings(BaseModel):
                                        "CPU-bound scoring off the event loop; default min(4, CPU count)")
     handlers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="each handler's own "
                                                  "settings by handler name, e.g. {code: {max_turns: 12}}: the "
-                                                 "keys of its settings_model (see the README's Handlers part)")
+                                                 "keys of its settings_model (see docs/handlers.md)")
     listen_backlog: int = Field(default=4096, ge=1, le=1 << 20, description="connections the kernel queues "
                                 "before the server accepts them (listen(2)); the kernel caps it at "
                                 "net.core.somaxconn. aiohttp's default, 128, drops connections when thousands "

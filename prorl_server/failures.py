@@ -1,6 +1,6 @@
 """Why a job failed, in a form a trainer can act on (``JobResult.failure_kind``), and who caused it.
 
-The rule is **who acted decides** (README, "Reward integrity", I3). The policy is an adversary: a failure it
+The rule is **who acted decides** (docs/reward-integrity.md, I3). The policy is an adversary: a failure it
 can cause that is filtered (``filter: true``: regenerated, never trained on) is a way out of every problem it
 cannot solve, because a filtered sample never gets a negative advantage. So:
 

@@ -5,7 +5,7 @@ pydantic, and once the first job loads the tokenizer, torch and transformers: ~3
 state of the jobs in flight. A full (generation 2) collection walks *all* of them, stopping the event loop
 for 0.5-0.9 s about once a second under load (issue #26: the collector took 47-62 % of the server's time).
 
-:class:`CollectorControl` does three things (see the README's "Scale" part):
+:class:`CollectorControl` does three things (see docs/running.md, "Scale"):
 
 - **freeze** (``gc.freeze``, Python docs "gc.freeze: ... avoid ... collections" for long-lived objects): at
   start, after a full collection, everything alive is moved to the permanent generation the collector never

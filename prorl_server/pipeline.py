@@ -626,7 +626,7 @@ class _HandlerBaseException(Exception):
 
 async def handler_result(job: Job) -> JobResult:
     """The result of an ending job as its handler builds it (``final_result``), with the reward invariants the
-    server enforces whatever the handler returns (README, "Reward integrity", I3): a failure kind the job
+    server enforces whatever the handler returns (docs/reward-integrity.md, I3): a failure kind the job
     declared is on the result, a filtered kind is ``filter: true``, a scored kind (the model's doing) scores
     0.0, unresolved. A ``final_result`` that raises (SystemExit included: it must not stop the server) or
     returns something else falls back to :meth:`Job.build_result`, its error kept in ``job.error``.

@@ -226,7 +226,7 @@ def _sampling_to_vllm(v: Any) -> Any:
     unknown = sorted(set(v) - set(SamplingParams.model_fields))
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}: accepted are vLLM's SamplingParams names "
-                         f"and the aliases {sorted(SAMPLING_ALIASES)} (see the README's sampling table)")
+                         f"and the aliases {sorted(SAMPLING_ALIASES)} (see the sampling table of docs/http-api.md)")
     for group in _SYNONYMS:
         given = [k for k in group if k in v]
         if len(given) > 1:

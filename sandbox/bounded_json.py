@@ -1,4 +1,4 @@
-"""Decoding JSON that an adversary wrote, bounded in size, shape and time (README, "Reward integrity", I4).
+"""Decoding JSON that an adversary wrote, bounded in size, shape and time (docs/reward-integrity.md, I4).
 
 The policy being trained, a gateway client it drives and code in its sandbox all write JSON that the host
 decodes: HTTP bodies of the rollout API and the gateway, tool-call arguments in generated text, the execution

@@ -161,3 +161,63 @@ def test_the_docs_index_links_every_page():
     linked = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
     pages = {p.resolve() for p in (ROOT / "docs").glob("*.md") if p.name != "README.md"}
     assert pages and pages - linked == set(), f"pages the index does not list: {sorted(pages - linked)}"
+
+
+# ------------------------------------------------------------------------------------------ the module map
+#: The packages whose every module the Layout table of docs/architecture.md names.
+MAPPED_PACKAGES = ("sandbox", "singularity", "prorl_server", "handlers", "trainer_plugins")
+
+
+def layout_rows(text: str) -> list[tuple[set[str], str]]:
+    """``(paths in the first cell, the second cell)`` of each row of the page's "Layout" table."""
+    section = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 2 and not set(cells[0]) <= set("-: "):
+            paths = {p.strip("*") for p in re.findall(r"`([^`]+)`", cells[0])}
+            rows.append((paths, cells[1]))
+    return rows
+
+
+def unmapped_modules(root: Path, rows: list[tuple[set[str], str]]) -> list[str]:
+    """Modules the Layout table does not name: a module counts as named by a row of its own path, or, inside a
+    folder that has a row of its own (``handlers/code/``), by that row naming its file (``grading.py``); a
+    package's ``__init__.py`` by a row of its folder."""
+    own = set().union(*(paths for paths, _ in rows)) if rows else set()
+    folder_text = {p: text for paths, text in rows for p in paths if p.endswith("/")}
+    missing = []
+    for pkg in MAPPED_PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            folder = path.parent.relative_to(root).as_posix() + "/"
+            if any(rel in p.replace(" ", "").split(",") or rel == p for p in own):
+                continue
+            if path.name == "__init__.py" and folder in folder_text:
+                continue
+            if folder in folder_text and f"`{path.name}`" in folder_text[folder]:
+                continue
+            missing.append(rel)
+    return missing
+
+
+def test_the_layout_table_names_every_module_of_the_packages():
+    rows = layout_rows((ROOT / "docs" / "architecture.md").read_text())
+    assert len(rows) > 60, "the Layout table was not found"
+    missing = unmapped_modules(ROOT, rows)
+    assert not missing, ("modules the Layout table of docs/architecture.md does not name (add a row, or the file "
+                         "name to its folder's row):\n" + "\n".join(missing))
+    named = {p for paths, _ in rows for p in paths if "/" in p and not p.startswith(".")}
+    gone = sorted(p for p in named if p.split("/")[0] in MAPPED_PACKAGES + ("slurm", "benchmarks", "tests")
+                  and not (ROOT / p.rstrip("/")).exists())
+    assert not gone, f"the Layout table names paths that do not exist: {gone}"
+
+
+def test_the_module_map_check_finds_an_unnamed_module(tmp_path):
+    for rel in ("sandbox/a.py", "sandbox/__init__.py", "handlers/code/__init__.py", "handlers/code/grading.py",
+                "handlers/code/data.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    rows = layout_rows("## Layout\n\n| module | holds |\n|---|---|\n| **`sandbox/`** | x |\n"
+                       "| `sandbox/a.py` | a |\n| `handlers/code/` | `grading.py` |\n\n## Next\n")
+    assert unmapped_modules(tmp_path, rows) == ["handlers/code/data.py"]

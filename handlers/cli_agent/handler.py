@@ -149,7 +149,7 @@ class CliAgentSettings(BaseModel):
                                          "python3); default: the server's")
     python_packages: Optional[tuple[str, ...]] = Field(
         default=None, description="Python distributions the agent's sandbox may import (an image-less sandbox "
-        "sees only these, their requirements and the execution server's; README, 'Reward integrity', I2); "
+        "sees only these, their requirements and the execution server's; docs/reward-integrity.md, I2); "
         f"default: those of {', '.join(AGENT_PYTHON_PACKAGES)} that are installed")
 
 

@@ -97,7 +97,7 @@ def _fail(error: str, timed_out: bool = False, failed_test: Optional[str] = None
 
 # ------------------------------------------------------------------------------------------------ channels
 #: What the host decodes of one message from a sandbox (the solution's process writes its own): 2 MiB and 2**16
-#: items, a few milliseconds of decoding on the event loop at most (README, "Reward integrity", I4). A HumanEval
+#: items, a few milliseconds of decoding on the event loop at most (docs/reward-integrity.md, I4). A HumanEval
 #: call's arguments and value are far smaller.
 HOST_MESSAGE_BOUNDS = bounded_json.JsonBounds(max_bytes=2 << 20, max_items=1 << 16)
 

@@ -1,5 +1,5 @@
-"""Which reasoning-gym tasks the ``math`` handler serves, and the answer grammar of each (README, "Reward
-integrity", I1: nothing the policy wrote is executed or evaluated outside a sandbox).
+"""Which reasoning-gym tasks the ``math`` handler serves, and the answer grammar of each (docs/reward-integrity.md,
+I1: nothing the policy wrote is executed or evaluated outside a sandbox).
 
 reasoning-gym's scorers are third-party code, and several evaluate the answer text as Python: ``countdown``
 and ``puzzle24`` call sympy's ``parse_expr`` (which ends in ``eval``), ``polynomial_multiplication`` and the two

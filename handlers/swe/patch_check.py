@@ -3,7 +3,7 @@ is flagged, scores 0.0 and is never run.
 
 Why it exists: the tests import the patched source in pytest's own process (that is what they test), so source
 code can rewrite pytest's reports, overwrite the JUnit report, or ask something outside the test run to do it.
-No rule about files can stop code the tests are meant to run (the README's residual risk); this check flags the
+No rule about files can stop code the tests are meant to run (docs/reward-integrity.md, residual risk); this check flags the
 plain ways of doing it, which a fix never needs. It is a speed bump, not a proof: code that spells these names
 at run time (``getattr(__import__("_py" + "test"), ...)``), spreads them over several lines, or reads them from
 data still passes it.

@@ -1,5 +1,5 @@
 """TRL (trl 1.16) plugin: ``GRPOTrainer`` rollouts on ProRL rollout servers and the weight push that keeps the
-servers' vLLM backends on the trainer's weights. See README.md "Training with TRL" and trainer_plugins/trl/README.md.
+servers' vLLM backends on the trainer's weights. See docs/training-trl.md and trainer_plugins/trl/README.md.
 
 Importing this package does not import trl; :class:`WeightPushCallback` subclasses
 ``transformers.TrainerCallback`` when transformers is installed.

@@ -562,8 +562,8 @@ class ProRLAgentLoop(AgentLoopBase):
             return source
         if self.reward_source == "verl":
             # verl's scorers for other sources parse the answer with what can execute (prime_math: sympy's
-            # parse_expr) or run it (sandbox_fusion): not on model-written text in the trainer (README,
-            # "Reward integrity", I1). These are string and regex work only.
+            # parse_expr) or run it (sandbox_fusion): not on model-written text in the trainer
+            # (docs/reward-integrity.md, I1). These are string and regex work only.
             raise ValueError(f"reward_source=verl: verl's scorer for data_source {source!r} is not one this plugin "
                              f"runs on model-written text (only {', '.join(VERL_MATH_SOURCES)}, aime*); use "
                              "reward_source=server for it")
