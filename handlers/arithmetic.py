@@ -86,7 +86,7 @@ class ArithmeticInstance(BaseModel):
 
 
 
-@dataclass
+@dataclass(slots=True)
 class ArithmeticState:
     """What an ``arithmetic`` job carries from run to eval (``job.state``)."""
 

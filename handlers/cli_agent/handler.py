@@ -185,7 +185,7 @@ def _read_workspace_file(workspace: str, name: str, max_bytes: int = 8 << 20) ->
         return f.read(max_bytes).decode("utf-8", errors="replace")
 
 
-@dataclass
+@dataclass(slots=True)
 class CliAgentState:
     """What a ``cli_agent`` job carries from init to run to eval (``job.state``)."""
 

@@ -35,7 +35,7 @@ USER_TEMPLATE = ("Complete the function below. The file /workspace/{solution} al
 
 
 
-@dataclass
+@dataclass(slots=True)
 class CodeState:
     """What a ``code`` job carries between stages (``job.state``)."""
 

@@ -85,7 +85,7 @@ class MathSettings(BaseModel):
                            "sets none")
 
 
-@dataclass
+@dataclass(slots=True)
 class MathState:
     """What a ``math`` job carries between stages (``job.state``)."""
 

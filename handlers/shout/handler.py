@@ -57,7 +57,7 @@ def capital_share(text: str) -> tuple[float, int]:
 
 
 
-@dataclass
+@dataclass(slots=True)
 class ShoutState:
     """What a ``shout`` job carries between stages (``job.state``)."""
 

@@ -141,7 +141,7 @@ async def _checkout(handle, instance: dict[str, Any]) -> str:
     return r.output.strip().splitlines()[-1]
 
 
-@dataclass
+@dataclass(slots=True)
 class SweState:
     """What a ``swe`` job carries between stages (``job.state``)."""
 
