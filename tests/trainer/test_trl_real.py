@@ -28,20 +28,14 @@ from trainer_plugins.trl.weights import save_weights
 pytestmark = pytest.mark.real
 
 ROOT = Path(__file__).resolve().parents[2]
-EXTENSION = "trainer_plugins.vllm_weights.WeightLoaderExtension"
 IDS = list(range(100, 140))
 
 
 @pytest.fixture(scope="module")
-def ext_vllm(tiny_model_dir):
-    pytest.importorskip("vllm")
-    from prorl_server.dev.vllm_launcher import start_vllm
-
-    server = start_vllm(tiny_model_dir, max_model_len=1024, max_num_batched_tokens=1024, timeout_s=300,
-                        log_path=ROOT / ".cache" / "logs" / f"vllm-weights-{os.getpid()}.log",
-                        extra_args=["--worker-extension-cls", EXTENSION])
-    yield server
-    server.stop()
+def ext_vllm(vllm_ext_server):
+    """The session's vLLM CPU server with the worker extension (tests/conftest.py): tests that need the base
+    weights push them first (:func:`push_original`), and the other users of the server restore them."""
+    return vllm_ext_server
 
 
 class RolloutServerProcess:
