@@ -13,10 +13,12 @@ Jacobson 1988; the same shape as Netflix's ``concurrency-limits``) on a signal f
 (:class:`~prorl_server.loop_monitor.LoopLagMonitor`, every 50 ms):
 
 - **saturated**: the probe woke more than ``target_lag_s`` late *and* the loop's thread was on the CPU for
-  most of the probe's span (``busy >= busy_high``): the lag is this process's own work, which fewer jobs
-  shorten. Limit x ``decrease`` (at most once per ``cooldown_s``, so a cut shows its effect first), not
-  below ``min_limit``. Lag while the thread was *not* busy is another process holding the core, or a
-  blocking call: admitting fewer jobs would not help, so the limit stays.
+  most of the probe's span (``busy >= busy_high``) or for at least the probe's own interval (a loop that
+  other processes starve of its core, and that still had ready work whenever it ran): the lag is this
+  process's own work, which fewer jobs shorten (a pass over fewer ready jobs is shorter, starved or not).
+  Limit x ``decrease`` (at most once per ``cooldown_s``, so a cut shows its effect first), not below
+  ``min_limit``. Lag while the thread hardly ran is an idle loop waiting for the scheduler, or a blocking
+  call: admitting fewer jobs would not help, so the limit stays.
 - **headroom**: lag within the target, the loop busy less than ``busy_low`` of the span, and jobs waiting:
   limit + max(1, limit / 16).
 
@@ -44,6 +46,7 @@ class AdmissionGate:
         busy_low: share below which the loop has headroom to admit more (0-1).
         decrease: factor of a cut (0-1).
         cooldown_s: seconds between two cuts.
+        interval_s: the probe's sleep, seconds (the loop-lag monitor's, 0.05).
         enabled: False admits every job at once (the limit is not enforced, still reported).
         on_change: ``(limit: int, admitted: int, waiting: int) -> None`` after every change (the metrics).
 
@@ -53,7 +56,7 @@ class AdmissionGate:
 
     def __init__(self, *, target_lag_s: float = 0.005, initial_limit: int = 256, min_limit: int = 16,
                  max_limit: Optional[int] = None, busy_high: float = 0.8, busy_low: float = 0.6,
-                 decrease: float = 0.8, cooldown_s: float = 0.25, enabled: bool = True,
+                 decrease: float = 0.8, cooldown_s: float = 0.25, interval_s: float = 0.05, enabled: bool = True,
                  on_change: Optional[Callable[[int, int, int], None]] = None) -> None:
         if target_lag_s <= 0 or min_limit < 1 or initial_limit < min_limit or not 0 < decrease < 1 \
                 or (max_limit is not None and max_limit < min_limit) or not 0 <= busy_low <= busy_high <= 1:
@@ -66,6 +69,7 @@ class AdmissionGate:
         self.busy_high, self.busy_low = busy_high, busy_low
         self.decrease = decrease
         self.cooldown_s = cooldown_s
+        self.interval_s = interval_s
         self.admitted = 0
         self.cuts = 0  # times the limit was cut (saturated loop)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -119,7 +123,8 @@ class AdmissionGate:
     def observe(self, lag_s: float, busy: float) -> None:
         """One probe of the event loop: it woke ``lag_s`` seconds late, and the loop's thread was on the CPU
         for ``busy`` (0-1) of the probe's span. Adjusts the limit (see the module docstring)."""
-        if lag_s > self.target_lag_s and busy >= self.busy_high:
+        own_work = busy >= self.busy_high or busy * (self.interval_s + lag_s) >= self.interval_s
+        if lag_s > self.target_lag_s and own_work:
             now = time.monotonic()
             if now - self._last_cut >= self.cooldown_s and self.limit > self.min_limit:
                 # cut from what is admitted when that is below the limit: a limit nobody reaches says nothing

@@ -101,6 +101,8 @@ async def test_the_limit_falls_when_the_loop_is_busy_and_late_not_when_another_p
     assert gate.limit == 100
     gate.observe(0.2, busy=0.95)  # late because of its own work: cut
     assert gate.limit == 80 and gate.cuts == 1
+    gate.observe(0.4, busy=0.35)  # starved of its core, yet it computed 158 ms in a 50 ms probe: its own work
+    assert gate.limit == 64 and gate.cuts == 2
     for _ in range(20):
         gate.observe(0.2, busy=0.95)
     assert gate.limit == 10  # never below min_limit
