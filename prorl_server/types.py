@@ -7,12 +7,11 @@ from them). The contract is compatible with ProRL Agent Server clients: ``POST /
 from __future__ import annotations
 
 import enum
-import math
+import json
 import re
 from collections import OrderedDict
 from typing import Annotated, Any, Literal, Optional, TypeVar
 
-import orjson
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
                       field_validator, model_validator)
 
@@ -223,7 +222,7 @@ class SamplingParams(BaseModel):
 SAMPLING_CACHE_SIZE = 256
 _SAMPLING_CACHE_MAX_BYTES = 4096
 _SCALARS = (str, int, float, bool, type(None))
-_sampling_cache: "OrderedDict[bytes, dict[str, Any]]" = OrderedDict()
+_sampling_cache: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
 
 
 def _sampling_to_vllm(v: Any) -> Any:
@@ -237,11 +236,10 @@ def _sampling_to_vllm(v: Any) -> Any:
     if not isinstance(v, dict):
         return v  # the dict type check reports it
     key = None
-    if len(v) <= 64 and all(type(x) in _SCALARS and (type(x) is not float or math.isfinite(x))
-                            for x in v.values()):  # (orjson writes NaN as null: a NaN is validated each time)
+    if len(v) <= 64 and all(type(k) is str and type(x) in _SCALARS for k, x in v.items()):
         try:  # 1, 1.0 and true are three keys, as they are three JSON values
-            key = orjson.dumps(v)
-        except TypeError:  # a key that is not a string (a Python caller's): validated, not remembered
+            key = json.dumps(v, allow_nan=False)
+        except ValueError:  # NaN or an infinity: validated (and refused) every time
             key = None
         if key is not None and len(key) <= _SAMPLING_CACHE_MAX_BYTES:
             hit = _sampling_cache.get(key)
