@@ -26,6 +26,10 @@ seconds is measured:
 - connection errors (refused, reset, disconnected, from the first connection on: all C clients connect at
   once) and failed jobs (non-200, or a ``critical_error``).
 
+This tree's servers run with prorl-server's defaults, admission control included (jobs start their stages only
+while the event loop keeps within 5 ms of lag; ``--ours-args "--admission-target-lag-ms 0"`` turns it off): the
+line under each row says the admission limit and the jobs waiting for it at the window's end.
+
 Baseline: the commit ``--baseline-ref`` (default: the parent of this work, whose server has aiohttp's
 default listen backlog of 128, no collector freeze, and keeps finished jobs' full results alive) checked out
 with ``git worktree`` in a temporary directory and run with the same Python; ours: this tree.
@@ -221,6 +225,15 @@ def parse_metrics(text: str) -> tuple[dict[float, float], float]:
     return buckets, lag_max
 
 
+def read_gauge(text: str, name: str) -> Optional[float]:
+    """The value of the unlabelled gauge ``name`` in a /metrics text; None when the server has none (the
+    baseline has no admission control)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> Optional[float]:
     """The ``q`` quantile (0-1) of the observations between two cumulative histograms, interpolated linearly
     inside its bucket (Prometheus' ``histogram_quantile``); None without observations."""
@@ -322,6 +335,15 @@ async def run_level(servers: list[Server], backend_pid: int, concurrency: int, w
         gc1 = [s.gc_stats() for s in servers]
         bcpu, ccpu = cpu_seconds(backend_pid) - bcpu0, time.process_time() - ccpu0
         hist1 = [(await scrape(u))[0] for u in urls]
+        admission = []  # (limit, waiting) of each server at the window's end: what admission control did
+        for u in urls:
+            try:
+                async with probe.get(u + "/metrics") as r:
+                    text = await r.text()
+                admission.append((read_gauge(text, "prorl_admission_limit"),
+                                  read_gauge(text, "prorl_admission_waiting")))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                admission.append((None, None))
         rss = sum(rss_mb(s.proc.pid) for s in servers)
         for t in tasks:
             t.cancel()
@@ -347,7 +369,7 @@ async def run_level(servers: list[Server], backend_pid: int, concurrency: int, w
         "gc_s": gc_s, "gc_share_of_cpu": gc_s / cpu if cpu else float("nan"), "full_collections": full,
         "gc_by_generation": by_gen,
         "gc_pause_max_ms": 1000 * max([dt for g in gc1 for t, dt in g.get("pauses", []) if t >= w0] or [0.0]),
-        "load_average": os.getloadavg()[0],
+        "load_average": os.getloadavg()[0], "admission": admission,
         "rss_mb": rss, "connection_errors": errors["connection"], "failed_jobs": errors["failed"],
         "failures": failures, "window_s": wall,
     }
@@ -455,9 +477,11 @@ async def main(args: argparse.Namespace) -> None:
                     print_rows([rows[-1]], header=len(rows) == 1)
                     gens = ", ".join(f"gen{g} {n} x {1000 * t / n if n else 0:.1f} ms"
                                      for g, (n, t) in enumerate(r["gc_by_generation"]))
+                    adm = ", ".join(f"limit {lim:.0f} jobs, {w:.0f} waiting" for lim, w in r["admission"]
+                                    if lim is not None)
                     print(f"{'':>16}  collections: {gens}; longest {r['gc_pause_max_ms']:.0f} ms CPU; load average "
-                          f"{r['load_average']:.1f}" + (f"; failures: {r['failures']}" if r["failures"] else ""),
-                          flush=True)
+                          f"{r['load_average']:.1f}" + (f"; admission at the end: {adm}" if adm else "")
+                          + (f"; failures: {r['failures']}" if r["failures"] else ""), flush=True)
             if not args.no_two_process:
                 for name, root in versions:
                     r = await measure(root, backend_url, backend.pid, two_at, 2, window, tmp, name,

@@ -29,6 +29,7 @@ from prorl_server.config import ServerSettings, journal_path
 from prorl_server.journal.store import Journal
 from prorl_server.membership import FleetControl
 from prorl_server.cpu_pool import DEFAULT_WORKERS, CpuPool
+from prorl_server.admission import AdmissionGate
 from prorl_server.gc_control import CollectorControl
 from prorl_server.gateway import Gateway, add_gateway_routes, agent_app
 from prorl_server.job import JobServices, SandboxOpener
@@ -345,7 +346,14 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                        on_affinity=m.affinity_decided)
     for address in settings.backends:
         pool.add(AddBackendRequest(address=address).address)
-    monitor = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max)
+    admission = None
+    if settings.admission_target_lag_ms:  # None (an app built in code) or 0: off
+        admission = AdmissionGate(target_lag_s=settings.admission_target_lag_ms / 1000,
+                                  min_limit=settings.admission_min_jobs,
+                                  initial_limit=max(settings.admission_min_jobs, 256),
+                                  on_change=m.admission_changed)
+    monitor = LoopLagMonitor(histogram=m.event_loop_lag, max_gauge=m.event_loop_lag_max,
+                             on_probe=admission.observe if admission is not None else None)
     runtime, own_runtime = sandbox_runtime, False
     kind = resolve_sandbox_runtime(settings.sandbox_runtime) if runtime is None else None
     if kind is not None:
@@ -378,6 +386,7 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     pipeline = Pipeline(registry, pool, m, settings.workers(), default_timeout_s=settings.default_timeout_s,
                         keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
                         services=services)
+    pipeline.admission = admission
     collector = CollectorControl(freeze=settings.gc_freeze, gen0_threshold=settings.gc_gen0_threshold,
                                  on_collection=m.gc_collected, on_frozen=m.gc_frozen_objects.set)
     journal = None

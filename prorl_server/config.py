@@ -79,6 +79,14 @@ class ServerSettings(BaseModel):
     gc_gen0_threshold: Optional[int] = Field(default=50_000, ge=1, description="allocations between "
                                              "generation-0 collections (CPython's default: 700); null keeps "
                                              "Python's thresholds")
+    admission_target_lag_ms: Optional[float] = Field(default=None, ge=0, le=10_000, description="admission "
+                                                     "control (prorl_server.admission): jobs start their stages "
+                                                     "only while the event loop keeps within this lag, ms; the "
+                                                     "limit adapts (AIMD on the lag of a busy loop); 0: off, every "
+                                                     "job starts at once; null (the default of an app built in "
+                                                     "code): off; prorl-server uses 5")
+    admission_min_jobs: int = Field(default=16, ge=1, description="the admission limit never goes below "
+                                    "this many jobs in their stages")
     processes: int = Field(default=1, ge=0, le=1024, description="server processes to run (prorl-server "
                            "only): each is its own member with its own port (port, port+1, ...; or each a free "
                            "port with port 0), listed in the ready file's members; 0 = one per CPU core")

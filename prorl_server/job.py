@@ -175,6 +175,7 @@ class Job(Generic[S]):
         self.done = asyncio.get_running_loop().create_future()
         self.task: Optional[asyncio.Task] = None  # the stage task now running, if any
         self.cancel_requested = False
+        self.admitted = False  # holds a slot of the pipeline's admission gate (released when the job ends)
         self.finishing = False  # set once the pipeline starts ending the job
         #: the running stage's deadline (an ``asyncio.Timeout``; None without a budget or between stages)
         self.deadline: Optional[asyncio.Timeout] = None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 DEFAULT_INTERVAL_S = 0.05
 
@@ -22,10 +23,16 @@ class LoopLagMonitor:
         max_gauge: a ``Gauge`` set to the largest lag of the last ``window_s`` seconds (or None).
         window_s: the window of ``max_gauge``, seconds.
         keep: how many recent lags :attr:`samples` keeps (benchmarks read them for percentiles).
+        on_probe: ``(lag_s: float, busy: float) -> None`` after every probe: its lag and the share (0-1) of the
+            probe's span the loop's thread spent on the CPU (near 1: the loop was busy with its own work; low
+            with a high lag: another process had the core, or the thread blocked); the admission gate's signal
+            (:mod:`prorl_server.admission`).
     """
 
     def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, histogram=None, max_gauge=None,
-                 window_s: float = 10.0, keep: int = 20000) -> None:
+                 window_s: float = 10.0, keep: int = 20000,
+                 on_probe: Optional[Callable[[float, float], None]] = None) -> None:
+        self.on_probe = on_probe
         self.interval_s = interval_s
         self._histogram = histogram
         self._max_gauge = max_gauge
@@ -55,6 +62,10 @@ class LoopLagMonitor:
     async def _probe(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t0 = loop.time()
+            t0, c0 = loop.time(), time.thread_time()
             await asyncio.sleep(self.interval_s)
-            self.record(max(0.0, loop.time() - t0 - self.interval_s))
+            span = loop.time() - t0
+            lag = max(0.0, span - self.interval_s)
+            self.record(lag)
+            if self.on_probe is not None:
+                self.on_probe(lag, (time.thread_time() - c0) / span if span > 0 else 0.0)

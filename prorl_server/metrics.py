@@ -116,6 +116,12 @@ class Metrics:
         self.gc_frozen_objects = Gauge("prorl_gc_frozen_objects", "Long-lived objects moved out of the "
                                        "collector's view (gc.freeze) at start and after large imports", registry=r)
         self._gc_by_generation = [self.gc_seconds.labels(str(g)) for g in range(3)]
+        self.admission_limit = Gauge("prorl_admission_limit", "Jobs the admission gate lets run their stages at "
+                                     "once (adapted to the event-loop lag; prorl_server.admission)", registry=r)
+        self.admission_admitted = Gauge("prorl_admission_admitted", "Jobs admitted into their stages now",
+                                        registry=r)
+        self.admission_waiting = Gauge("prorl_admission_waiting", "Jobs waiting for admission (their wait is "
+                                       "queue time, not charged to their timeout)", registry=r)
         self._backend_children: dict[str, tuple[Any, Any]] = {}
         self.trajectory_splits = Counter("prorl_trajectory_splits_total", "Trajectories split, by reason code "
                                          "(template_drops_generated_text, template_not_append_only: the chat "
@@ -139,6 +145,12 @@ class Metrics:
         for s in stages:
             self.stage_queue_depth[s].set(0)
             self.stage_active[s].set(0)
+
+    def admission_changed(self, limit: int, admitted: int, waiting: int) -> None:
+        """The admission gate's state changed (:class:`prorl_server.admission.AdmissionGate` ``on_change``)."""
+        self.admission_limit.set(limit)
+        self.admission_admitted.set(admitted)
+        self.admission_waiting.set(waiting)
 
     def gc_collected(self, generation: int, seconds: float) -> None:
         """One collection of ``generation`` (0-2) took ``seconds``

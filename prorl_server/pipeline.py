@@ -105,6 +105,9 @@ class Pipeline:
         self.journal_flush_s = 30.0
         self._finished: collections.deque[FinishedJob] = collections.deque()  # finish order, for retention
         self.in_flight = 0
+        #: the :class:`~prorl_server.admission.AdmissionGate` a job passes before its init stage starts (and
+        #: leaves when it ends), or None: every job starts as soon as a worker takes it
+        self.admission: Any = None
         self.accepting = True
         self._worker_tasks: list[asyncio.Task] = []
 
@@ -319,6 +322,17 @@ class Pipeline:
                 # Cancelled while queued (its _finish may still be closing its sandboxes): running the stage
                 # now would take a backend slot or a sandbox after the job released its resources.
                 continue
+            if stage == "init" and self.admission is not None:
+                try:
+                    await self.admission.acquire()
+                except asyncio.CancelledError:  # the worker is being cancelled (shutdown) while it waits
+                    if not job.finished:
+                        await asyncio.shield(self._finish(job, "cancelled", "server shutting down"))
+                    raise
+                job.admitted = True
+                if job.ending:  # cancelled while it waited: its _finish ran, or is running, without the slot
+                    self._release_admission(job)
+                    continue
             job.timing.queue_s += time.monotonic() - job.enqueued_at
             self.active[stage] += 1
             self.metrics.stage_active[stage].set(self.active[stage])
@@ -501,7 +515,13 @@ class Pipeline:
         if result.token_stats is not None:  # the drift report: splits by reason, turns, by model family
             self.metrics.count_token_stats(result.token_stats)
         job.done.set_result(result)
+        self._release_admission(job)
         self._retain(job)
+
+    def _release_admission(self, job: Job) -> None:
+        if job.admitted:
+            job.admitted = False
+            self.admission.release()
 
     def _complete_broken(self, job: Job, stage: Stage, error: str, tb: str) -> None:
         """Last resort when :meth:`_finish` itself failed: give the job a failed result so no waiter hangs."""
@@ -515,6 +535,7 @@ class Pipeline:
             self.metrics.jobs_in_flight.set(self.in_flight)
             job.done.set_result(job.result)
             self._retain(job)
+        self._release_admission(job)
 
     # ------------------------------------------------------------------ status
     def stage_status(self) -> dict[str, StageStatus]:

@@ -11,7 +11,10 @@ hub lookup on an offline node retries for about a minute per job, so a missing t
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Optional
+import contextlib
+import gc
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import aiohttp
 
@@ -87,12 +90,47 @@ class LLMContext:
         await self.client.close()
 
 
+_gc_paused = 0  # loads in progress that paused the collector (one thread each)
+_gc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic collector off while the first load imports transformers and torch (~370k objects): each
+    collection it triggered walked the objects imported so far while the event loop waited for the GIL. The
+    server's collector control freezes what the load left once the import burst has settled
+    (:mod:`prorl_server.gc_control`); reference counting frees as usual meanwhile."""
+    global _gc_paused
+    with _gc_lock:
+        if _gc_paused == 0:
+            _gc_paused = -1 if not gc.isenabled() else 1  # -1: it was off already, leave it off
+            gc.disable()
+        elif _gc_paused > 0:
+            _gc_paused += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            if _gc_paused > 0:
+                _gc_paused -= 1
+                if _gc_paused == 0:
+                    gc.enable()
+            elif _gc_paused == -1:
+                _gc_paused = 0
+
+
 def _load_tokenizer(name: str, local_only: bool = False) -> Any:
-    """``AutoTokenizer.from_pretrained(name)``; ``local_only``: a directory or the HF cache, never the hub.
+    """``AutoTokenizer.from_pretrained(name)`` with the collector paused (:func:`_collector_paused`);
+    ``local_only``: a directory or the HF cache, never the hub.
 
     Raises:
         TokenizerUnavailableError: ``name`` cannot be loaded (``local_only``: not available locally).
     """
+    with _collector_paused():
+        return _load(name, local_only)
+
+
+def _load(name: str, local_only: bool) -> Any:
     from transformers import AutoTokenizer
 
     if not local_only:

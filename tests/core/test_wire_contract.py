@@ -187,3 +187,26 @@ async def test_arithmetic_by_id_runs(make_client):
     r = await client.post("/process", json={"instance": {"data_source": "arithmetic", "instance_id": "nope"}})
     res = await r.json()
     assert r.status == 422 and res["error"]["field"] == "instance.instance_id", res
+
+
+def test_sampling_params_validated_once_still_refuse_and_answer_a_fresh_dict():
+    """Validated sampling parameters are remembered by their JSON (issue #26): the same set twice gives equal
+    dicts that are not one object (the server pops agent limits out of them), and a value that JSON writes
+    like a remembered one is still judged on its own (NaN is not null)."""
+    from pydantic import ValidationError
+
+    from prorl_server.types import ProcessRequest
+
+    def req(sp):
+        return ProcessRequest.model_validate({"instance": {"data_source": "shout"}, "sampling_params": sp})
+
+    a, b = req({"temperature": 0.5, "max_turns": 3}), req({"temperature": 0.5, "max_turns": 3})
+    assert a.sampling_params == b.sampling_params == {"temperature": 0.5}
+    assert a.instance["max_turns"] == b.instance["max_turns"] == 3
+    a.sampling_params["top_p"] = 0.1
+    assert req({"temperature": 0.5}).sampling_params == {"temperature": 0.5}
+    assert req({"temperature": None}).sampling_params == {}
+    with pytest.raises(ValidationError):
+        req({"temperature": float("nan")})
+    assert req({"temperature": 1}).sampling_params == {"temperature": 1} and \
+        req({"temperature": 1.0}).sampling_params == {"temperature": 1.0}

@@ -197,3 +197,21 @@ async def test_given_tool_calls_are_rendered_and_generated_ones_are_not_rendered
     assert await conv.add_messages([{"role": "tool", "content": "a.py"}])
     text = tokenizer.decode(conv.token_ids, skip_special_tokens=False)
     assert text.count('"cmd": "ls"') == 1 and conv.metrics["splits"] == 0
+
+
+async def test_conversations_that_append_the_same_text_stay_token_exact_and_independent(tokenizer):
+    """Short appended texts are encoded once per tokenizer and remembered (issue #26); each conversation still
+    gets its own token list: a second rollout with the same feedback is the same tokens as the first, and
+    growing one never changes the other or what the next one is given."""
+    convs = []
+    for i in range(3):
+        conv = Conversation(tokenizer, START, tools=TOOLS, max_context_tokens=4096)
+        conv.add_completion(gen(tokenizer, f"Answer {i}."))
+        assert await conv.add_messages([{"role": "user", "content": "Louder!"}])
+        convs.append(conv)
+    convs[0].add_completion(gen(tokenizer, "MORE."))
+    for conv in convs[1:]:
+        (traj,) = conv.trajectories()
+        ids = traj.prompt_ids + traj.response_ids
+        full = render(tokenizer, conv.messages, add_generation_prompt=True)
+        assert ids == tokenizer.encode(full, add_special_tokens=False)

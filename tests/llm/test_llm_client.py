@@ -205,3 +205,28 @@ def test_launcher_refuses_a_port_something_listens_on(tmp_path):
         with pytest.raises(VLLMStartError, match="already in use"):
             start_vllm(tmp_path, port=port)  # vLLM would silently share it (SO_REUSEPORT)
     assert not port_in_use("127.0.0.1", port)
+
+
+async def test_request_body_is_json_with_content_type_and_python_callers_values_keep_their_meaning(aiohttp_server):
+    """The body goes out as orjson bytes: still ``application/json``; integer ``logit_bias`` keys a Python caller
+    passes arrive as strings (as ``json.dumps`` wrote them) and an int past 64 bits (orjson refuses it) still
+    goes, through the fallback."""
+    seen_types = []
+    app, seen = fake_vllm([(200, choice([7])), (200, choice([8]))])
+
+    @web.middleware
+    async def content_type(request, handler):
+        if request.method == "POST":
+            seen_types.append(request.content_type)
+        return await handler(request)
+
+    app.middlewares.append(content_type)
+    server = await aiohttp_server(app)
+    async with LLMClient() as llm:
+        await llm.complete([1, 2], backend=str(server.make_url("")), max_tokens=1,
+                           sampling_params={"logit_bias": {12: 5.0}, "temperature": 0.5})
+        await llm.complete([1, 2], backend=str(server.make_url("")), max_tokens=1,
+                           sampling_params={"seed": 2 ** 70})
+    assert seen_types == ["application/json", "application/json"]
+    assert seen[0]["logit_bias"] == {"12": 5.0} and seen[0]["temperature"] == 0.5 and seen[0]["prompt"] == [1, 2]
+    assert seen[1]["seed"] == 2 ** 70
