@@ -71,7 +71,7 @@ from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
-                                  RolloutAuthError, filtered_result, open_session, process_request)
+                                  RolloutAuthError, filtered_result, open_session, process_request, uses_retry)
 from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
 from trainer_plugins.servers import ServersFile, load_servers
 
@@ -98,7 +98,8 @@ class Sample:
     cancel_requested: bool = False
     task: Optional[asyncio.Task] = field(default=None, repr=False)
     slot: int = 0  # which of the group's n samples this is
-    retries: int = 0  # how many filtered results this slot had before this job
+    retries: int = 0  # how many filtered results this slot had before this job that used up a retry
+    drains: int = 0  # how many drain refusals before this job (they use up no retry: jobs.uses_retry)
     failed_on: set[str] = field(default_factory=set)
 
     @property
@@ -189,7 +190,7 @@ class StepMetrics:
     jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
     ``trainer_wait_s``: how long ``next_batch`` waited for data. ``filtered_jobs``: results with
     ``filter: true`` (not trained on), by ``failure_kinds`` (``{failure_kind: jobs}``; ``rollout_server``
-    when the server gave no result); ``samples_regenerated``: new jobs submitted in their place;
+    when the server gave no result, ``draining`` when it refused the job because it leaves); ``samples_regenerated``: new jobs submitted in their place;
     ``groups_dropped_filtered``: groups dropped because a sample stayed filtered after
     ``max_sample_retries`` regenerations.
     """
@@ -588,12 +589,13 @@ class RolloutClient:
             group.samples.append(self._start_sample(group, i, 0, self._pick_server(group)))
 
     def _start_sample(self, group: Group, slot: int, retries: int, server: str,
-                      failed_on: Optional[set[str]] = None) -> Sample:
+                      failed_on: Optional[set[str]] = None, drains: int = 0) -> Sample:
         self._in_flight[server] += 1
         self.chooser.started(server, self._group_id(group))
-        jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
+        jid = (f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
+               + (f"-d{drains}" if drains else ""))
         sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic(), slot=slot, retries=retries,
-                        failed_on=set(failed_on or ()))
+                        failed_on=set(failed_on or ()), drains=drains)
         sample.task = asyncio.create_task(self._run_sample(group, sample))
         self._tasks.add(sample.task)
         sample.task.add_done_callback(self._tasks.discard)
@@ -648,12 +650,13 @@ class RolloutClient:
         self._counters["filtered_jobs"] += 1
         self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
         servers = self._servers()
-        if sample.retries < self.max_sample_retries and not self._closed and servers:
+        counted = uses_retry(sample.result, sample.server, sample.failed_on)
+        if (not counted or sample.retries < self.max_sample_retries) and not self._closed and servers:
             self._wasted_s += sample.counted_s
             failed_on = sample.failed_on | {sample.server}
             server = self._jobs.retry_server(servers, self._group_id(group), failed_on, self.chooser)
-            group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
-                                                                            sample.retries + 1, server, failed_on)
+            group.samples[group.samples.index(sample)] = self._start_sample(
+                group, sample.slot, sample.retries + counted, server, failed_on, sample.drains + (not counted))
             self._counters["samples_regenerated"] += 1
             return
         self._counters["groups_dropped_filtered"] += 1
