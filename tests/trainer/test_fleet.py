@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import aiohttp
 from aiohttp import web
 
 from prorl_server.membership import (END_SENTINEL, FleetControl, MemberRecord, Membership, clear_end, end_marker,
@@ -496,3 +497,92 @@ async def test_a_member_that_joins_after_a_weight_update_gets_the_trainers_backe
         await ma.close()
         await mb.close()
         client.fleet.close()
+
+
+async def test_the_trl_weight_sync_registers_its_backends_with_a_member_that_joins_later(tmp_path, serve_handlers,
+                                                                                        varied):
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from trainer_plugins.trl.rollout import ProRLRollout
+    from trainer_plugins.trl.weights import WeightPushCallback
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied)
+    ma = Membership(tmp_path, url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path, url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    fleet = open_fleet(tmp_path)
+    rollout = ProRLRollout(str(tmp_path), [{"data_source": "varied", "prompt": "p"}])
+    backend = "http://127.0.0.1:9"  # never called: the varied handler needs no LLM
+    sync = WeightPushCallback(rollout, backends=[backend], protocol="legacy")
+
+    async def backends_of(url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/status") as r:
+                return [(x["address"], x["weight_version"]) for x in (await r.json())["backends"]]
+
+    try:
+        assert rollout.urls is fleet
+        # TRL calls the callback from its training thread: a thread here, so this loop serves the servers
+        state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+        await asyncio.to_thread(sync.on_train_begin, SimpleNamespace(), state, None)
+        assert await backends_of(a) == [(backend, 0)]
+        await mb.start()  # joins after the registration: nothing else would ever register the backends with it
+        deadline = time.monotonic() + 10  # hang guard only
+        while await backends_of(b) != [(backend, 0)]:
+            assert time.monotonic() < deadline, "the joining member never got the trainer's backends"
+            await asyncio.sleep(0.05)
+    finally:
+        await asyncio.to_thread(rollout.close)
+        await ma.close()
+        await mb.close()
+        fleet.close()
+
+
+async def test_prorl_run_follows_a_fleet_and_registers_its_backends_with_a_member_that_joins(tmp_path,
+                                                                                           serve_handlers, varied):
+    """``prorl-run --fleet-dir DIR --backend URL``: jobs go to the members of the moment, and a member that joins
+    mid-run gets the backends and jobs."""
+    from trainer_plugins import run_job
+
+    on_b = []
+
+    @web.middleware
+    async def count(request, handler):
+        if request.path == "/process":
+            on_b.append(request)
+        return await handler(request)
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied, middlewares=[count])
+    ma = Membership(tmp_path / "fleet", url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path / "fleet", url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "varied", "instance_id": f"i{i}", "id": f"i{i}",
+                                        "rewards": [1.0], "sleeps": [0.1]}) + "\n" for i in range(60)))
+    backend = "http://127.0.0.1:9"  # never called: the varied handler needs no LLM
+    args = run_job.build_parser().parse_args(["--dataset", str(data), "--fleet-dir", str(tmp_path / "fleet"),
+                                              "--backend", backend, "--concurrency", "2",
+                                              "--out", str(tmp_path / "out")])
+    run = asyncio.create_task(run_job.run(args))
+    try:
+        while len(varied.seen) < 4:
+            await asyncio.sleep(0.02)
+        await mb.start()  # joins mid-run
+        await run
+    finally:
+        await ma.close()
+        await mb.close()
+    results = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
+    assert len(results) == 60 and all(r["reward"] == 1.0 and not r["filter"] for r in results)
+    assert {r["job_id"].split("-")[0] for r in results} == {f"i{i}" for i in range(60)}
+
+    async def backends_of(url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/status") as r:
+                return [x["address"] for x in (await r.json())["backends"]]
+
+    assert await backends_of(b) == [backend]  # the joiner got the backends
+    assert on_b  # and jobs
