@@ -586,3 +586,21 @@ async def test_prorl_run_follows_a_fleet_and_registers_its_backends_with_a_membe
 
     assert await backends_of(b) == [backend]  # the joiner got the backends
     assert on_b  # and jobs
+
+
+async def test_prorl_run_with_several_servers_moves_the_jobs_of_one_that_does_not_answer(tmp_path, serve_handlers,
+                                                                                       varied):
+    from trainer_plugins import run_job
+
+    good = await serve_handlers(varied)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens: connection refused
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "varied", "instance_id": f"i{i}", "id": f"i{i}",
+                                        "rewards": [1.0]}) + "\n" for i in range(8)))
+    args = run_job.build_parser().parse_args(["--dataset", str(data), "--server", good, "--server", dead_url,
+                                              "--out", str(tmp_path / "out")])
+    summary = await run_job.run(args)
+    assert summary["jobs_finished"] == 8 and summary["mean_reward"] == 1.0
