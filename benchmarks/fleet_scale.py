@@ -34,7 +34,8 @@ fake LLM and the client together fit in them (about 500 turns/s at the defaults)
 not the design, set the rate. Wall time at the defaults: about 4 minutes for both sides.
 
 Usage: python benchmarks/fleet_scale.py [--sessions 4096] [--servers 4] [--turn-s 8] [--turns 2]
-       [--window-s 24] [--fault-s 18] [--only fleet|static] [--quick]
+       [--window-s 24] [--fault-s 18] [--only fleet|static] [--fleet-first]
+       [--fault kill|stop] [--quick]
 The last line printed is one summary line.
 """
 from __future__ import annotations
@@ -294,7 +295,8 @@ async def main_async(args) -> None:
     backend = f"http://127.0.0.1:{(await llm.wait_ready())['port']}"
     results = []
     try:
-        for mode in (["static", "fleet"] if args.only is None else [args.only]):
+        order = ["fleet", "static"] if args.fleet_first else ["static", "fleet"]
+        for mode in (order if args.only is None else [args.only]):
             results.append(await run_side(mode, args, backend, llm, tmp))
             r = results[-1]
             print(f"[{mode}] " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
@@ -352,6 +354,8 @@ def main() -> None:
     p.add_argument("--window-s", type=float, default=24.0)
     p.add_argument("--fault-s", type=float, default=18.0)
     p.add_argument("--only", choices=["fleet", "static"])
+    p.add_argument("--fleet-first", action="store_true",
+                   help="run the fleet side first (on a shared machine, to see whether a difference follows the order)")
     p.add_argument("--fault", choices=["kill", "stop"], default="kill",
                    help="kill: SIGKILL server 0 (its connections reset); stop: SIGSTOP it, standing for a node lost "
                         "(no reset: requests on it hang)")
