@@ -46,7 +46,6 @@ import json
 import os
 import resource
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -325,7 +324,8 @@ async def main_async(args) -> None:
     load = os.getloadavg()[0]
     f = by.get("fleet")
     s = by.get("static")
-    parts = [f"fleet_scale ({'SIGKILL' if args.fault == 'kill' else 'SIGSTOP'}): {args.sessions} sessions x {args.turns} turns x {args.turn_s:g} s on "
+    fault = "SIGKILL" if args.fault == "kill" else "SIGSTOP"
+    parts = [f"fleet_scale ({fault}): {args.sessions} sessions x {args.turns} turns x {args.turn_s:g} s on "
              f"{args.servers} servers (load {load:.1f})"]
     if f:
         parts.append(f"fleet {f['jobs_s']:.0f}/{f['ideal_jobs_s']:.0f} jobs/s, added p50/p99 "
