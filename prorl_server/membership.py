@@ -7,8 +7,8 @@ A fleet directory (``--fleet-dir DIR``, on the shared file system the Slurm laun
     DIR/token                      the fleet's bearer token (mode 0600; written by the launcher)
 
 A record (:class:`MemberRecord`, JSON, format version 1) says where the member is (``url``, ``node``, Slurm
-``job_id``/``step_id``, ``pid``), which Slurm ``cluster`` (``$SLURM_CLUSTER_NAME``: a reader asks that controller whether the job and step still
-run, :mod:`trainer_plugins.slurm_probe`), whether it takes jobs (``state``: ``active`` or ``draining``), how much
+``job_id``/``step_id``, ``pid``), which Slurm ``cluster`` (``$SLURM_CLUSTER_NAME``: a reader asks that
+controller whether the job and step still run), whether it takes jobs (``state``: ``active`` or ``draining``), how much
 (``capacity``: run workers; ``backends``: LLM backends in rotation), which weights it serves
 (``weight_version``), and its lease: ``seq`` (a counter the writer increments at every renewal), ``ttl_s``,
 and ``renewed_at``/``expires_at`` on the writer's wall clock. Records are written atomically (a temporary file
