@@ -24,7 +24,9 @@ def fake_slurm(tmp_path: Path, *, cluster="prorl-ci", jobs="", steps="", jobs_rc
     (bin_ / "squeue").write_text(
         "#!/bin/sh\n" + body +
         'case "$*" in *--steps*) printf "%s" "$STEPS";; *)\n'
-        f'  if [ {jobs_rc} != 0 ]; then echo "slurm_load_jobs error: Invalid job id specified" >&2; exit {jobs_rc}; fi\n'
+        f'  if [ {jobs_rc} != 0 ]; then\n'
+        f'    echo "slurm_load_jobs error: Invalid job id specified" >&2; exit {jobs_rc}\n'
+        '  fi\n'
         '  printf "%s" "$JOBS";; esac\n')
     for f in ("scontrol", "squeue"):
         (bin_ / f).chmod((bin_ / f).stat().st_mode | stat.S_IXUSR)
