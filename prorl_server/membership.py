@@ -7,7 +7,8 @@ A fleet directory (``--fleet-dir DIR``, on the shared file system the Slurm laun
     DIR/token                      the fleet's bearer token (mode 0600; written by the launcher)
 
 A record (:class:`MemberRecord`, JSON, format version 1) says where the member is (``url``, ``node``, Slurm
-``job_id``/``step_id``, ``pid``), whether it takes jobs (``state``: ``active`` or ``draining``), how much
+``job_id``/``step_id``, ``pid``), which Slurm ``cluster`` (``$SLURM_CLUSTER_NAME``: a reader asks that
+controller whether the job and step still run), whether it takes jobs (``state``: ``active`` or ``draining``), how much
 (``capacity``: run workers; ``backends``: LLM backends in rotation), which weights it serves
 (``weight_version``), and its lease: ``seq`` (a counter the writer increments at every renewal), ``ttl_s``,
 and ``renewed_at``/``expires_at`` on the writer's wall clock. Records are written atomically (a temporary file
@@ -57,6 +58,7 @@ class MemberRecord(BaseModel):
     port: int
     pid: int
     node: str
+    cluster: Optional[str] = None
     job_id: Optional[str] = None
     step_id: Optional[str] = None
     state: State = "active"
@@ -177,7 +179,8 @@ class Membership:
         node = node_name()
         self.record = MemberRecord(
             member_id=f"{node}-{os.getpid()}-{port}", url=url, host=host, port=port, pid=os.getpid(), node=node,
-            job_id=os.environ.get("SLURM_JOB_ID"), step_id=os.environ.get("SLURM_STEP_ID"), capacity=capacity,
+            cluster=os.environ.get("SLURM_CLUSTER_NAME"), job_id=os.environ.get("SLURM_JOB_ID"),
+            step_id=os.environ.get("SLURM_STEP_ID"), capacity=capacity,
             ttl_s=ttl_s, started_at=time.time())
         self.ttl_s = ttl_s
         self._status = status

@@ -63,7 +63,7 @@ import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import aiohttp
 
@@ -71,7 +71,7 @@ from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
-                                  RolloutAuthError, filtered_result, open_session, process_request)
+                                  RolloutAuthError, filtered_result, open_session, process_request, uses_retry)
 from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
 from trainer_plugins.servers import ServersFile, load_servers
 
@@ -98,7 +98,8 @@ class Sample:
     cancel_requested: bool = False
     task: Optional[asyncio.Task] = field(default=None, repr=False)
     slot: int = 0  # which of the group's n samples this is
-    retries: int = 0  # how many filtered results this slot had before this job
+    retries: int = 0  # how many filtered results this slot had before this job that used up a retry
+    drains: int = 0  # how many drain refusals before this job (they use up no retry: jobs.uses_retry)
     failed_on: set[str] = field(default_factory=set)
 
     @property
@@ -189,7 +190,7 @@ class StepMetrics:
     jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
     ``trainer_wait_s``: how long ``next_batch`` waited for data. ``filtered_jobs``: results with
     ``filter: true`` (not trained on), by ``failure_kinds`` (``{failure_kind: jobs}``; ``rollout_server``
-    when the server gave no result); ``samples_regenerated``: new jobs submitted in their place;
+    when the server gave no result, ``draining`` when it refused the job because it leaves); ``samples_regenerated``: new jobs submitted in their place;
     ``groups_dropped_filtered``: groups dropped because a sample stayed filtered after
     ``max_sample_retries`` regenerations.
     """
@@ -326,6 +327,86 @@ async def register_backends(session: aiohttp.ClientSession, server: str, backend
             raise RuntimeError(f"rollout server {server} is unreachable ({path}: {e!r})") from None
 
 
+Register = Callable[[str, Sequence[str], int], Awaitable[None]]
+
+
+class FleetRegistrar:
+    """Keeps the LLM backends a trainer serves registered with every member of a fleet at the current weight
+    version, members that join later included (issue #24: a server started during a run gets its first job
+    within 5 s of being healthy, so it must have backends by then). The one implementation of "register with
+    joiners": :class:`RolloutClient`, the TRL weight sync (``trainer_plugins.trl.weights``), the verl relay
+    (``trainer_plugins.verl.relay``) and ``prorl-run --fleet-dir`` each hold one.
+
+    :meth:`set` says what every member must have (``backends`` at ``version``); :meth:`sync` registers them with
+    each live member (:meth:`Fleet.known_urls`, suspects included) that has not got that version from this
+    registrar, and :meth:`follow` does so every ``fleet.poll_s`` seconds (0.25 s) until cancelled. A failed
+    registration is logged and tried again at the next poll.
+
+    Args:
+        fleet: the fleet followed.
+        register: ``await register(server_url, backends, version)``; raises ``RuntimeError`` on a refusal or an
+            unreachable server (default: :func:`register_backends` with ``clear`` on ``session``).
+        session, clear: for the default ``register``.
+    """
+
+    def __init__(self, fleet: Fleet, register: Optional[Register] = None, *,
+                 session: Optional[aiohttp.ClientSession] = None, clear: bool = True) -> None:
+        if register is None:
+            if session is None:
+                raise ValueError("FleetRegistrar needs a register function or a session")
+
+            async def register(server: str, backends: Sequence[str], version: int) -> None:
+                await register_backends(session, server, backends, version, clear=clear)
+
+        self.fleet = fleet
+        self._register = register
+        self.backends: Optional[list[str]] = None
+        self.version: Optional[int] = None
+        self.registered: dict[str, int] = {}  # member URL -> the version registered with it
+        self.registrations = 0  # registrations with joining members (not those :meth:`set` was told of)
+
+    def set(self, backends: Sequence[str], version: int, registered: Sequence[str] = ()) -> None:
+        """From now on every member must serve ``backends`` at ``version``; ``registered``: members the caller
+        has just registered with itself (not done again)."""
+        self.backends, self.version = list(backends), version
+        self.registered.update((u, version) for u in registered)
+
+    def forget(self, server: str) -> None:
+        """``server`` must be registered with again (e.g. it restarted)."""
+        self.registered.pop(server, None)
+
+    async def sync(self) -> list[str]:
+        """Register with every live member that lacks the current version. Returns the members registered."""
+        if not self.backends or self.version is None:
+            return []
+        done = []
+        for url in self.fleet.known_urls():
+            version = self.version
+            if self.registered.get(url) == version:
+                continue
+            self.registered[url] = version
+            try:
+                await self._register(url, self.backends, version)
+            except RuntimeError as e:
+                self.registered.pop(url, None)
+                log.warning("fleet: could not register backends with %s: %s", url, e)
+                continue
+            self.registrations += 1
+            done.append(url)
+            log.info("fleet: registered %d backend(s) with %s (joined; weight_version %d)", len(self.backends),
+                     url, version)
+        return done
+
+    async def follow(self) -> None:
+        """:meth:`sync` every ``fleet.poll_s`` seconds, forever (cancel the task to stop)."""
+        while True:
+            await asyncio.sleep(self.fleet.poll_s)
+            try:
+                await self.sync()
+            except Exception:  # never let the follower die: the next poll tries again
+                log.exception("fleet: registering backends with joining members failed")
+
+
 class RolloutClient:
     """Async rollout scheduler over one or many rollout servers (see the module docstring).
 
@@ -393,8 +474,9 @@ class RolloutClient:
         self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
         self.fleet: Optional[Fleet] = self.urls if isinstance(self.urls, Fleet) else None
         self.end_fleet = end_fleet
-        self._fleet_backends: Optional[list[str]] = None  # what update_weights registered with every member
-        self._registered: dict[str, int] = {}  # fleet member URL -> the weight version registered with it
+        #: with a fleet: registers the backends of the last update_weights with members that join later
+        self.registrar: Optional[FleetRegistrar] = (
+            FleetRegistrar(self.fleet, lambda u, b, v: self._register(u, b, v)) if self.fleet is not None else None)
         self._follower: Optional[asyncio.Task] = None
         self.headers = {**file_headers, **(headers or {})}
         if token:
@@ -451,8 +533,8 @@ class RolloutClient:
                                       fleet=self.fleet)
         if self._replenisher is None:
             self._replenisher = asyncio.create_task(self._replenish_forever())
-        if self.fleet is not None and self._follower is None:
-            self._follower = asyncio.create_task(self._register_joining_members())
+        if self.registrar is not None and self._follower is None:
+            self._follower = asyncio.create_task(self.registrar.follow())
         return self
 
     async def close(self, cancel_jobs: bool = True) -> None:
@@ -588,12 +670,13 @@ class RolloutClient:
             group.samples.append(self._start_sample(group, i, 0, self._pick_server(group)))
 
     def _start_sample(self, group: Group, slot: int, retries: int, server: str,
-                      failed_on: Optional[set[str]] = None) -> Sample:
+                      failed_on: Optional[set[str]] = None, drains: int = 0) -> Sample:
         self._in_flight[server] += 1
         self.chooser.started(server, self._group_id(group))
-        jid = f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
+        jid = (f"{self.job_prefix}-{group.uid}-a{group.attempt}-s{slot}" + (f"-r{retries}" if retries else "")
+               + (f"-d{drains}" if drains else ""))
         sample = Sample(job_id=jid, server=server, submitted_at=time.monotonic(), slot=slot, retries=retries,
-                        failed_on=set(failed_on or ()))
+                        failed_on=set(failed_on or ()), drains=drains)
         sample.task = asyncio.create_task(self._run_sample(group, sample))
         self._tasks.add(sample.task)
         sample.task.add_done_callback(self._tasks.discard)
@@ -648,12 +731,13 @@ class RolloutClient:
         self._counters["filtered_jobs"] += 1
         self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
         servers = self._servers()
-        if sample.retries < self.max_sample_retries and not self._closed and servers:
+        counted = uses_retry(sample.result, sample.server, sample.failed_on)
+        if (not counted or sample.retries < self.max_sample_retries) and not self._closed and servers:
             self._wasted_s += sample.counted_s
             failed_on = sample.failed_on | {sample.server}
             server = self._jobs.retry_server(servers, self._group_id(group), failed_on, self.chooser)
-            group.samples[group.samples.index(sample)] = self._start_sample(group, sample.slot,
-                                                                            sample.retries + 1, server, failed_on)
+            group.samples[group.samples.index(sample)] = self._start_sample(
+                group, sample.slot, sample.retries + counted, server, failed_on, sample.drains + (not counted))
             self._counters["samples_regenerated"] += 1
             return
         self._counters["groups_dropped_filtered"] += 1
@@ -811,36 +895,14 @@ class RolloutClient:
                 per_server = {u: list(backends.get(u, ())) for u in self.urls}
             else:
                 per_server = {u: list(backends) for u in self.urls}
-            if self.fleet is not None and backends is not None and not isinstance(backends, Mapping):
-                self._fleet_backends = list(backends)  # members that join later get them too
             targets = [u for u in self.urls if per_server.get(u)]
             await asyncio.gather(*(self._register(u, per_server[u], version) for u in targets))
-            self._registered.update((u, version) for u in targets)
+            if self.registrar is not None and backends is not None and not isinstance(backends, Mapping):
+                self.registrar.set(backends, version, registered=targets)  # members that join later get them
         self.weight_version = version
         await self._handle_stale([g for _, g in self.queue if self._over_bound(g)])
         self._wake.set()
         return version
-
-    async def _register_joining_members(self) -> None:
-        """With a fleet: register the backends of the last :meth:`update_weights` (a list for every server) with
-        each member that has not got them at the current version (one that joined since), within a poll."""
-        assert self.fleet is not None
-        while not self._closed:
-            await asyncio.sleep(self.fleet.poll_s)
-            if self._fleet_backends is None:
-                continue
-            version = self.weight_version
-            for url in self.fleet.known_urls():
-                if self._registered.get(url) == version:
-                    continue
-                self._registered[url] = version
-                try:
-                    await self._register(url, self._fleet_backends, version)
-                    log.info("fleet: registered %d backend(s) with %s (joined; weight_version %d)",
-                             len(self._fleet_backends), url, version)
-                except RuntimeError as e:
-                    self._registered.pop(url, None)
-                    log.warning("fleet: could not register backends with %s: %s", url, e)
 
     async def _register(self, server: str, backends: Sequence[str], version: int) -> None:
         await register_backends(self._session, server, backends, version, clear=True)

@@ -27,6 +27,9 @@ a request gets no answer (refused, reset)         out at once (:meth:`Fleet.mark
 a record that is not JSON / not a record          skipped (logged once); a member known under that file
 (half-written by a foreign tool, corrupt)         keeps its last good record, whose lease then runs out
 a record of this node whose pid is gone           out at once (it died; its lease need not run out)
+Slurm says its job or step ended (SIGKILLed      out at the next Slurm probe (every 2 s; its lease need
+server, scancel, node lost: job failed)           not run out; :mod:`trainer_plugins.slurm_probe`); Slurm
+                                                  commands absent or not answering: the lease decides
 the directory is unreadable (NFS hiccup)          the last good view is kept and no lease runs out while
                                                   nothing can be read (failed requests still take members
                                                   out); reading resumes where it left off
@@ -52,10 +55,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, _pid_alive, node_name,
                                      write_end)
+from trainer_plugins.slurm_probe import SlurmProbe
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ class _Member:
     file_id: tuple[int, int, int]  # (inode, mtime_ns, size) of the file last parsed
     seen_at: float  # reader's monotonic time when ``record.seq`` last advanced (or first sight, if fresh)
     gone: bool = False  # same node and its pid is gone
+    slurm_gone: bool = False  # Slurm says its job or step ended
 
 
 class Fleet(collections.abc.Sequence):
@@ -80,11 +85,13 @@ class Fleet(collections.abc.Sequence):
             probed (``GET /health``) before it may come back (seconds).
         local_node: node whose members come first (default: this one).
         start: start the reading thread now (tests read by hand with :meth:`refresh`).
+        slurm: a :class:`~trainer_plugins.slurm_probe.SlurmProbe` asked which members' jobs/steps ended
+            (``"auto"``: one when the Slurm commands are installed; None: the leases alone decide).
     """
 
     def __init__(self, fleet_dir: str | os.PathLike, *, poll_s: float = 0.25, max_clock_skew_s: float = 30.0,
                  probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0, local_node: Optional[str] = None,
-                 start: bool = True) -> None:
+                 start: bool = True, slurm: Union[SlurmProbe, None, str] = "auto") -> None:
         self.fleet_dir = Path(fleet_dir)
         self.poll_s = poll_s
         self.max_clock_skew_s = max_clock_skew_s
@@ -102,6 +109,8 @@ class Fleet(collections.abc.Sequence):
         self._blind_since: Optional[float] = None
         self.read_errors = 0
         self.ended = False
+        self.slurm: Optional[SlurmProbe] = SlurmProbe.auto() if slurm == "auto" else slurm  # type: ignore[assignment]
+        self._last_slurm = 0.0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.refresh()
@@ -209,8 +218,30 @@ class Fleet(collections.abc.Sequence):
         while not self._stop.wait(self.poll_s):
             try:
                 self.refresh()
+                self.check_slurm()
             except Exception:  # never let the thread die: the last good view stays
                 log.exception("fleet: reading %s failed", self.fleet_dir)
+
+    def check_slurm(self, force: bool = False) -> bool:
+        """Ask Slurm (every ``slurm.interval_s``, or now with ``force``) which members' jobs or steps ended, and
+        take those out. Blocking (the reading thread calls it). Returns True when the routable set changed."""
+        now = time.monotonic()
+        if self.slurm is None or (not force and now - self._last_slurm < self.slurm.interval_s):
+            return False
+        self._last_slurm = now
+        with self._lock:
+            asked = [(m.record.member_id, m.record.cluster, m.record.job_id, m.record.step_id)
+                     for m in self._members.values() if m.record.job_id]
+        if not asked:
+            return False
+        dead = self.slurm.dead(asked)  # subprocesses: outside the lock
+        with self._lock:
+            for m in self._members.values():
+                was, m.slurm_gone = m.slurm_gone, m.record.member_id in dead
+                if m.slurm_gone and not was:
+                    log.warning("fleet: Slurm says job %s step %s of %s (%s) ended: out", m.record.job_id,
+                                m.record.step_id, m.record.member_id, m.record.url)
+            return self._recompute(time.monotonic())
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(min(self.poll_s, self.probe_interval_s)):
@@ -305,7 +336,7 @@ class Fleet(collections.abc.Sequence):
             self._blind_since = None
 
     def _live(self, m: _Member, now: float) -> bool:
-        if m.gone:
+        if m.gone or m.slurm_gone:
             return False
         if self._blind_since is not None:  # nothing can be seen: the lease as it was when reading stopped
             now = self._blind_since

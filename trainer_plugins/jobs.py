@@ -12,8 +12,9 @@ the rollout server answers              outcome
 200 with a job result                   the result (``filter: true`` in it: not to be trained on; see below)
 200, ``failure_kind: invalid_instance``  :class:`InvalidInstanceError` naming the instance (retrying cannot help)
 200 with a body that is no job result   a filtered ``rollout_server`` result
-503 ``draining`` (the server leaves)     a filtered ``rollout_server`` result at once (another attempt,
-                                        elsewhere); a fleet takes the server out of the rotation
+503 ``draining`` (the server leaves)     a filtered ``draining`` result at once (another attempt, elsewhere,
+                                        not counted against ``max_sample_retries``: see below); a fleet
+                                        takes the server out of the rotation
 503 (no LLM backend yet, stopped)       offered again on the same server every 0.25 s for
                                         ``unavailable_retry_s``, then a filtered ``rollout_server`` result
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
@@ -43,7 +44,9 @@ id) up to ``max_sample_retries`` times; each re-submission goes to the server th
 :class:`trainer_plugins.admission.ServerChooser` picks with every server on which this sample was already
 filtered excluded, while another server is left. :meth:`JobSubmitter.run` is that loop;
 ``RolloutClient`` applies the same rule itself (:meth:`JobSubmitter.retry_server`) because it regenerates
-samples inside groups.
+samples inside groups. A ``draining`` refusal is no fault (the server leaves on purpose and never took the job):
+it does not use up a retry (:func:`uses_retry`), unless the sample had been filtered on that server already
+(there was nowhere else to go), so a sample meets each server's drain at most once for free.
 
 Cancel (:meth:`JobSubmitter.cancel`), robust against the race with the job's own submission:
 
@@ -65,7 +68,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import AbstractSet, Any, Mapping, Optional, Sequence
 
 import aiohttp
 import pydantic
@@ -79,6 +82,9 @@ log = logging.getLogger(__name__)
 #: ``failure_kind`` of a result made here because the rollout server gave none (no answer, 5xx, 503 for too
 #: long, a body that is not a job result). The server's own kinds are ``prorl_server.failures.FAILURE_KINDS``.
 ROLLOUT_SERVER = "rollout_server"
+#: ``failure_kind`` of a result made here because the server refused the job with 503 ``draining``: it is leaving
+#: (SIGTERM in a fleet, ``POST /drain``) and took no job; re-submitted elsewhere without using up a retry.
+DRAINING = "draining"
 #: how many cancelled job ids a client remembers (each is a short string; the oldest is forgotten first)
 _TOMBSTONES = 65536
 #: Connections one client session opens at most, over all servers: 0 = no cap, the jobs in flight are bounded by
@@ -326,7 +332,7 @@ class JobSubmitter:
             if status == 503 and _error_type(data) == "draining":  # it leaves: the job goes elsewhere at once
                 if self.fleet is not None:
                     self.fleet.mark_draining(server)
-                return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server} is draining (it took no "
+                return filtered_result(job_id, DRAINING, f"rollout server {server} is draining (it took no "
                                        "new job): submit elsewhere", handler=_handler(request))
             # 503: no LLM backend registered yet (or a swap), or the server is stopped: offered again.
             if status == 503 and time.monotonic() < deadline:
@@ -494,6 +500,7 @@ class JobSubmitter:
         chooser = chooser or self.chooser
         failed_on: set[str] = set()
         attempts: list[Attempt] = []
+        retries = 0  # attempts that used up a retry (a drain refusal does not: uses_retry)
         while True:
             # one snapshot per attempt: a fleet's members change under us (its reading thread)
             candidates = list(servers) or _fallback(servers)
@@ -509,11 +516,13 @@ class JobSubmitter:
                 result = await self.submit(server, request.model_copy(update={"job_id": job_id}), what=what)
             finally:
                 chooser.finished(server, request.group_id)
-            if not result.filter or len(attempts) >= max_sample_retries or self.was_cancelled(job_id):
+            counted = uses_retry(result, server, failed_on)
+            if not result.filter or (counted and retries >= max_sample_retries) or self.was_cancelled(job_id):
                 return JobOutcome(result=result, server=server, attempts=attempts)
             attempts.append(Attempt(job_id=job_id, server=server, failure_kind=result.failure_kind,
                                     error=result.error))
             failed_on.add(server)
+            retries += counted
             log.warning("job %s (%s) on %s must not be trained on (failure_kind=%s: %s); re-submitting", job_id,
                         what or "instance", server, result.failure_kind, result.error)
 
@@ -536,6 +545,13 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
+
+
+def uses_retry(result: JobResult, server: str, failed_on: AbstractSet[str]) -> bool:
+    """Whether the filtered ``result`` of an attempt on ``server`` counts against ``max_sample_retries``: every
+    one does but a ``draining`` refusal from a server the sample had not been filtered on yet (``failed_on``,
+    before this attempt) -- a drain is no fault, and the next attempt has another server to go to."""
+    return not (result.failure_kind == DRAINING and server not in failed_on)
 
 
 def _fallback(servers: Sequence[str]) -> Sequence[str]:

@@ -1,14 +1,22 @@
 """``prorl-run``: the main job. Roll out a dataset through a rollout server and report.
 
-Loads a dataset (see :mod:`prorl_server.datasets`), starts a rollout server in this process (or uses one given
-by ``--server URL``), registers LLM backends (``--backend URL``), submits N instances x n samples with bounded
+Loads a dataset (see :mod:`prorl_server.datasets`), starts a rollout server in this process (or uses those
+given by ``--server URL``, repeatable, or the fleet of ``--fleet-dir DIR``), registers LLM backends
+(``--backend URL``), submits N instances x n samples with bounded
 concurrency, shows a progress bar with live throughput and mean reward, and writes ``trajectories.jsonl`` (one
 job result per line, token ids included) and ``summary.json`` to ``--out``, then prints a summary table.
 Ctrl-C (SIGINT) or SIGTERM cancels the outstanding jobs on the server and still writes what finished.
 
 Every job goes through the one rollout client, :class:`trainer_plugins.jobs.JobSubmitter` (its cancel also
-stops a job whose request has not reached the server yet). Here a job is not re-submitted, a 503 is not waited
-out, and a server that gives no result (no answer, 5xx, 503) ends the run with an error, as a refused job does.
+stops a job whose request has not reached the server yet). With one server a job is not re-submitted, a 503 is
+not waited out, and a server that gives no result (no answer, 5xx, 503) ends the run with an error, as a
+refused job does. With several servers, or a fleet (issue #24: servers join, drain and die during the run), a
+job a server gave no result for is re-submitted elsewhere (``--max-sample-retries``, default 2), a 503 is offered
+again for 30 s, and only a job still without a result after its retries ends the run; with a fleet, each job
+goes to the members of that moment (:class:`trainer_plugins.fleet.Fleet`) and the ``--backend`` URLs are
+registered with every member, those that join later included
+(:class:`trainer_plugins.client.FleetRegistrar`). prorl-run never ends a fleet (no end sentinel): the fleet
+belongs to whoever started it.
 It lives in ``trainer_plugins`` (the top layer) because it is a client of the server; it starts the server in
 process through :mod:`prorl_server.app`.
 """
@@ -34,7 +42,10 @@ from tqdm import tqdm
 from prorl_server.datasets import DatasetError, load_dataset
 from prorl_server.types import JobResult
 from prorl_server.stats import percentile
-from trainer_plugins.jobs import ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, open_session, process_request
+from trainer_plugins.client import FleetRegistrar
+from trainer_plugins.fleet import Fleet, open_fleet
+from trainer_plugins.jobs import (DRAINING, ROLLOUT_SERVER, InvalidInstanceError, JobSubmitter, open_session,
+                                  process_request)
 
 log = logging.getLogger("prorl_run")
 DEFAULT_MODEL_DIR = Path(os.environ.get("PRORL_CACHE", Path(__file__).resolve().parent.parent / ".cache")) / "tiny-model"
@@ -48,9 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N instances (default: all)")
     p.add_argument("--samples", "-n", type=int, default=1, help="samples per instance (a group), default 1")
     p.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once, default 8")
-    p.add_argument("--server", help="URL of a running rollout server (default: start one in this process)")
+    p.add_argument("--server", action="append", default=[], metavar="URL",
+                   help="URL of a running rollout server (repeatable: jobs spread over them, and a job one of them "
+                        "fails goes to another; default: start one in this process)")
+    p.add_argument("--fleet-dir", metavar="DIR",
+                   help="follow the fleet of rollout servers in DIR (prorl-server --fleet-dir, or the launcher's "
+                        "PRORL_FLEET_DIR): jobs go to its members as they join, drain and die")
+    p.add_argument("--max-sample-retries", type=int, default=None,
+                   help="re-submissions of a job a server gave no result for (default: 0 with one server, 2 with "
+                        "several or a fleet)")
     p.add_argument("--token", default=os.environ.get("PRORL_TOKEN") or None,
-                   help="bearer token of --server (default: the PRORL_TOKEN environment variable)")
+                   help="bearer token of --server / the fleet (default: the PRORL_TOKEN environment variable, "
+                        "else DIR/token of the fleet)")
     p.add_argument("--backend", action="append", default=[], metavar="URL", help="LLM backend (repeatable)")
     p.add_argument("--sandbox-runtime", default=None,
                    help="runtime of the in-process server: bubblewrap (default where bwrap exists), local, singularity")
@@ -180,20 +200,51 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as stack:
         backends = list(args.backend)
-        if not args.server and not backends and _needs_llm(instances):
+        remote = bool(args.server or args.fleet_dir)
+        if not remote and not backends and _needs_llm(instances):
             embedded = await start_embedded_llm(args.model, args.max_model_len, out)
             stack.push_async_callback(embedded.stop_async)
             backends = [embedded.address]
-        headers = {"Authorization": f"Bearer {args.token}"} if args.token and args.server else {}
-        url = args.server.rstrip("/") if args.server else await _start_local_server(stack, args, backends)
+        fleet: Optional[Fleet] = None
+        if args.fleet_dir:
+            fleet = open_fleet(args.fleet_dir)
+            stack.callback(fleet.close)
+        headers = {"Authorization": f"Bearer {args.token}"} if args.token and remote else {}
+        if fleet is not None and not headers:
+            headers = fleet.headers
+        servers: Sequence[str]
+        if fleet is not None:
+            servers = fleet
+        elif args.server:
+            servers = [u.rstrip("/") for u in args.server]
+        else:
+            servers = [await _start_local_server(stack, args, backends)]
+        several = fleet is not None or len(servers) > 1
+        retries = args.max_sample_retries if args.max_sample_retries is not None else (2 if several else 0)
         http = await stack.enter_async_context(
             open_session(headers, max_connections=args.max_connections,
                          timeout=aiohttp.ClientTimeout(total=None)))
-        client = JobSubmitter(session=http, unavailable_retry_s=0.0)
-        if args.server:
-            for b in backends:
-                async with http.post(f"{url}/add_llm_server", json={"address": b}) as r:
-                    r.raise_for_status()
+        client = JobSubmitter(session=http, unavailable_retry_s=30.0 if several else 0.0, fleet=fleet)
+        stack.push_async_callback(client.close)  # its fleet lease watch; the session is closed by the stack
+
+        async def add_backends(server: str, bs: Sequence[str], version: int = 0) -> None:
+            for b in bs:  # a fixed model: registered with no weight version
+                async with http.post(f"{server}/add_llm_server", json={"address": b}) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{server}/add_llm_server {b} answered {r.status}: {await r.text()}")
+
+        if fleet is not None:
+            if not fleet and not await fleet.wait_for_members(60.0):
+                raise RuntimeError(f"no rollout server in the fleet {args.fleet_dir} after 60 s")
+            if backends:  # every member, those that join later included
+                registrar = FleetRegistrar(fleet, add_backends)
+                registrar.set(backends, 0)
+                await registrar.sync()
+                follower = asyncio.create_task(registrar.follow())
+                stack.push_async_callback(_cancel, follower)
+        elif args.server:
+            for u in servers:
+                await add_backends(u, backends)
         sink = stack.enter_context((out / "trajectories.jsonl").open("w"))
         bar = stack.enter_context(tqdm(total=len(jobs), unit="rollout", dynamic_ncols=True, file=sys.stderr,
                                        mininterval=0.5))
@@ -208,10 +259,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # either stops this job here or finds it open and cancels it
                 request = process_request(inst, sampling, timeout_s=args.timeout_s or None)
                 name = inst.get("instance_id", "job")
-                outcome = await client.run([url], request, max_sample_retries=0, job_prefix=f"{name}-s{k}",
+                outcome = await client.run(servers, request, max_sample_retries=retries, job_prefix=f"{name}-s{k}",
                                            what=f"instance {name!r}")
                 result = outcome.result
-                if result.failure_kind == ROLLOUT_SERVER:
+                if result.failure_kind in (ROLLOUT_SERVER, DRAINING):
                     raise RuntimeError(f"job {result.job_id}: {result.error}")
                 summary.add(result)
                 sink.write(result.model_dump_json() + "\n")
@@ -242,9 +293,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return s
 
 
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.server and args.fleet_dir:
+        parser.error("--server and --fleet-dir are exclusive: a fleet's members are its servers")
+    if args.max_sample_retries is not None and args.max_sample_retries < 0:
+        parser.error(f"--max-sample-retries must be >= 0, got {args.max_sample_retries}")
     if args.max_connections < 0:
         parser.error(f"--max-connections must be >= 0 (0: no cap), got {args.max_connections}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

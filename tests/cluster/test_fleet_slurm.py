@@ -23,7 +23,9 @@ LAUNCHER = REPO / "slurm" / "launch_rollout.sh"
 ARITHMETIC = {"data_source": "arithmetic", "expression": "2+3", "answer": 5}
 
 
-def submit(cluster, out_dir: Path, fleet_dir: Path) -> str:
+def submit(cluster, out_dir: Path, fleet_dir: Path, node: str | None = None, server_args: str = "",
+           **more_env: str) -> str:
+    """``sbatch slurm/launch_rollout.sh`` joining ``fleet_dir`` (on ``node`` when given); returns the job id."""
     exe = Path(sys.executable).parent / "prorl-server"
     env = dict(cluster.env)
     env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
@@ -31,10 +33,11 @@ def submit(cluster, out_dir: Path, fleet_dir: Path) -> str:
                PRORL_SERVERS_DIR=str(out_dir), PRORL_HOST="127.0.0.1", PRORL_PYTHON=sys.executable,
                PRORL_SERVER_CMD=str(exe) if exe.exists() else f"{sys.executable} -m prorl_server",
                PRORL_STARTUP_TIMEOUT="120", PRORL_FLEET_DIR=str(fleet_dir),
-               PRORL_SERVER_ARGS="--sandbox-runtime none --journal off")
+               PRORL_SERVER_ARGS=f"--sandbox-runtime none --journal off {server_args}".strip(), **more_env)
     env.pop("PRORL_TOKEN", None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    r = cluster.run("sbatch", "--parsable", f"--output={out_dir}/job-%j.out", str(LAUNCHER), env=env)
+    where = [f"--nodelist={node}"] if node else []
+    r = cluster.run("sbatch", "--parsable", *where, f"--output={out_dir}/job-%j.out", str(LAUNCHER), env=env)
     return r.stdout.strip().split(";")[0]
 
 
@@ -181,3 +184,198 @@ async def test_a_sigkilled_server_is_out_within_2_ttl_and_a_scancelled_job_drain
         remote.close()
         for job in jobs_:
             cluster.run("scancel", job, check=False)
+
+
+# ------------------------------------------------------------------------------------------ two nodes
+# Two slurmd daemons on this machine (conftest.slurm_cluster_2nodes): each job of the fleet runs on its own node,
+# and the trainer-side readers run on neither (their node is this host's name, the members' are <host>-1 and
+# <host>-2), so a pid means nothing to them: only requests, leases and Slurm can tell a member died.
+
+TURN_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def fake_llm(tiny_model_dir):
+    """The labelled stand-in for a GPU vLLM whose turns take TURN_S seconds (tests/trainer/fleet_fake_llm.py),
+    on this machine: both nodes reach it, so jobs take seconds and a drain has jobs to finish."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    port_file = Path(tempfile.mkdtemp(prefix="fleet-llm-")) / "port.json"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "trainer" / "fleet_fake_llm.py"), "--model-dir",
+                             str(tiny_model_dir), "--turn-s", str(TURN_S), "--port-file", str(port_file)],
+                            start_new_session=True)
+    for _ in range(300):
+        if port_file.exists():
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the fake LLM did not start")
+    yield f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def shout(i: int) -> dict:
+    return {"data_source": "shout", "instance_id": f"shout-{i}", "prompt": "Say something about the sea.",
+            "turns": 2}
+
+
+class Load:
+    """``workers`` loops running 2-turn shout jobs (2 x TURN_S s) through ``JobSubmitter.run(fleet)``."""
+
+    def __init__(self, jobs: JobSubmitter, fleet: Fleet, workers: int) -> None:
+        self.chooser = Recording()
+        self.outcomes: list = []
+        self.delivered_at: list[float] = []  # wall time each outcome was delivered
+        self._stop = False
+        self._tasks = [asyncio.create_task(self._loop(jobs, fleet, w)) for w in range(workers)]
+
+    async def _loop(self, jobs, fleet, w):
+        i = 0
+        while not self._stop:
+            self.outcomes.append(await jobs.run(fleet, process_request(shout(i), {"max_tokens": 8}),
+                                                chooser=self.chooser, job_prefix=f"w{w}-{i}"))
+            self.delivered_at.append(time.time())
+            i += 1
+
+    async def stop(self):
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+
+def released(cluster, job: str) -> bool:
+    return cluster.job_state(job) in {"", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"}
+
+
+async def test_two_nodes_a_job_joining_on_the_other_node_gets_work_within_5_s_and_the_end_releases_both(
+        slurm_cluster_2nodes, tmp_path, fake_llm):
+    cluster = slurm_cluster_2nodes
+    n1, n2 = cluster.nodes[:2]
+    fleet_dir = tmp_path / "fleet"
+    jobs_ = [submit(cluster, tmp_path / "a", fleet_dir, n1, f"--backend {fake_llm}")]
+    fleet = Fleet(fleet_dir)
+    try:
+        await _wait(lambda: len(fleet) == 1, 120, f"the server on {n1} in the fleet", cluster, jobs_)
+        async with JobSubmitter(fleet.headers, fleet=fleet) as jobs:
+            load = Load(jobs, fleet, workers=4)
+            # the first jobs load the tokenizer (seconds): only then do jobs start at a steady rate
+            await _wait(lambda: len(load.outcomes) >= 4, 120, "the first jobs")
+            jobs_.append(submit(cluster, tmp_path / "b", fleet_dir, n2, f"--backend {fake_llm}"))
+            await _wait(lambda: records_of(fleet_dir, jobs_[1]), 120, f"the record of the job on {n2}", cluster,
+                        jobs_)
+            joined = records_of(fleet_dir, jobs_[1])[0]
+            await _wait(lambda: any(s == joined.url for _, s in load.chooser.sent), 30, f"a job on {n2}")
+            first_job = min(t for t, s in load.chooser.sent if s == joined.url)
+            await load.stop()
+        latency = first_job - joined.started_at  # one machine: one clock
+        print(f"slurm 2 nodes, join: first job on {joined.node} {latency:.2f} s after its server listened")
+        assert joined.node == n2 and records_of(fleet_dir, jobs_[0])[0].node == n1
+        assert latency < 5.0
+        assert load.outcomes and not any(o.filtered for o in load.outcomes)
+
+        t0 = time.monotonic()
+        fleet.end("test: the trainer ended")
+        await _wait(lambda: all(released(cluster, j) for j in jobs_), 30, "both allocations released", cluster,
+                    jobs_)
+        took = time.monotonic() - t0
+        print(f"slurm 2 nodes, end: both jobs left Slurm {took:.2f} s after the end sentinel")
+        assert took < 30
+        assert list(members_dir(fleet_dir).glob("*.json")) == []
+    finally:
+        fleet.close()
+        for job in jobs_:
+            cluster.run("scancel", job, check=False)
+
+
+async def test_two_nodes_a_sigkilled_server_is_out_within_2_ttl_and_a_scancelled_one_drains_with_0_aborted(
+        slurm_cluster_2nodes, tmp_path, fake_llm):
+    import os
+    import signal
+
+    cluster = slurm_cluster_2nodes
+    n1, n2 = cluster.nodes[:2]
+    fleet_dir = tmp_path / "fleet"
+    jobs_ = [submit(cluster, tmp_path / "a", fleet_dir, n1, f"--backend {fake_llm}"),
+             submit(cluster, tmp_path / "b", fleet_dir, n2, f"--backend {fake_llm}"),
+             submit(cluster, tmp_path / "c", fleet_dir, n2, f"--backend {fake_llm}")]
+    fleet = Fleet(fleet_dir)
+    lease_only = Fleet(fleet_dir, slurm=None)  # sends nothing and asks no one: only the lease can tell
+    try:
+        await _wait(lambda: len(fleet) == 3 and len(lease_only) == 3, 120, "the three servers in the fleet",
+                    cluster, jobs_)
+        drained, killed, stays = (records_of(fleet_dir, j)[0] for j in jobs_)
+        async with JobSubmitter(fleet.headers, fleet=fleet) as jobs:
+            load = Load(jobs, fleet, workers=6)
+            await _wait(lambda: {s for _, s in load.chooser.sent} >= {killed.url, drained.url}, 30, "jobs on all")
+            await asyncio.sleep(TURN_S / 2)  # mid-turn
+            os.kill(killed.pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            await _wait(lambda: killed.url not in lease_only, 2 * 5.0 + 1, "out by the lease", cluster, jobs_)
+            out_lease = time.monotonic() - t_kill
+            # shrink: scancel the job on the first node while its server holds jobs: it drains and leaves
+            await _wait(lambda: load.chooser.in_flight[drained.url] > 0, 30, "jobs held by the server to drain")
+            cluster.run("scancel", jobs_[0])  # SIGTERM to the steps and the batch shell, as a user would
+            t_term = time.time()
+            await _wait(lambda: drained.url not in fleet, 10, "the drained server out of the rotation")
+            await _wait(lambda: released(cluster, jobs_[0]), 60, "the drained job left Slurm", cluster, jobs_)
+            await load.stop()
+        print(f"slurm 2 nodes, SIGKILL on {killed.node}: out by the lease alone {out_lease:.2f} s after the kill")
+        assert out_lease <= 2 * 5.0
+        outcomes = load.outcomes
+        assert outcomes and not any(o.filtered for o in outcomes)  # nothing lost
+        moved = [o for o in outcomes if any(a.server == killed.url for a in o.attempts)]
+        assert moved and all(o.server != killed.url for o in moved)  # the killed one's jobs ran elsewhere
+        # 0 aborted by the drain: every job the drained server held was delivered by it, and some finished after
+        # the scancel; an attempt it did not take (refused as draining, or refused once it had left) is no abort
+        aborted = [a for o in outcomes for a in o.attempts if a.server == drained.url and a.failure_kind != "draining"
+                   and "Connect call failed" not in (a.error or "")]
+        assert aborted == []
+        assert any(o.server == drained.url and t > t_term for o, t in zip(outcomes, load.delivered_at))
+        delivered = [o.result.job_id for o in outcomes]
+        assert len(delivered) == len(set(delivered))  # nothing delivered twice
+        out = (tmp_path / "a" / f"job-{jobs_[0]}.out").read_text(errors="replace")
+        assert "exited rc=0" in out, out  # the drained server left cleanly
+    finally:
+        fleet.close()
+        lease_only.close()
+        for job in jobs_:
+            cluster.run("scancel", job, check=False)
+
+
+async def test_slurm_confirms_a_dead_member_before_its_lease_runs_out(slurm_cluster_2nodes, tmp_path):
+    """A member whose Slurm job (or step) ended is out at the next Slurm probe, while its lease (30 s here) still
+    runs; a reader that does not ask Slurm keeps it until the lease runs out."""
+    import os
+    import signal
+
+    from trainer_plugins.slurm_probe import SlurmProbe
+
+    cluster = slurm_cluster_2nodes
+    n2 = cluster.nodes[1]
+    fleet_dir = tmp_path / "fleet"
+    job = submit(cluster, tmp_path / "a", fleet_dir, n2, PRORL_FLEET_TTL_S="30")
+    probe = SlurmProbe(cluster.env)
+    asking = Fleet(fleet_dir, slurm=probe)
+    lease_only = Fleet(fleet_dir, slurm=None)
+    try:
+        await _wait(lambda: len(asking) == 1 and len(lease_only) == 1, 120, "the server in the fleet", cluster, [job])
+        member = records_of(fleet_dir, job)[0]
+        assert (member.cluster, member.job_id, member.node) == (probe.cluster(), job, n2)
+        asking.check_slurm(force=True)
+        assert member.url in asking  # Slurm says it runs
+        os.kill(member.pid, signal.SIGKILL)  # its step ends, and the launcher's job with it
+        await _wait(lambda: member.url not in asking, 30, "out by Slurm", cluster, [job])
+        last = records_of(fleet_dir, job)[0]  # SIGKILL left it behind: its last renewal
+        lease_live = member.url in lease_only  # read at once: the lease reader still has it
+        print(f"slurm probe: out {time.time() - last.renewed_at:.2f} s after the last renewal (lease 30 s)")
+        assert asking.is_lost(member.url)  # lost: an open request to it would end as resubmittable
+        assert lease_live and time.time() < last.renewed_at + last.ttl_s  # the lease alone had not told
+    finally:
+        asking.close()
+        lease_only.close()
+        cluster.run("scancel", job, check=False)

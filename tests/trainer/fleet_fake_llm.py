@@ -44,7 +44,8 @@ def main() -> None:
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        # thousands of sessions connect at once (benchmarks/fleet_scale.py): a backlog of 128 would drop SYNs
+        await web.TCPSite(runner, "127.0.0.1", 0, backlog=8192).start()
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"port": runner.addresses[0][1]}, f)

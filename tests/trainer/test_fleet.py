@@ -13,15 +13,15 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
+import aiohttp
 from aiohttp import web
 
 from prorl_server.membership import (END_SENTINEL, FleetControl, MemberRecord, Membership, clear_end, end_marker,
                                      members_dir, prune_dead_on_node, write_end, write_record)
 from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
-from trainer_plugins.jobs import ROLLOUT_SERVER, JobSubmitter, process_request
+from trainer_plugins.jobs import DRAINING, ROLLOUT_SERVER, JobResult, JobSubmitter, process_request
 
 
 def record(member_id="n1-10-1", url="http://127.0.0.1:1", *, node="elsewhere", pid=None, seq=1, ttl_s=1.0,
@@ -294,10 +294,80 @@ async def test_a_draining_server_refuses_a_racing_submit_with_503_and_the_client
         t0 = time.monotonic()
         refused = await jobs.submit(a, req.model_copy(update={"job_id": "j1"}))
         assert time.monotonic() - t0 < 1.0  # not offered again for unavailable_retry_s like another 503
-        assert refused.filter and refused.failure_kind == ROLLOUT_SERVER and "draining" in refused.error
+        assert refused.filter and refused.failure_kind == DRAINING and "draining" in refused.error
         assert list(fleet) == [b]  # out of the rotation at once
         outcome = await jobs.run(fleet, req, job_prefix="r")
     assert outcome.server == b and not outcome.filtered
+
+
+async def canned_server(aiohttp_server, status: int, body: dict) -> str:
+    """A stand-in for a rollout server that answers every ``POST /process`` with ``status`` and ``body`` (a
+    draining server's 503, or a job result that says filter), and ``/cancel`` with 404."""
+    async def process(request):
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_post("/process", process)
+    async def cancel(request):
+        return web.json_response({}, status=404)
+
+    app.router.add_post("/cancel", cancel)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
+DRAINING_503 = {"error": {"type": "draining", "message": "this server is draining: it takes no new jobs"}}
+
+
+def sandbox_fault(job_id="x") -> dict:
+    return JobResult(job_id=job_id, trajectory_id=job_id, handler="varied", reward=0.0, critical_error="init",
+                     failure_kind="sandbox", filter=True, error="the sandbox did not start").model_dump(mode="json")
+
+
+async def test_a_drain_refusal_does_not_use_up_the_samples_retries(aiohttp_server, serve_handlers, varied):
+    # one retry allowed: the drain (not a fault) is free, the sandbox fault on the next server uses the retry,
+    # and the third server delivers. Counted as a fault, the drain would have spent the retry and the sample
+    # would end filtered.
+    draining = await canned_server(aiohttp_server, 503, DRAINING_503)
+    faulty = await canned_server(aiohttp_server, 200, sandbox_fault())
+    good = await serve_handlers(varied)
+    req = process_request({"data_source": "varied", "id": "x", "rewards": [1.0]})
+    async with JobSubmitter(unavailable_retry_s=30) as jobs:
+        outcome = await jobs.run([draining, faulty, good], req, max_sample_retries=1, job_prefix="d")
+    assert not outcome.filtered and outcome.server == good
+    assert [(a.server, a.failure_kind) for a in outcome.attempts] == [(draining, DRAINING), (faulty, "sandbox")]
+
+
+async def test_a_drain_refusal_counts_when_the_sample_has_nowhere_else_to_go(aiohttp_server):
+    # every server drains: the first refusal of each is free, a second one of the same server counts, so the
+    # sample ends (filtered, kind draining) instead of going round the drained servers forever
+    a = await canned_server(aiohttp_server, 503, DRAINING_503)
+    b = await canned_server(aiohttp_server, 503, DRAINING_503)
+    req = process_request({"data_source": "varied", "id": "x"})
+    async with JobSubmitter(unavailable_retry_s=30) as jobs:
+        outcome = await jobs.run([a, b], req, max_sample_retries=1, job_prefix="n")
+    assert outcome.filtered and outcome.result.failure_kind == DRAINING
+    assert len(outcome.attempts) == 3  # a and b free, then one counted retry, then the last answer
+
+
+async def test_the_rollout_client_regenerates_a_drained_sample_without_using_up_its_retries(
+        aiohttp_server, serve_handlers, varied):
+    from trainer_plugins.client import RolloutClient
+
+    draining = await canned_server(aiohttp_server, 503, DRAINING_503)
+    good = await serve_handlers(varied)
+    dataset = [{"data_source": "varied", "id": f"p{i}", "rewards": [0.0, 1.0]} for i in range(8)]
+    # no retry at all: a drain counted as a fault would drop every group sent to the draining server
+    client = RolloutClient([draining, good], dataset, groups_per_step=4, n_samples=2, max_staleness=None,
+                           max_sample_retries=0)
+    try:
+        batch = await client.next_batch()
+    finally:
+        await client.close()
+    m = batch.metrics
+    assert len(batch.groups) == 4 and {s.server for g in batch.groups for s in g.samples} == {good}
+    assert m.groups_dropped_filtered == 0
+    assert m.failure_kinds.get(DRAINING, 0) > 0  # samples were sent to the draining server first
 
 
 async def test_a_server_that_fails_a_request_is_out_of_the_fleet_at_once(tmp_path, serve_handlers, varied):
@@ -426,3 +496,110 @@ async def test_a_member_that_joins_after_a_weight_update_gets_the_trainers_backe
         await ma.close()
         await mb.close()
         client.fleet.close()
+
+
+async def test_the_trl_weight_sync_registers_its_backends_with_a_member_that_joins_later(tmp_path, serve_handlers,
+                                                                                        varied):
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from trainer_plugins.trl.rollout import ProRLRollout
+    from trainer_plugins.trl.weights import WeightPushCallback
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied)
+    ma = Membership(tmp_path, url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path, url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    fleet = open_fleet(tmp_path)
+    rollout = ProRLRollout(str(tmp_path), [{"data_source": "varied", "prompt": "p"}])
+    backend = "http://127.0.0.1:9"  # never called: the varied handler needs no LLM
+    sync = WeightPushCallback(rollout, backends=[backend], protocol="legacy")
+
+    async def backends_of(url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/status") as r:
+                return [(x["address"], x["weight_version"]) for x in (await r.json())["backends"]]
+
+    try:
+        assert rollout.urls is fleet
+        # TRL calls the callback from its training thread: a thread here, so this loop serves the servers
+        state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+        await asyncio.to_thread(sync.on_train_begin, SimpleNamespace(), state, None)
+        assert await backends_of(a) == [(backend, 0)]
+        await mb.start()  # joins after the registration: nothing else would ever register the backends with it
+        deadline = time.monotonic() + 10  # hang guard only
+        while await backends_of(b) != [(backend, 0)]:
+            assert time.monotonic() < deadline, "the joining member never got the trainer's backends"
+            await asyncio.sleep(0.05)
+    finally:
+        await asyncio.to_thread(rollout.close)
+        await ma.close()
+        await mb.close()
+        fleet.close()
+
+
+async def test_prorl_run_follows_a_fleet_and_registers_its_backends_with_a_member_that_joins(tmp_path,
+                                                                                           serve_handlers, varied):
+    """``prorl-run --fleet-dir DIR --backend URL``: jobs go to the members of the moment, and a member that joins
+    mid-run gets the backends and jobs."""
+    from trainer_plugins import run_job
+
+    on_b = []
+
+    @web.middleware
+    async def count(request, handler):
+        if request.path == "/process":
+            on_b.append(request)
+        return await handler(request)
+
+    a = await serve_handlers(varied)
+    b = await serve_handlers(varied, middlewares=[count])
+    ma = Membership(tmp_path / "fleet", url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path / "fleet", url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "varied", "instance_id": f"i{i}", "id": f"i{i}",
+                                        "rewards": [1.0], "sleeps": [0.1]}) + "\n" for i in range(60)))
+    backend = "http://127.0.0.1:9"  # never called: the varied handler needs no LLM
+    args = run_job.build_parser().parse_args(["--dataset", str(data), "--fleet-dir", str(tmp_path / "fleet"),
+                                              "--backend", backend, "--concurrency", "2",
+                                              "--out", str(tmp_path / "out")])
+    run = asyncio.create_task(run_job.run(args))
+    try:
+        while len(varied.seen) < 4:
+            await asyncio.sleep(0.02)
+        await mb.start()  # joins mid-run
+        await run
+    finally:
+        await ma.close()
+        await mb.close()
+    results = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
+    assert len(results) == 60 and all(r["reward"] == 1.0 and not r["filter"] for r in results)
+    assert {r["job_id"].split("-")[0] for r in results} == {f"i{i}" for i in range(60)}
+
+    async def backends_of(url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/status") as r:
+                return [x["address"] for x in (await r.json())["backends"]]
+
+    assert await backends_of(b) == [backend]  # the joiner got the backends
+    assert on_b  # and jobs
+
+
+async def test_prorl_run_with_several_servers_moves_the_jobs_of_one_that_does_not_answer(tmp_path, serve_handlers,
+                                                                                       varied):
+    from trainer_plugins import run_job
+
+    good = await serve_handlers(varied)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens: connection refused
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "varied", "instance_id": f"i{i}", "id": f"i{i}",
+                                        "rewards": [1.0]}) + "\n" for i in range(8)))
+    args = run_job.build_parser().parse_args(["--dataset", str(data), "--server", good, "--server", dead_url,
+                                              "--out", str(tmp_path / "out")])
+    summary = await run_job.run(args)
+    assert summary["jobs_finished"] == 8 and summary["mean_reward"] == 1.0

@@ -480,3 +480,33 @@ async def test_real_vllm_turns_through_verls_client_and_the_relay_carry_exact_ve
             direct = (await r.json())["choices"][0]
     assert relayed["token_ids"] == direct["token_ids"]
     assert relayed["logprobs"]["token_logprobs"] == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+async def test_the_relay_registers_with_a_fleet_member_that_joins_later(cfg, tokenizer, rollout_server, monkeypatch,
+                                                                        tmp_path):
+    from prorl_server.membership import Membership
+    from trainer_plugins.fleet import open_fleet
+
+    a, b = await rollout_server(), await rollout_server()
+    ma = Membership(tmp_path, url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    mb = Membership(tmp_path, url=b, host="127.0.0.1", port=int(b.rsplit(":", 1)[1]), ttl_s=2)
+    await ma.start()
+    monkeypatch.setenv("PRORL_SERVERS", str(tmp_path))  # prorl.servers names the fleet directory
+    loop = make_loop(cfg, tokenizer, verl_client(cfg, ScriptedReplica(global_steps=5)))
+    try:
+        await loop.run(SP, **row())
+        relay = loop.relay
+        assert await backends_of(a) == {relay.address: 5}
+        assert await backends_of(b) == {}
+        await mb.start()  # joins after the relay registered: its heartbeat (30 s) knew only the first member
+        await until(lambda: _has(b, relay.address, 5), timeout_s=10)
+        outs = [(await loop.run(SP, **row(index=i)))[-1] for i in range(4)]  # jobs now run on both
+        assert all((o.extra_fields["min_global_steps"], o.extra_fields["max_global_steps"]) == (5, 5) for o in outs)
+    finally:
+        await ma.close()
+        await mb.close()
+        open_fleet(tmp_path).close()
+
+
+async def _has(url: str, address: str, version: int) -> bool:
+    return (await backends_of(url)).get(address) == version

@@ -50,7 +50,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import aiohttp
 
-from trainer_plugins.client import register_backends
+from trainer_plugins.client import FleetRegistrar, register_backends
+from trainer_plugins.fleet import Fleet
 from trainer_plugins.vllm_weights import weights_digest
 
 log = logging.getLogger(__name__)
@@ -570,6 +571,10 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         self.timeout_s = timeout_s
         self.reports: list[PushReport] = []
         self._files: list[Path] = []
+        #: with a fleet (the rollout's servers are a fleet directory) and one backend list: registers the
+        #: backends, at the current version, with rollout servers that join later (issue #24)
+        self.registrar: Optional[FleetRegistrar] = None
+        self._follower: Optional[asyncio.Task] = None
 
     def _dir(self, args: Any) -> Path:
         if self.weights_dir is None:
@@ -583,12 +588,34 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         return list(self.backends)
 
     async def _register(self, version: int) -> None:
+        servers = list(self.rollout.urls)  # a fleet: its members of this moment (joiners: the registrar)
         async with aiohttp.ClientSession() as session:
-            for server in self.rollout.urls:
+            for server in servers:
                 bs = self.backends.get(server, ()) if isinstance(self.backends, Mapping) else self.backends
                 if bs:
                     await register_backends(session, server, list(bs), version, clear=False,
                                             headers=self.rollout.headers)
+        self._follow(version, servers)
+
+    async def _register_one(self, server: str, backends: Sequence[str], version: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            await register_backends(session, server, list(backends), version, clear=False,
+                                    headers=self.rollout.headers)
+
+    def _follow(self, version: int, registered: Sequence[str]) -> None:
+        """With a fleet: from now on members that join get the backends at ``version`` (``registered``: the
+        members that have them already). Runs on the rollout's event loop."""
+        fleet = self.rollout.urls
+        if not isinstance(fleet, Fleet) or isinstance(self.backends, Mapping):
+            return  # a fixed server list; or per-server backends, which name no server that joins later
+        if self.registrar is None:
+            self.registrar = FleetRegistrar(fleet, self._register_one)
+        self.registrar.set(self.backends, version, registered=registered)
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.ensure_future(self.registrar.follow())
+
+    async def _followed(self, version: int, servers: Sequence[str]) -> None:
+        self._follow(version, servers)
 
     async def _resolve_protocol(self) -> str:
         if self.protocol != "auto":
@@ -645,6 +672,7 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
             digest = save_weights(model, path, state_dict=sd, metadata={"prorl_version": version})
             save_s = time.monotonic() - t1
             in_flight = self.rollout.jobs_in_flight() if hasattr(self.rollout, "jobs_in_flight") else None
+            servers = list(self.rollout.urls)  # the members this push reaches (a fleet's joiners: the registrar)
             try:
                 report = self.rollout.run_async(self._push(path, digest, version, previous))
             except (WeightPushError, SwapRefusedError) as e:
@@ -658,6 +686,7 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
             self.reports.append(report)
             if error is None:
                 self.rollout.weight_version = version
+                self.rollout.run_async(self._followed(version, servers))
                 self._files.append(path)
                 while len(self._files) > self.keep:
                     old = self._files.pop(0)

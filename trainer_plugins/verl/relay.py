@@ -16,6 +16,9 @@ on top of the worker's ``server_manager.generate`` (verl's ``LLMServerClient``):
 The relay registers itself with every rollout server (``POST /add_llm_server {address, weight_version}``,
 servers on this node first) once it knows the version, re-registers when a turn reports a newer version
 (the weights were updated), and every ``heartbeat_s`` seconds (a restarted rollout server learns it back).
+Given a fleet (:class:`trainer_plugins.fleet.Fleet`: ``prorl.servers`` names a fleet directory), it follows it:
+a member that joins later is registered with within a poll of the fleet (0.25 s), through the one
+:class:`trainer_plugins.client.FleetRegistrar`.
 
 Why a relay, not verl's replica addresses (verl 0.9.1, read in ``workers/rollout/``):
 
@@ -58,7 +61,8 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer_plugins.client import register_backends
+from trainer_plugins.client import FleetRegistrar, register_backends
+from trainer_plugins.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +201,13 @@ class Relay:
                  model: str, max_model_len: int, default_max_tokens: int, tokenizer: Any = None,
                  stop_token_ids: Sequence[int] = (), host: Optional[str] = None, port: int = 0,
                  heartbeat_s: Optional[float] = 30.0, probe_timeout_s: float = 30.0) -> None:
-        if not servers:
+        if not servers and not isinstance(servers, Fleet):  # a fleet may have no member yet: they join
             raise ValueError("the relay needs at least one rollout server")
         self.server_manager = server_manager
-        self.servers = [s.rstrip("/") for s in servers]
+        self.servers: Sequence[str] = servers if isinstance(servers, Fleet) else [s.rstrip("/") for s in servers]
+        #: with a fleet: registers this relay with members that join later (the same registration as register)
+        self.registrar: Optional[FleetRegistrar] = (
+            FleetRegistrar(servers, lambda u, b, v: self._register_with(u, v)) if isinstance(servers, Fleet) else None)
         self.headers = dict(headers or {})
         self.model = model
         self.max_model_len = int(max_model_len)
@@ -261,6 +268,8 @@ class Relay:
             raise
         if self.heartbeat_s:
             self._spawn(self._heartbeat())
+        if self.registrar is not None:
+            self._spawn(self.registrar.follow())
         log.info("relay %s serves verl's replicas at weight version %s to %s", self.address, self.version,
                  ", ".join(self.servers))
         return self
@@ -314,16 +323,27 @@ class Relay:
             version = self.version
             if version is None:
                 raise RelayError("relay has no weight version yet")
-            for server in self.servers:
-                if server not in self._registered:
-                    await self._refuse_versionless(server)
-                try:
-                    await register_backends(self._session, server, [self.address], version, clear=False,
-                                            probe_timeout_s=self.probe_timeout_s)
-                except RuntimeError as e:  # BackendUnreachableError too
-                    raise RelayError(f"relay {self.address} could not register with {server}: {e}") from None
-                self._registered[server] = version
-                self.stats["registrations"] += 1
+            for server in list(self.servers):  # a fleet: its members of this moment (joiners: the registrar)
+                await self._register_with(server, version)
+            if self.registrar is not None:
+                self.registrar.set([self.address], version, registered=[u for u, v in self._registered.items()
+                                                                        if v == version])
+
+    async def _register_with(self, server: str, version: int) -> None:
+        """Register with one rollout server (refusing one that serves a backend with no version first).
+
+        Raises:
+            RelayError: as :meth:`register` (a ``RuntimeError``: the fleet's registrar logs it and retries).
+        """
+        if server not in self._registered:
+            await self._refuse_versionless(server)
+        try:
+            await register_backends(self._session, server, [self.address], version, clear=False,
+                                    probe_timeout_s=self.probe_timeout_s)
+        except RuntimeError as e:  # BackendUnreachableError too
+            raise RelayError(f"relay {self.address} could not register with {server}: {e}") from None
+        self._registered[server] = version
+        self.stats["registrations"] += 1
 
     async def _refuse_versionless(self, server: str) -> None:
         try:
@@ -539,7 +559,7 @@ async def relay_for_loop(loop: Any, servers: Sequence[str], headers: dict[str, s
     max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
     eos = getattr(loop.tokenizer, "eos_token_id", None)
     return await ensure_relay(
-        loop.server_manager, servers=list(servers), headers=headers,
+        loop.server_manager, servers=servers if isinstance(servers, Fleet) else list(servers), headers=headers,
         model=str(getattr(loop, "tokenizer_path", None) or loop.config.actor_rollout_ref.model.path),
         max_model_len=int(max_model_len),
         default_max_tokens=int(rollout.response_length), tokenizer=loop.tokenizer,
