@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
+import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
@@ -129,16 +130,6 @@ def clear_end(fleet_dir: str | os.PathLike) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def prune_dead_on_node(fleet_dir: str | os.PathLike, node: str) -> int:
     """Remove the records of this node whose process is gone (members killed with SIGKILL earlier). Records of
     other nodes are left to their own node: a pid means nothing elsewhere. Returns how many were removed."""
@@ -154,7 +145,7 @@ def prune_dead_on_node(fleet_dir: str | os.PathLike, node: str) -> int:
             rec = MemberRecord.model_validate_json(path.read_bytes())
         except (OSError, ValueError):
             continue
-        if rec.node == node and not _pid_alive(rec.pid):
+        if rec.node == node and not psutil.pid_exists(rec.pid):
             path.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -57,7 +57,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, _pid_alive, node_name,
+import psutil
+
+from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, node_name,
                                      write_end)
 from trainer_plugins.slurm_probe import SlurmProbe
 
@@ -310,7 +312,7 @@ class Fleet(collections.abc.Sequence):
                         known.seen_at = now
                     known.record, known.file_id = rec, file_id
             for m in self._members.values():
-                m.gone = m.record.node == self.local_node and not _pid_alive(m.record.pid)
+                m.gone = m.record.node == self.local_node and not psutil.pid_exists(m.record.pid)
             live_ids = {m.record.member_id for m in self._members.values()}
             for mid in [mid for mid in self._suspect if mid not in live_ids]:
                 del self._suspect[mid]
