@@ -270,8 +270,7 @@ def _hold_write_lock(path: str) -> sqlite3.Connection:
 
 
 def test_a_write_that_fails_is_retried_and_flush_waits_for_it(tmp_path, monkeypatch):
-    real_connect = Journal._connect
-    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    monkeypatch.setattr(Journal, "busy_timeout_s", 0.05)  # a commit meeting the lock fails at once
     j = journal(tmp_path)
     other = _hold_write_lock(j.path)
     j.job_submitted("a", "h", b"{}")
@@ -282,14 +281,8 @@ def test_a_write_that_fails_is_retried_and_flush_waits_for_it(tmp_path, monkeypa
     j.close()
 
 
-def _short_timeout(db: sqlite3.Connection) -> sqlite3.Connection:
-    db.execute("PRAGMA busy_timeout = 50")
-    return db
-
-
 async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_client, tmp_path, monkeypatch):
-    real_connect = Journal._connect
-    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    monkeypatch.setattr(Journal, "busy_timeout_s", 0.05)  # a commit meeting the lock fails at once
     path = str(tmp_path / "s.sqlite")
     client = await make_client(journal=path)
     client.server.app[PIPELINE].journal_flush_s = 0.5
