@@ -230,7 +230,8 @@ class Journal:
         self._reader_lock = threading.Lock()
         self.checkpoint_every_s = 1.0
         self.counters = {"rows": 0, "commits": 0, "write_errors": 0}
-        #: seconds from a row being queued to its commit, the last 10,000 (benchmarks read it)
+        #: seconds from a row being queued to its commit, the last 100,000 at least (benchmarks read it; the
+        #: writer process reports them when a flush waits)
         self.latencies: list[float] = []
         # producer side: owner -> (the prompt list last recorded, its length then, its output), so that a
         # prompt continuing it is sent as its new tail only
@@ -255,6 +256,7 @@ class Journal:
         self._wake_sender = threading.Condition(self._lock)
         self._ack_thread: Optional[threading.Thread] = None
         self._sender: Optional[threading.Thread] = None
+        self._hello = threading.Event()  # the writer process reported for the first time: it is writing
 
     def _take_lock(self) -> Any:
         """Hold ``<path>.lock`` exclusively (``flock``) for this Journal's life: two servers writing one journal
@@ -294,10 +296,12 @@ class Journal:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the writer (idempotent): a child process (``writer="process"``) or a thread.
+        """Start the writer (idempotent): a child process (``writer="process"``; returns once it has opened the
+        file, ~0.1-0.2 s) or a thread.
 
         Raises:
-            JournalError: the journal was opened ``readonly``, or the writer process cannot be started."""
+            JournalError: the journal was opened ``readonly``, or the writer process cannot be started or
+                cannot open the file."""
         if self.readonly:
             raise JournalError(f"the journal {self.path} was opened read-only")
         if self._started:
@@ -343,6 +347,14 @@ class Journal:
         self._sender = threading.Thread(target=self._send_pending, name="prorl-journal-sender", daemon=True)
         self._sender.start()
         self._started = True
+        # the first rows would otherwise wait for the interpreter to start (~0.1-0.2 s); and a writer that
+        # cannot open the file is an error now, not a result refused later
+        if not self._hello.wait(60.0) or self._gone:
+            rc = self._proc.poll()
+            self.close(5.0)
+            raise JournalError(f"the journal writer for {self.path} did not start "
+                               f"({'exit code ' + str(rc) if rc is not None else 'no answer in 60 s'}; its "
+                               f"error is in this process's stderr)")
 
     @property
     def last_error(self) -> Optional[str]:
@@ -392,6 +404,7 @@ class Journal:
         target = self._sent
         if self._acked >= target:
             return True
+        self._put(("flush", None, 0.0))  # the writer reports back after the commit that holds it
         done = threading.Event()
         ok: list[bool] = []
 
@@ -410,6 +423,7 @@ class Journal:
         target = self._sent
         if self._acked >= target:
             return True
+        self._put(("flush", None, 0.0))  # the writer reports back after the commit that holds it
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -441,8 +455,8 @@ class Journal:
         if latencies:
             lat = self.latencies
             lat.extend(latencies)
-            if len(lat) > 20_000:
-                del lat[:-10_000]
+            if len(lat) > 200_000:
+                del lat[:-100_000]
         ready = []
         with self._lock:
             if n > self._acked:
@@ -546,6 +560,7 @@ class Journal:
                     n, stats, lat = pickle.loads(bytes(buf[4:4 + size]))
                     del buf[:4 + size]
                     self._committed(n, stats, array.array("d", lat))
+                    self._hello.set()
         finally:
             os.close(fd)
             proc = self._proc
@@ -554,6 +569,7 @@ class Journal:
                 self.failed = self.failed or f"the journal's writer process exited (exit code {rc})"
                 log.error("journal %s: %s", self.path, self.failed)
             self._release_waiters()
+            self._hello.set()
 
     def _thread_writer(self) -> None:
         assert self._store is not None
@@ -578,6 +594,7 @@ class Journal:
                     break
                 done += len(batch)
                 self._committed(done, store.stats(), lat)
+                store.after_commit()
         store.close()
 
     def job_submitted(self, job_id: str, handler: str, request_json: bytes) -> None:
@@ -725,6 +742,20 @@ def size_bytes(path: str) -> int:
     return total
 
 
+def _runs_json(runs: Sequence[Sequence[Optional[int]]]) -> str:
+    """``json.dumps(runs, separators=(",", ":"))`` for ``[[version or None, n], ...]`` in ~1 µs instead of ~12
+    (it was the writer's largest cost per row after SQLite); anything else goes through ``json.dumps``."""
+    try:
+        parts = []
+        for v, n in runs:
+            if (v is not None and type(v) is not int) or type(n) is not int:
+                raise TypeError
+            parts.append(f"[{'null' if v is None else v},{n}]")
+        return "[" + ",".join(parts) + "]"
+    except (TypeError, ValueError):
+        return json.dumps(runs, separators=(",", ":"))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -763,6 +794,10 @@ class _Store:
         self._last: dict[str, tuple[int, Optional[bytes]]] = {}  # owner -> (seq, packed prompt + output)
         self._db: Optional[sqlite3.Connection] = None
         self._checkpointer: Optional[threading.Thread] = None
+        self._checkpointed = threading.Event()  # the checkpointer finished a pass: the writer completes it
+        #: WAL length (frames of a page each) past which the writer completes a checkpoint pass so that the
+        #: WAL restarts: 16,384 frames of 4 KiB = 64 MiB (~3 s at 5,000 completions/s)
+        self.restart_frames = 16_384
         self._last_retention = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
@@ -785,16 +820,33 @@ class _Store:
     def _checkpoints(self) -> None:
         """Copy the WAL into the database every ``checkpoint_every_s`` from a connection of its own (PASSIVE:
         it never waits for the writer), instead of SQLite's automatic checkpoint, which runs inside the commit
-        that crosses 1,000 pages and made that commit wait (p99 13 ms at 5,000 completions/s)."""
+        that crosses 1,000 pages and made that commit wait (p99 13 ms at 5,000 completions/s).
+
+        Such a pass takes tens of ms (two fsyncs), and the writer commits meanwhile, so under steady writes it
+        never finds the WAL wholly copied, and SQLite restarts the WAL (writes it again from its start) only
+        then: the WAL grew without end (93 MB in 4 s at 5,000 completions/s), every commit appended to it, and an
+        append that met the pass's fsync waited for it (~15 ms, ext4). So once the WAL is ``restart_frames``
+        long, the writer copies the few frames committed during the last pass itself
+        (:meth:`_finish_checkpoint`: two small fsyncs, 4-10 ms here, the rows queued meanwhile wait), and its
+        next transaction restarts the WAL, which from then on is overwritten in place."""
         db = connect(self.path, self.busy_timeout_s)
         try:
             while not self.stopping.wait(self.checkpoint_every_s):
                 try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    _, frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    if frames >= self.restart_frames:
+                        self._checkpointed.set()
                 except sqlite3.Error as e:
                     log.debug("journal checkpoint: %s", e)
         finally:
             db.close()
+
+    def _finish_checkpoint(self, db: sqlite3.Connection) -> None:
+        self._checkpointed.clear()
+        try:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as e:
+            log.debug("journal checkpoint: %s", e)
 
     def _completion_row(self, params: tuple) -> Optional[tuple]:
         owner, backend, start, tail, tokens, logprobs, runs, finish, stop, request_params, t = params
@@ -813,8 +865,7 @@ class _Store:
         self._last[owner] = (seq + 1, new_prev)
         if len(self._last) > 100_000:  # owners that never said they ended
             self._last.pop(next(iter(self._last)))
-        return (owner, seq + 1, backend, prefix, packed, out, pack_floats(logprobs),
-                json.dumps(runs, separators=(",", ":")), finish,
+        return (owner, seq + 1, backend, prefix, packed, out, pack_floats(logprobs), _runs_json(runs), finish,
                 None if stop is None else json.dumps(stop), request_params, t)
 
     def write(self, rows: list[tuple[str, Any, float]], on_error: Any = None) -> Optional[list[float]]:
@@ -826,6 +877,8 @@ class _Store:
         db = self._db
         ready: list[tuple[str, Any]] = []
         for kind, params, _ in rows:  # in queue order: a state change never overtakes its job's insert
+            if kind == "flush":
+                continue
             if kind == "forget":
                 self._last.pop(params, None)
                 continue
@@ -871,10 +924,16 @@ class _Store:
         now = time.perf_counter()
         self.counters["rows"] += len(rows)
         self.counters["commits"] += 1
+        return [now - t for k, _, t in rows if k not in ("forget", "reset", "flush")]
+
+    def after_commit(self) -> None:
+        """What the writer does after a commit has been reported: complete a checkpoint pass, retention."""
+        assert self._db is not None
+        if self._checkpointed.is_set():
+            self._finish_checkpoint(self._db)
         if time.monotonic() - self._last_retention > self.retention_every_s:
             self._last_retention = time.monotonic()
-            self._retention(db)
-        return [now - t for k, _, t in rows if k not in ("forget", "reset")]
+            self._retention(self._db)
 
     def _retention(self, db: sqlite3.Connection) -> None:
         try:

@@ -5,8 +5,9 @@ switch interval each while the event loop was busy).
 
 Protocol (both directions: 4-byte little-endian length, then a pickle):
 - in, on ``data_fd``: one ``(kind, params, perf_counter at enqueue)`` row per frame, in order;
-- out, on ``ack_fd``: ``(rows committed so far, counters and last error, float64 latencies of the rows just
-  committed as bytes)`` after each commit, and after each failed commit attempt (then with the same count).
+- out, on ``ack_fd``: ``(rows committed so far, counters and last error, float64 latencies of the rows
+  committed since the last report, as bytes)`` after a commit that held a ``flush`` row (the server waits for
+  it) or that changed the last error, and after each failed commit attempt (then with the same count).
 
 It takes everything the pipe holds, commits it in one transaction, then reports. End of file on ``data_fd``
 (the server closed the journal, or died: SIGKILL included) makes it commit what it has read and exit, so a
@@ -40,17 +41,22 @@ def main(argv: list[str]) -> int:
     store.open()
     done = 0
     parent_gone = False
+    latencies: list[float] = []  # since the last report
+    reported_error = None
 
-    def report(latencies: list[float]) -> None:
-        nonlocal parent_gone
+    def report() -> None:
+        nonlocal parent_gone, reported_error
         if parent_gone:
             return
+        reported_error = store.last_error
         data = pickle.dumps((done, store.stats(), array.array("d", latencies).tobytes()), 5)
+        latencies.clear()
         try:
             os.write(ack_fd, len(data).to_bytes(4, "little") + data)  # blocking: the server's ack thread reads
         except OSError:  # the server is gone: keep committing what it sent
             parent_gone = True
 
+    report()  # hello: the file is open
     buf = bytearray()
     eof = False
     while not eof:
@@ -68,11 +74,16 @@ def main(argv: list[str]) -> int:
             off += 4 + size
         del buf[:off]
         if rows:
-            latencies = store.write(rows, lambda: report([]))
-            if latencies is None:
+            lat = store.write(rows, report)
+            if lat is None:
                 break
             done += len(rows)
-            report(latencies)
+            latencies.extend(lat)
+            del latencies[:-100_000]
+            # a report wakes the server's ack thread (its GIL): only when a flush waits for one, or news
+            if any(r[0] == "flush" for r in rows) or store.last_error != reported_error:
+                report()
+            store.after_commit()
     store.close()
     if buf:
         log.error("journal %s: %d bytes of a row cut short by the server's exit were not recorded",
