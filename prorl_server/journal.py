@@ -896,12 +896,18 @@ class _Store:
                 if params is None:
                     continue
             ready.append((self._SQL[kind], params))
+        groups: list[tuple[str, list[Any]]] = []  # runs of one statement: one executemany each
+        for sql, params in ready:
+            if groups and groups[-1][0] is sql:
+                groups[-1][1].append(params)
+            else:
+                groups.append((sql, [params]))
         delay = 0.05
         while True:  # a failed commit (disk full, a lock held too long) is retried, never dropped: the
             try:     # flushes queued behind it wait, so nothing is answered as recorded that was not
                 db.execute("BEGIN")
-                for sql, params in ready:
-                    db.execute(sql, params)
+                for sql, group in groups:
+                    db.executemany(sql, group)
                 db.execute("COMMIT")
                 if self.last_error is not None:
                     log.warning("journal %s: writing again after: %s", self.path, self.last_error)
