@@ -631,7 +631,7 @@ class Journal:
                 start = end
         out = list(token_ids)
         self._ctx[owner] = (prompt_ids, n, out)
-        if len(self._ctx) > 10_000:  # owners that never said they ended
+        if len(self._ctx) > 4096:  # owners that never said they ended (it holds their last prompt list)
             self._ctx.pop(next(iter(self._ctx)))
         self._put(("completion", (owner, backend, start, list(prompt_ids[start:n]), out, list(logprobs),
                                   version_runs, finish_reason, stop_reason, params, time.time()),

@@ -23,11 +23,13 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import sys
 
 from prorl_server.journal import _Store
 
 log = logging.getLogger("prorl_server.journal")
+_LENGTH = struct.Struct("<I")
 
 
 def main(argv: list[str]) -> int:
@@ -66,12 +68,14 @@ def main(argv: list[str]) -> int:
         buf += data
         rows = []
         off = 0
-        while len(buf) - off >= 4:
-            size = int.from_bytes(buf[off:off + 4], "little")
-            if len(buf) - off - 4 < size:
-                break
-            rows.append(pickle.loads(buf[off + 4:off + 4 + size]))
-            off += 4 + size
+        end = len(buf)
+        with memoryview(buf) as view:
+            while end - off >= 4:
+                (size,) = _LENGTH.unpack_from(view, off)
+                if end - off - 4 < size:
+                    break
+                rows.append(pickle.loads(view[off + 4:off + 4 + size]))
+                off += 4 + size
         del buf[:off]
         if rows:
             lat = store.write(rows, report)
