@@ -11,9 +11,12 @@ it in one transaction, commits, and reports back which rows are committed. ``Jou
 what was queued before it is committed (a result is acknowledged to its client only after that, so a result a
 client saw is never lost). Why a process and not a thread: a writer thread needs the GIL back after each
 SQLite call, and while the event loop is busy it waits up to ``sys.getswitchinterval()`` (5 ms) each time:
-commit latency p50 228 ms with a producer that never idles (``benchmarks/journal_crash.py``); the process has
-a GIL of its own. A server SIGKILLed with rows still in the pipe: the writer commits them and exits (end of
-file), then the next server takes the lock.
+with a producer that never yields the GIL, 5,000 completions/s, a writer thread's commit p50 was 228 ms
+(one statement a row) and, batched, p99 64 ms-1.4 s, against 6-90 ms for the process
+(``benchmarks/journal_crash.py --store-only``, this 2-core machine at load 2-5); the process has a GIL of its
+own. The price: ~5-7 µs per row for the caller (pickle + pipe write) instead of ~1.5 µs, and a second
+process. A server SIGKILLed with rows still in the pipe: the writer commits them and exits (end of file),
+then the next server takes the lock.
 
 Encoding: token ids are stored as little-endian int32 arrays and logprobs as float64 arrays (exact, nothing
 truncated); a completion's prompt is stored as the length of the prefix it shares with the same owner's
