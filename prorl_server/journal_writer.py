@@ -33,6 +33,9 @@ _LENGTH = struct.Struct("<I")
 
 
 def main(argv: list[str]) -> int:
+    """Run the writer: ``argv[0]`` is the JSON config :meth:`prorl_server.journal.Journal.start` passes (the
+    journal's path, retention and busy timeout, and the numbers of the inherited ``data_fd``, ``ack_fd`` and
+    ``lock_fd``). Returns 0 once the server closed the pipe (or died) and everything read is committed."""
     config = json.loads(argv[0])
     data_fd, ack_fd = config.pop("data_fd"), config.pop("ack_fd")
     config.pop("lock_fd")  # held open (inherited) for as long as this process lives
