@@ -8,15 +8,18 @@ Counted over the whole run:
 - **delivered twice**: job ids for which the client received two different results (two samples for one id):
   target 0;
 - **resubmittable**: jobs whose ``/process`` call died with the server (connection error), resubmitted.
-The baseline is the same run with ``--journal off`` (the server before the journal). Then, on a quiet journal, the store's own figures: commit latency p99 (queue → committed) at 5,000
-completions/s of 200-2,000-token contexts, and the completions/s one writer sustains (targets on this 2-core
-machine: < 2 ms p99, >= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs.
+The baseline is the same run with ``--journal off`` (the server before the journal). Then, on a quiet journal, the store's own figures: commit latency p50/p99 (queue → committed) at 5,000
+completions/s of 200-2,000-token contexts, with a producer that idles between rows and one that never does
+(``busy_loop``), and the completions/s one writer sustains (targets on this 2-core machine: < 2 ms p99,
+>= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs; each for the writer
+process the server runs and, as ``baseline_thread_*``, for a writer thread in the producer's process (what the
+journal had before); and the 1-minute load average when they were taken.
 
 Setup: the backend is :class:`prorl_server.dev.fake_vllm.FakeVLLM` (standing for vLLM's completions endpoint: 2 ms
 per token step), in this process; the handler is ``shout`` (2 turns of 16 tokens) with the tiny model's
 tokenizer. The last line printed is one JSON object.
 
-Usage: ``python benchmarks/journal_crash.py [--jobs 1000] [--kills 20] [--quick]``.
+Usage: ``python benchmarks/journal_crash.py [--jobs 1000] [--kills 20] [--quick] [--no-store | --store-only]``.
 """
 from __future__ import annotations
 
@@ -155,19 +158,24 @@ async def crash_rounds(n_jobs: int, kills: int, seed: int = 0, journal: bool = T
 
 
 def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
-    """The journal alone: commit latency at ``rate`` completions/s, then the rate one writer sustains."""
+    """The journal alone, as the server runs it (``writer="process"``) and with the writer thread it had
+    before (``writer="thread"``, the baseline): commit latency (queue -> committed, as the writer measures it)
+    at ``rate`` completions/s with a producer that sleeps between rows (an event loop with idle time) and one
+    that never yields the GIL (an event loop busy all the time), the rate one writer sustains, and what a write
+    costs the caller (the event loop)."""
     work = Path(tempfile.mkdtemp(prefix="journal-store-"))
     rng = random.Random(1)
 
-    enqueue: list[float] = []
-
-    def feed(j: Journal, n: int, paced: bool) -> float:
+    def feed(j: Journal, n: int, mode: str, enqueue: list[float]) -> float:
         ctx: dict[str, list[int]] = {}
         t0 = time.perf_counter()
         for i in range(n):
-            if paced:
+            if mode == "idle":  # sleeps (releases the GIL) until the next row is due
                 while (time.perf_counter() - t0) * rate < i:
                     time.sleep(0.0005)
+            elif mode == "busy":  # spins (holds the GIL) until the next row is due
+                while (time.perf_counter() - t0) * rate < i:
+                    pass
             owner = f"job-{i % 1000}"
             c = ctx.setdefault(owner, list(range(200)))
             toks = [rng.randrange(4096) for _ in range(32)]
@@ -182,21 +190,33 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
         j.flush()
         return time.perf_counter() - t0
 
-    j = Journal(str(work / "paced.sqlite"))
-    j.start()
-    feed(j, int(seconds * rate), paced=True)
-    lat = sorted(j.latencies)
-    j.close()
-    j = Journal(str(work / "burst.sqlite"))
-    j.start()
+    def q(xs: list[float], p: float, scale: float) -> float:
+        xs = sorted(xs)
+        return round(scale * xs[int(p * (len(xs) - 1))], 2 if scale == 1000 else 1)
+
+    out: dict = {}
     n = int(seconds * rate)
-    dt = feed(j, n, paced=False)
-    j.close()
-    return {"commit_p50_ms": round(1000 * lat[len(lat) // 2], 2),
-            "commit_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
-            "completions_per_s": int(n / dt),
-            "enqueue_us_p50": round(1e6 * sorted(enqueue)[len(enqueue) // 2], 1),
-            "enqueue_us_p99": round(1e6 * sorted(enqueue)[int(0.99 * (len(enqueue) - 1))], 1)}
+    for writer, prefix in (("thread", "baseline_thread_"), ("process", "")):
+        for mode in ("idle", "busy"):
+            j = Journal(str(work / f"{writer}-{mode}.sqlite"), writer=writer)
+            j.start()
+            enqueue: list[float] = []
+            feed(j, n, mode, enqueue)
+            lat = list(j.latencies)
+            j.close()
+            tag = "" if mode == "idle" else "busy_loop_"
+            out[f"{prefix}commit_{tag}p50_ms"] = q(lat, 0.5, 1000)
+            out[f"{prefix}commit_{tag}p99_ms"] = q(lat, 0.99, 1000)
+            if mode == "idle":
+                out[f"{prefix}enqueue_us_p50"] = q(enqueue, 0.5, 1e6)
+                out[f"{prefix}enqueue_us_p99"] = q(enqueue, 0.99, 1e6)
+        j = Journal(str(work / f"{writer}-burst.sqlite"), writer=writer)
+        j.start()
+        dt = feed(j, n, "burst", [])
+        j.close()
+        out[f"{prefix}completions_per_s"] = int(n / dt)
+    out["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return out
 
 
 async def main() -> None:
@@ -206,9 +226,13 @@ async def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="100 jobs, 3 kills")
     ap.add_argument("--no-store", action="store_true", help="skip the store figures")
+    ap.add_argument("--store-only", action="store_true", help="only the store figures (no server, no kills)")
     args = ap.parse_args()
     if args.quick:
         args.jobs, args.kills = 100, 3
+    if args.store_only:
+        print(json.dumps(store_figures()))
+        return
     base = await crash_rounds(args.jobs, args.kills, args.seed, journal=False)
     print("baseline (no journal):", json.dumps(base), flush=True)
     crash = await crash_rounds(args.jobs, args.kills, args.seed)

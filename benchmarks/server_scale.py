@@ -154,9 +154,20 @@ def probe_main(stats_file: str, argv: list[str]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of ``pid`` (its threads included)."""
+    """user + system CPU seconds of ``pid``, its threads and its live child processes (the journal's writer
+    process) included."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    total = (int(fields[11]) + int(fields[12])) / TICKS
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        try:
+            total += cpu_seconds(int(child))
+        except OSError:  # it exited meanwhile
+            pass
+    return total
 
 
 def rss_mb(pid: int) -> float:

@@ -328,6 +328,9 @@ class Gateway:
             self.finished.popitem(last=False)
         if s.backend_key is not None:
             self.pool.release(s.backend_key)
+            journal = self.llm.client.journal
+            if journal is not None and s.job is None:  # its turns end: the journal drops its last context
+                journal.forget_owner(s.backend_key)
         s.completed.set()
 
     def complete(self, s: Session, reward_info: Optional[dict[str, Any]] = None) -> None:

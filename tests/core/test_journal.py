@@ -270,8 +270,7 @@ def _hold_write_lock(path: str) -> sqlite3.Connection:
 
 
 def test_a_write_that_fails_is_retried_and_flush_waits_for_it(tmp_path, monkeypatch):
-    real_connect = Journal._connect
-    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    monkeypatch.setattr(Journal, "busy_timeout_s", 0.05)  # a commit meeting the lock fails at once
     j = journal(tmp_path)
     other = _hold_write_lock(j.path)
     j.job_submitted("a", "h", b"{}")
@@ -282,14 +281,8 @@ def test_a_write_that_fails_is_retried_and_flush_waits_for_it(tmp_path, monkeypa
     j.close()
 
 
-def _short_timeout(db: sqlite3.Connection) -> sqlite3.Connection:
-    db.execute("PRAGMA busy_timeout = 50")
-    return db
-
-
 async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_client, tmp_path, monkeypatch):
-    real_connect = Journal._connect
-    monkeypatch.setattr(Journal, "_connect", lambda self: _short_timeout(real_connect(self)))
+    monkeypatch.setattr(Journal, "busy_timeout_s", 0.05)  # a commit meeting the lock fails at once
     path = str(tmp_path / "s.sqlite")
     client = await make_client(journal=path)
     client.server.app[PIPELINE].journal_flush_s = 0.5
@@ -302,3 +295,61 @@ async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_cl
     await asyncio.sleep(0.5)  # the writer's retry goes through
     again = await (await client.post("/process", json=body)).json()
     assert again["reward"] == 0.5 and again["failure_kind"] is None  # the real result, recorded since
+
+
+_SERVER = """
+import os
+import sys
+from prorl_server.journal import Journal
+j = Journal(sys.argv[1])
+j.start()
+print(j._proc.pid if getattr(j, "_proc", None) else os.getpid(), flush=True)  # the writer process
+sys.stdin.readline()
+j.job_submitted("b", "h", b"{}")
+j.job_result("b", b'{"job_id": "b"}')
+print("handed over", flush=True)
+sys.stdin.readline()  # never comes: SIGKILLed here
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_rows_a_sigkilled_server_handed_over_are_committed_and_its_writer_exits(tmp_path):
+    # a process (standing for the server) writes a job and its result while another connection holds the
+    # database's write lock (so nothing can be committed yet), and is SIGKILLed; its writer process commits
+    # them once the lock is free, exits (no orphan), and frees the journal for the next server. A writer
+    # thread died with the process: the rows were lost.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "k.sqlite")
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        writer = int(proc.stdout.readline())
+        other = _hold_write_lock(path)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "handed over"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert _running(writer)  # waiting for the lock, with the rows it was handed
+        other.execute("ROLLBACK")
+        other.close()
+        deadline = time.monotonic() + 20
+        while _running(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(writer)
+    finally:
+        proc.kill()
+    j = Journal(path)  # the lock is free: the next server opens it
+    assert j.job("b") == ("done", b"{}", b'{"job_id": "b"}', False)
+    j.close()
