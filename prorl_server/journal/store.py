@@ -4,7 +4,7 @@ exchange. What a crash must not lose, and what replay, re-grading and export rea
 
 Storage: the standard library's ``sqlite3`` in WAL mode with ``synchronous=NORMAL`` (a committed transaction
 survives a crash of the process, SIGKILL included; only a power loss can lose the last ones), one writing
-connection, owned by a **writer process** (``python -m prorl_server.journal_writer``, started by
+connection, owned by a **writer process** (``python -m prorl_server.journal.writer``, started by
 :meth:`Journal.start`). Writers on the event loop never touch SQLite: :meth:`Journal.job_submitted` and friends
 pickle a row and write it to the writer's pipe (a few µs); the writer takes everything the pipe holds, writes
 it in one transaction, commits, and reports back which rows are committed. ``Journal.flush()`` waits until
@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class Journal:
             writer has been failing for that long; a caller is never blocked).
         readonly: open an existing journal to read it only (no lock, no writer): a journal a server may be
             writing can be read so.
-        writer: ``"process"`` (the default: a child process ``python -m prorl_server.journal_writer`` commits;
+        writer: ``"process"`` (the default: a child process ``python -m prorl_server.journal.writer`` commits;
             rows go to it over a pipe) or ``"thread"`` (a thread of this process commits: every SQLite call
             it makes waits for the GIL, up to ``sys.getswitchinterval()`` each while the event loop is busy;
             kept as the benchmark's baseline).
@@ -329,10 +330,10 @@ class Journal:
         except OSError:
             pass
         os.set_blocking(data_w, False)
-        cmd = [sys.executable, "-m", "prorl_server.journal_writer", json.dumps(
+        cmd = [sys.executable, "-m", "prorl_server.journal.writer", json.dumps(
             {**config, "data_fd": data_r, "ack_fd": ack_w, "lock_fd": self._lock_file.fileno()})]
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this copy of prorl_server
+        root = str(Path(__file__).resolve().parents[2])  # the directory holding this copy of prorl_server
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
             self._proc = subprocess.Popen(cmd, pass_fds=(data_r, ack_w, self._lock_file.fileno()),

@@ -300,7 +300,7 @@ async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_cl
 _SERVER = """
 import os
 import sys
-from prorl_server.journal import Journal
+from prorl_server.journal.store import Journal
 j = Journal(sys.argv[1])
 j.start()
 print(j._proc.pid if getattr(j, "_proc", None) else os.getpid(), flush=True)  # the writer process

@@ -1,5 +1,5 @@
-"""The journal's writer process (``python -m prorl_server.journal_writer CONFIG_JSON``), started by
-:meth:`prorl_server.journal.Journal.start`: it owns the only writing connection to the SQLite file, so commits
+"""The journal's writer process (``python -m prorl_server.journal.writer CONFIG_JSON``), started by
+:meth:`prorl_server.journal.store.Journal.start`: it owns the only writing connection to the SQLite file, so commits
 never wait for the server's GIL (a writer thread in the server waited for it at every SQLite call: up to the
 switch interval each while the event loop was busy).
 
@@ -26,14 +26,14 @@ import signal
 import struct
 import sys
 
-from prorl_server.journal import _Store
+from prorl_server.journal.store import _Store
 
 log = logging.getLogger("prorl_server.journal")
 _LENGTH = struct.Struct("<I")
 
 
 def main(argv: list[str]) -> int:
-    """Run the writer: ``argv[0]`` is the JSON config :meth:`prorl_server.journal.Journal.start` passes (the
+    """Run the writer: ``argv[0]`` is the JSON config :meth:`prorl_server.journal.store.Journal.start` passes (the
     journal's path, retention and busy timeout, and the numbers of the inherited ``data_fd``, ``ack_fd`` and
     ``lock_fd``). Returns 0 once the server closed the pipe (or died) and everything read is committed."""
     config = json.loads(argv[0])
