@@ -686,7 +686,8 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
             self.reports.append(report)
             if error is None:
                 self.rollout.weight_version = version
-                self.rollout.run_async(self._followed(version, servers))
+                if isinstance(self.rollout.urls, Fleet) and not isinstance(self.backends, Mapping):
+                    self.rollout.run_async(self._followed(version, servers))  # joiners get these backends
                 self._files.append(path)
                 while len(self._files) > self.keep:
                     old = self._files.pop(0)
