@@ -10,7 +10,8 @@ Counted over the whole run:
 - **resubmittable**: jobs whose ``/process`` call died with the server (connection error), resubmitted.
 The baseline is the same run with ``--journal off`` (the server before the journal). Then, on a quiet journal, the store's own figures: commit latency p50/p99 (queue → committed) at 5,000
 completions/s of 200-2,000-token contexts, with a producer that idles between rows and one that never does
-(``busy_loop``), and the completions/s one writer sustains (targets on this 2-core machine: < 2 ms p99,
+(``busy_loop``), and the completions/s one writer sustains (the writer process with its WAL preallocated, as
+``prorl-server`` runs it; the thread baseline without) (targets on this 2-core machine: < 2 ms p99,
 >= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs; each for the writer
 process the server runs and, as ``baseline_thread_*``, for a writer thread in the producer's process (what the
 journal had before); and the 1-minute load average when they were taken.
@@ -198,7 +199,7 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
     n = int(seconds * rate)
     for writer, prefix in (("thread", "baseline_thread_"), ("process", "")):
         for mode in ("idle", "busy"):
-            j = Journal(str(work / f"{writer}-{mode}.sqlite"), writer=writer)
+            j = Journal(str(work / f"{writer}-{mode}.sqlite"), writer=writer, prealloc_wal=writer == "process")
             j.start()
             enqueue: list[float] = []
             feed(j, n, mode, enqueue)
@@ -210,7 +211,7 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
             if mode == "idle":
                 out[f"{prefix}enqueue_us_p50"] = q(enqueue, 0.5, 1e6)
                 out[f"{prefix}enqueue_us_p99"] = q(enqueue, 0.99, 1e6)
-        j = Journal(str(work / f"{writer}-burst.sqlite"), writer=writer)
+        j = Journal(str(work / f"{writer}-burst.sqlite"), writer=writer, prealloc_wal=writer == "process")
         j.start()
         dt = feed(j, n, "burst", [])
         j.close()
