@@ -10,7 +10,9 @@ Counted over the whole run:
 - **resubmittable**: jobs whose ``/process`` call died with the server (connection error), resubmitted.
 The baseline is the same run with ``--journal off`` (the server before the journal). Then, on a quiet journal, the store's own figures: commit latency p50/p99 (queue → committed) at 5,000
 completions/s of 200-2,000-token contexts, with a producer that idles between rows and one that never does
-(``busy_loop``), and the completions/s one writer sustains (targets on this 2-core machine: < 2 ms p99,
+(``busy_loop``), and the completions/s one writer sustains (the writer process with its WAL preallocated, as
+``prorl-server`` runs it; the thread baseline without); then the idle commit p99 of the writer process without
+and with the preallocated WAL, alternating, twice each (``prealloc_off/on_commit_p99_ms``) (targets on this 2-core machine: < 2 ms p99,
 >= 5,000/s), and what a write costs the caller (the event loop): enqueue p50/p99 in µs; each for the writer
 process the server runs and, as ``baseline_thread_*``, for a writer thread in the producer's process (what the
 journal had before); and the 1-minute load average when they were taken.
@@ -198,7 +200,7 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
     n = int(seconds * rate)
     for writer, prefix in (("thread", "baseline_thread_"), ("process", "")):
         for mode in ("idle", "busy"):
-            j = Journal(str(work / f"{writer}-{mode}.sqlite"), writer=writer)
+            j = Journal(str(work / f"{writer}-{mode}.sqlite"), writer=writer, prealloc_wal=writer == "process")
             j.start()
             enqueue: list[float] = []
             feed(j, n, mode, enqueue)
@@ -210,11 +212,20 @@ def store_figures(seconds: float = 4.0, rate: int = 5000) -> dict:
             if mode == "idle":
                 out[f"{prefix}enqueue_us_p50"] = q(enqueue, 0.5, 1e6)
                 out[f"{prefix}enqueue_us_p99"] = q(enqueue, 0.99, 1e6)
-        j = Journal(str(work / f"{writer}-burst.sqlite"), writer=writer)
+        j = Journal(str(work / f"{writer}-burst.sqlite"), writer=writer, prealloc_wal=writer == "process")
         j.start()
         dt = feed(j, n, "burst", [])
         j.close()
         out[f"{prefix}completions_per_s"] = int(n / dt)
+    for k in range(2):  # the process writer without the preallocated WAL (what it had before), idle producer,
+        for prealloc in (False, True):  # alternating with it, so both see the same load
+            j = Journal(str(work / f"prealloc-{prealloc}-{k}.sqlite"), prealloc_wal=prealloc)
+            j.start()
+            feed(j, n, "idle", [])
+            lat = list(j.latencies)
+            j.close()
+            key = "prealloc_off_commit_p99_ms" if not prealloc else "prealloc_on_commit_p99_ms"
+            out.setdefault(key, []).append(q(lat, 0.99, 1000))
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return out
 

@@ -392,7 +392,8 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     journal = None
     path = journal_path(settings)
     if path is not None:
-        journal = Journal(path, max_bytes=settings.journal_max_bytes, max_age_s=settings.journal_max_age_s)
+        journal = Journal(path, max_bytes=settings.journal_max_bytes, max_age_s=settings.journal_max_age_s,
+                          prealloc_wal=bool(settings.journal_prealloc_wal))
         pipeline.journal = llm.client.journal = journal
         log.info("journal: %s", path)
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
     p.add_argument("--journal", help="SQLite journal of jobs, results and completions: a path, 'auto' (the "
                    "default: ~/.local/state/prorl/journal/<host>_<port>.sqlite) or 'off'")
+    p.add_argument("--journal-prealloc-wal", action=argparse.BooleanOptionalAction, default=None,
+                   help="write the journal's WAL (97 MiB) before the first commit so commits overwrite "
+                   "allocated space (default on; lower commit p99)")
     p.add_argument("--ready-file", help="write {host, port, pid, url} as JSON here once listening")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"],
@@ -103,6 +106,8 @@ def settings_from_args(argv: Optional[Sequence[str]] = None) -> ServerSettings:
         settings = build_settings(args.config, overrides)
         if settings.journal is None:  # the server journals by default (an app built in code does not)
             settings = settings.model_copy(update={"journal": "auto"})
+        if settings.journal_prealloc_wal is None:  # likewise: tests build apps in code and open many journals
+            settings = settings.model_copy(update={"journal_prealloc_wal": True})
         if settings.admission_target_lag_ms is None:  # likewise admission control (tests build apps in code)
             settings = settings.model_copy(update={"admission_target_lag_ms": DEFAULT_ADMISSION_TARGET_LAG_MS})
         return settings

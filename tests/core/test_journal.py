@@ -353,3 +353,79 @@ def test_rows_a_sigkilled_server_handed_over_are_committed_and_its_writer_exits(
     j = Journal(path)  # the lock is free: the next server opens it
     assert j.job("b") == ("done", b"{}", b'{"job_id": "b"}', False)
     j.close()
+
+
+_PREALLOC_SERVER = """
+import os
+import sys
+from prorl_server.journal.store import Journal
+j = Journal(sys.argv[1], prealloc_wal=True)
+j.start()
+for i in range(200):
+    j.job_submitted(f"job-{i}", "h", b"{}")
+    j.job_result(f"job-{i}", b'{"n": %d}' % i)
+    j.completion(f"job-{i}", None, list(range(300)), [i, i + 1], [-0.5, -0.25], [[0, 2]], "stop")
+assert j.flush()
+print(os.path.getsize(sys.argv[1] + "-wal"), flush=True)
+sys.stdin.readline()  # never comes: SIGKILLed here, writer included
+"""
+
+
+def test_a_preallocated_wal_keeps_every_committed_row_across_a_sigkill_and_goes_with_a_clean_close(tmp_path):
+    # prealloc_wal (prorl-server's default) writes the WAL file (zeros) before the first commit so commits
+    # overwrite allocated space: the server and its writer are SIGKILLed after a flush, and the next journal on
+    # the file finds every row (the zeros after the last frame are not taken for frames), and removes the
+    # 68 MiB WAL when it closes.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "p.sqlite")
+    proc = subprocess.Popen([sys.executable, "-c", _PREALLOC_SERVER, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wal_bytes = int(proc.stdout.readline())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert wal_bytes >= 64 << 20  # the space commits overwrite instead of appending
+    deadline = time.monotonic() + 20
+    while True:  # the killed writer's lock goes with it
+        try:
+            j = Journal(path)
+            break
+        except JournalError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert j.count_jobs() == 200
+    assert j.result("job-199") == b'{"n": 199}'
+    assert [(c.token_ids, c.logprobs) for c in j.completions("job-7")] == [([7, 8], [-0.5, -0.25])]
+    j.start()
+    j.job_submitted("after", "h", b"{}")
+    assert j.flush()
+    j.close()
+    assert not os.path.exists(path + "-wal")  # the last connection checkpointed it into the file and removed it
+    j = Journal(path)
+    assert j.count_jobs(None) == 201
+    j.close()
+
+
+def test_prorl_server_preallocates_the_wal_and_an_app_built_in_code_does_not():
+    from prorl_server.cli import settings_from_args
+
+    assert settings_from_args([]).journal_prealloc_wal is True
+    assert settings_from_args(["--no-journal-prealloc-wal"]).journal_prealloc_wal is False
+    assert not ServerSettings().journal_prealloc_wal
+
+
+def test_the_preallocated_wal_does_not_count_against_the_size_cap(tmp_path):
+    # the WAL's 97 MiB of zeros are not the journal's data: a 4 MiB cap keeps finished jobs the small database
+    # holds (counting the zeros, retention deleted them at every pass)
+    j = journal(tmp_path, max_bytes=4 << 20, retention_every_s=0.0, prealloc_wal=True)
+    for i in range(20):
+        j.job_submitted(f"job-{i}", "h", b"{}")
+        j.job_result(f"job-{i}", b"{}")
+        assert j.flush()  # each commit is followed by a retention pass
+    assert j.count_jobs() == 20
+    j.close()
