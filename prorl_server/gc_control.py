@@ -11,11 +11,13 @@ for 0.5-0.9 s about once a second under load (issue #26: the collector took 47-6
   start, after a full collection, everything alive is moved to the permanent generation the collector never
   walks; and again, once an import burst has settled, whenever the process has imported many new modules
   since (the tokenizer's torch/transformers load on the first job, a handler's lazy imports), checked every
-  ``check_interval_s``. A re-freeze collects the young generations only (a full collection would walk the
-  ~370k objects it is about to freeze: a 0.3-0.9 s stall) and freezes: O(1). Caveat of ``gc.freeze``:
-  reference cycles among objects that were alive at a freeze and die later are not reclaimed until
-  :meth:`stop` (plain reference counting still frees everything else); the bound is what was alive at the
-  few re-freezes of a process's life (the jobs in flight then).
+  ``check_interval_s``. A re-freeze collects nothing and freezes: O(1). Collecting first stalled the event
+  loop for the whole import: the tokenizer's first load runs with the collector off, so its ~400k objects are
+  all young, and even a young-generation collection walked them (3.65 s measured on a fresh server, while
+  the first jobs' timeouts ran: a third of them timed out). The price: the import's own cyclic garbage is
+  frozen with it, once. Caveat of ``gc.freeze``: reference cycles among objects that were alive at a freeze
+  and die later are not reclaimed until :meth:`stop` (plain reference counting still frees everything else);
+  the bound is what was alive at the few re-freezes of a process's life (the jobs in flight then).
 - **threshold**: generation 0 is collected every ``gen0_threshold`` net allocations instead of CPython's
   700, so the per-turn garbage of a few thousand jobs (dicts, lists, futures) mostly dies by reference
   counting before a collection ever sees it.
@@ -113,7 +115,8 @@ class CollectorControl:
     # ------------------------------------------------------------------ freezing
     def _freeze(self, first: bool = False) -> None:
         t0 = time.perf_counter()
-        gc.collect(2 if first else 1)  # a re-freeze: the young generations' garbage only, not a full walk
+        if first:  # at start, before serving; a re-freeze runs while jobs do: no walk at all (module docstring)
+            gc.collect(2)
         gc.freeze()
         self._modules_at_freeze = self._modules_at_check = len(sys.modules)
         self.freezes += 1
