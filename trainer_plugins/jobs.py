@@ -507,6 +507,15 @@ class JobSubmitter:
             if not candidates and isinstance(servers, Fleet):
                 await servers.wait_for_members(self.unavailable_retry_s)
                 candidates = list(servers) or _fallback(servers)
+            if not candidates and isinstance(servers, Fleet) and attempts:
+                # every member drained or is out after this sample was tried: its result, not an exception that
+                # would end the caller's run without a word about the other samples (red team F10)
+                last = attempts[-1]
+                result = filtered_result(last.job_id, ROLLOUT_SERVER,
+                                         f"no rollout server left in the fleet {servers.fleet_dir} after "
+                                         f"{self.unavailable_retry_s:g} s (every member drained or is out); "
+                                         f"the last attempt: {last.failure_kind}: {last.error}")
+                return JobOutcome(result=result, server=last.server, attempts=attempts)
             if not candidates:
                 raise ValueError("no rollout server left to choose from")
             server = self.retry_server(candidates, request.group_id, failed_on, chooser)

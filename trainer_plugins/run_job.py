@@ -195,6 +195,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [(inst, k) for inst in instances for k in range(args.samples)]
     summary = Summary()
     stop = asyncio.Event()
+    error: Optional[BaseException] = None  # what stopped the run, when a worker did
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -283,13 +284,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.gather(all_done, return_exceptions=True)
         else:
             stopper.cancel()
-            all_done.result()  # re-raise a worker error
+            error = all_done.exception()  # a worker stopped the run (no server could run its job)
+            if error is not None:
+                # the other workers' jobs are cancelled; what finished is still summarised below
+                await client.cancel_open()
+                await asyncio.wait(workers, timeout=30)
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
         wall = time.monotonic() - t0
     s = summary.to_dict(wall, len(jobs))
-    s.update({"dataset": args.dataset, "samples": args.samples, "interrupted": stop.is_set()})
+    s.update({"dataset": args.dataset, "samples": args.samples, "interrupted": stop.is_set(),
+              "error": None if error is None else f"{type(error).__name__}: {error}"})
     (out / "summary.json").write_text(json.dumps(s, indent=2))
     print(Summary.table(s))
     print(f"wrote {out / 'trajectories.jsonl'} and {out / 'summary.json'}")
+    if error is not None:
+        raise error
     return s
 
 
@@ -313,7 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DatasetError as e:
         print(f"prorl-run: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, InvalidInstanceError, aiohttp.ClientError, OSError) as e:
+    except (RuntimeError, ValueError, InvalidInstanceError, aiohttp.ClientError, OSError) as e:
         print(f"prorl-run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 130 if s["interrupted"] else 0

@@ -603,3 +603,17 @@ async def test_prorl_run_with_several_servers_moves_the_jobs_of_one_that_does_no
                                               "--out", str(tmp_path / "out")])
     summary = await run_job.run(args)
     assert summary["jobs_finished"] == 8 and summary["mean_reward"] == 1.0
+
+
+async def test_a_sample_whose_fleet_drained_away_ends_filtered_instead_of_raising(tmp_path, aiohttp_server):
+    # red team F10: every member drained while prorl-run ran; the next attempt found no member and raised a
+    # ValueError out of JobSubmitter.run, so prorl-run died with a traceback and wrote no summary
+    a = await canned_server(aiohttp_server, 503, DRAINING_503)
+    write_record(tmp_path, record("a", a, ttl_s=30))
+    fleet = Fleet(tmp_path, start=False)
+    req = process_request({"data_source": "varied", "id": "x"})
+    async with JobSubmitter(fleet=fleet, unavailable_retry_s=0.2) as jobs:
+        outcome = await jobs.run(fleet, req, max_sample_retries=2, job_prefix="f")
+    assert outcome.filtered and outcome.result.failure_kind == ROLLOUT_SERVER
+    assert "no rollout server left in the fleet" in outcome.result.error and "draining" in outcome.result.error
+    assert [x.failure_kind for x in outcome.attempts] == [DRAINING]

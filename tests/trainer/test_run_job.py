@@ -70,3 +70,22 @@ async def test_ctrl_c_cancels_outstanding_jobs_on_server_and_keeps_finished(serv
     assert all(by_id[f"slow{i}"]["critical_error"] == "cancelled" for i in range(3))
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["interrupted"] is True
     assert (await status(url))["jobs_in_flight"] == 0
+
+
+async def test_a_run_a_server_fault_stops_still_writes_its_summary_with_the_reason(serve_handlers, varied, tmp_path):
+    # red team F10: prorl-run stopped on a job no server could run (every fleet member drained) with a
+    # traceback and no summary.json, so the jobs that had finished were reported nowhere
+    from prorl_server.dev.vllm_launcher import free_port
+
+    good = await serve_handlers(varied)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: each job sent there fails as rollout_server
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "varied", "instance_id": f"i{i}", "id": f"i{i}"}) + "\n"
+                            for i in range(6)))
+    args = build_parser().parse_args(["--dataset", str(data), "--server", good, "--server", dead,
+                                      "--max-sample-retries", "0", "--concurrency", "2", "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="did not answer"):
+        await run(args)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["error"].startswith("RuntimeError: job ") and "did not answer" in saved["error"]
+    assert saved["jobs_finished"] == len((tmp_path / "trajectories.jsonl").read_text().splitlines())
