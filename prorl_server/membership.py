@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -121,6 +122,32 @@ def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended") -
     return path
 
 
+#: The largest record (or token file) a reader takes, bytes: a record is about 1 KB.
+MAX_RECORD_BYTES = 1 << 20
+
+
+def read_small_file(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes, read without ever blocking on it.
+
+    Anyone who can write the shared directory can put anything there: a FIFO (whose open blocks until a writer
+    comes: a reader thread, or the server at start, hung for good), a symlink to ``/dev/zero`` (endless), a
+    40 MB file. Records are written by rename, never as links, so a symlink is refused too.
+
+    Raises:
+        OSError: it cannot be opened (a symlink: ``ELOOP``). ValueError: not a regular file, or over ``limit``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"over {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
 def clear_end(fleet_dir: str | os.PathLike) -> bool:
     """Remove an end sentinel left by an earlier run (a new trainer starts on the directory). True if one was."""
     try:
@@ -142,7 +169,7 @@ def prune_dead_on_node(fleet_dir: str | os.PathLike, node: str) -> int:
     for name in names:
         path = d / name
         try:
-            rec = MemberRecord.model_validate_json(path.read_bytes())
+            rec = MemberRecord.model_validate_json(read_small_file(path))
         except (OSError, ValueError):
             continue
         if rec.node == node and not psutil.pid_exists(rec.pid):

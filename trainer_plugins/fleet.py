@@ -59,7 +59,7 @@ from typing import Optional, Union
 
 import psutil
 
-from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, node_name,
+from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, node_name, read_small_file,
                                      write_end)
 from trainer_plugins.slurm_probe import SlurmProbe
 
@@ -159,8 +159,8 @@ class Fleet(collections.abc.Sequence):
     def headers(self) -> dict[str, str]:
         """``{"Authorization": "Bearer <token>"}`` from ``DIR/token`` (written by the launcher), or ``{}``."""
         try:
-            token = (self.fleet_dir / TOKEN_FILE).read_text().strip()
-        except OSError:
+            token = read_small_file(self.fleet_dir / TOKEN_FILE).decode().strip()
+        except (OSError, ValueError):  # none, or not a small regular file of text
             return {}
         return {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -285,7 +285,7 @@ class Fleet(collections.abc.Sequence):
             if self._bad_files.get(name) == file_id:
                 continue
             try:
-                rec = MemberRecord.model_validate_json((members / name).read_bytes())
+                rec = MemberRecord.model_validate_json(read_small_file(members / name))
             except FileNotFoundError:  # replaced or removed since the listing: the next poll sees it
                 continue
             except (OSError, ValueError) as e:

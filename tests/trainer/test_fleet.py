@@ -617,3 +617,32 @@ async def test_a_sample_whose_fleet_drained_away_ends_filtered_instead_of_raisin
     assert outcome.filtered and outcome.result.failure_kind == ROLLOUT_SERVER
     assert "no rollout server left in the fleet" in outcome.result.error and "draining" in outcome.result.error
     assert [x.failure_kind for x in outcome.attempts] == [DRAINING]
+
+
+def test_a_fifo_a_device_link_or_a_huge_file_among_the_records_is_skipped_without_blocking(tmp_path):
+    # red team F5: a FIFO in members/ made open_fleet() never return (its reading thread's open blocked) and a
+    # server starting on the directory ignored SIGTERM; a symlink to /dev/zero read forever
+    import threading
+
+    from prorl_server.membership import MAX_RECORD_BYTES, prune_dead_on_node
+
+    d = tmp_path / "members"
+    d.mkdir()
+    os.mkfifo(d / "vm-1-1.json")
+    os.symlink("/dev/zero", d / "vm-2-2.json")
+    (d / "vm-3-3.json").write_bytes(b" " * (MAX_RECORD_BYTES + 1))
+    os.mkfifo(tmp_path / "token")
+    write_record(tmp_path, record("a", "http://127.0.0.1:1", ttl_s=30))
+    done = threading.Event()
+    seen = {}
+
+    def read():
+        fleet = Fleet(tmp_path, start=False)
+        fleet.refresh()
+        seen["urls"], seen["headers"] = list(fleet), fleet.headers
+        seen["pruned"] = prune_dead_on_node(tmp_path, "vm")
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(10), "reading the fleet directory blocked"
+    assert seen == {"urls": ["http://127.0.0.1:1"], "headers": {}, "pruned": 0}
