@@ -127,6 +127,14 @@ class ServerSettings(BaseModel):
     def _known_parser(cls, v: str) -> str:
         return check_parser_name(v)
 
+    @field_validator("fleet_dir")
+    @classmethod
+    def _fleet_dir_is_a_directory(cls, v: Optional[str]) -> Optional[str]:
+        # checked here, not when the server first writes its record: that came after "listening", as a traceback
+        if v is not None and os.path.exists(v) and not os.path.isdir(v):
+            raise ValueError(f"{v} exists and is not a directory")
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:

@@ -52,6 +52,10 @@ def test_bad_setting_is_a_clear_error(tmp_path):
         settings_from_args(["--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(ValidationError, match="unknown tool parser 'nope'; registered: \\[.*'hermes'"):
         build_settings(overrides={"gateway_tool_parser": "nope"})
+    # red team F2: a fleet directory that is a file was a traceback after "listening"
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValidationError, match="afile exists and is not a directory"):
+        build_settings(overrides={"fleet_dir": str(tmp_path / "afile")})
 
 
 def test_registry_resolves_aliases_and_entry_points():
