@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import concurrent.futures
 import logging
 import os
 import threading
@@ -85,6 +86,12 @@ class Fleet(collections.abc.Sequence):
         poll_s: seconds between re-reads. max_clock_skew_s: see the module docstring.
         probe_interval_s / probe_timeout_s: how often, and how patiently, a member a request found dead is
             probed (``GET /health``) before it may come back (seconds).
+        liveness_interval_s / liveness_timeout_s / liveness_failures: every live member is asked
+            ``GET /health`` every ``liveness_interval_s`` (0: never); one that leaves ``liveness_failures``
+            probes in a row unanswered for ``liveness_timeout_s`` each is *silent*: out of the rotation, and
+            :meth:`is_lost` (its open requests end as resubmittable), until a probe answers. A server that
+            renews its lease but accepts connections and never answers would otherwise hold its jobs forever
+            (its lease is live, no request is refused or reset).
         local_node: node whose members come first (default: this one).
         start: start the reading thread now (tests read by hand with :meth:`refresh`).
         slurm: a :class:`~trainer_plugins.slurm_probe.SlurmProbe` asked which members' jobs/steps ended
@@ -92,13 +99,20 @@ class Fleet(collections.abc.Sequence):
     """
 
     def __init__(self, fleet_dir: str | os.PathLike, *, poll_s: float = 0.25, max_clock_skew_s: float = 30.0,
-                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0, local_node: Optional[str] = None,
+                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0, liveness_interval_s: float = 5.0,
+                 liveness_timeout_s: float = 5.0, liveness_failures: int = 3, local_node: Optional[str] = None,
                  start: bool = True, slurm: Union[SlurmProbe, None, str] = "auto") -> None:
         self.fleet_dir = Path(fleet_dir)
         self.poll_s = poll_s
         self.max_clock_skew_s = max_clock_skew_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.liveness_interval_s = liveness_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.liveness_failures = liveness_failures
+        self._unanswered: dict[str, int] = {}  # member_id -> liveness probes unanswered in a row
+        self._silent: set[str] = set()  # member_ids out for silence (liveness_failures unanswered probes)
+        self._last_liveness = 0.0
         self.local_node = (local_node or node_name()).split(".", 1)[0]
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}  # file name -> member
@@ -190,7 +204,7 @@ class Fleet(collections.abc.Sequence):
         now = time.monotonic()
         with self._lock:
             ms = [m for m in self._members.values() if m.record.url == url]
-            return bool(ms) and not any(self._live(m, now) for m in ms)
+            return bool(ms) and not any(self._live(m, now) and m.record.member_id not in self._silent for m in ms)
 
     # ------------------------------------------------------------------ waiting and ending
     async def wait_for_members(self, timeout_s: float, poll_s: float = 0.05) -> bool:
@@ -249,6 +263,9 @@ class Fleet(collections.abc.Sequence):
         while not self._stop.wait(min(self.poll_s, self.probe_interval_s)):
             try:
                 self._probe_suspects()
+                if self.liveness_interval_s > 0 and time.monotonic() - self._last_liveness >= self.liveness_interval_s:
+                    self._last_liveness = time.monotonic()
+                    self.probe_liveness()
             except Exception:
                 log.exception("fleet: probing members of %s failed", self.fleet_dir)
 
@@ -348,7 +365,7 @@ class Fleet(collections.abc.Sequence):
         """Rebuild the routable tuple (lock held). True when it changed."""
         ok = [m.record for m in self._members.values()
               if m.record.state == "active" and self._live(m, now) and m.record.member_id not in self._suspect
-              and m.record.member_id not in self._draining]
+              and m.record.member_id not in self._draining and m.record.member_id not in self._silent]
         ok.sort(key=lambda r: (r.node.split(".", 1)[0] != self.local_node, r.member_id))
         routable = tuple(r.url for r in ok)
         changed = routable != self._routable
@@ -375,6 +392,36 @@ class Fleet(collections.abc.Sequence):
                 else:
                     self._suspect[mid] = time.monotonic()
                 self._recompute(time.monotonic())
+
+    def probe_liveness(self) -> None:
+        """Ask every live member ``GET /health`` at once (blocking, up to ``liveness_timeout_s``); count the
+        unanswered ones, take out those silent ``liveness_failures`` times in a row, bring back any that
+        answers (the probe thread calls it every ``liveness_interval_s``)."""
+        now = time.monotonic()
+        with self._lock:
+            due = {m.record.member_id: m.record.url for m in self._members.values() if self._live(m, now)}
+        if not due:
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(due))) as pool:
+            answered = dict(zip(due, pool.map(lambda u: _healthy(u, self.liveness_timeout_s), due.values())))
+        with self._lock:
+            for mid, ok in answered.items():
+                if ok:
+                    self._unanswered.pop(mid, None)
+                    if mid in self._silent:
+                        self._silent.discard(mid)
+                        log.info("fleet: %s answered again: back in the rotation", due[mid])
+                    continue
+                self._unanswered[mid] = self._unanswered.get(mid, 0) + 1
+                if self._unanswered[mid] >= self.liveness_failures and mid not in self._silent:
+                    self._silent.add(mid)
+                    log.warning("fleet: %s (%s) renews its lease but left %d health probes unanswered: out, and "
+                                "its open requests end as resubmittable", due[mid], mid, self._unanswered[mid])
+            for mid in list(self._unanswered):  # members that left
+                if mid not in due:
+                    self._unanswered.pop(mid, None)
+                    self._silent.discard(mid)
+            self._recompute(time.monotonic())
 
 
 def _healthy(url: str, timeout_s: float) -> bool:

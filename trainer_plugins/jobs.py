@@ -387,9 +387,11 @@ class JobSubmitter:
                 await asyncio.gather(proc, return_exceptions=True)
         if not proc.cancelled():
             return proc.result()
-        log.warning("job %s on %s: the server's fleet lease ran out: resubmittable", request.job_id, state.server)
+        log.warning("job %s on %s: the server left the fleet (lease ran out, or silent): resubmittable",
+                    request.job_id, state.server)
         return filtered_result(str(request.job_id), ROLLOUT_SERVER, f"rollout server {state.server} left the fleet "
-                               "(its lease ran out) while it held the job", handler=_handler(request))
+                               "(its lease ran out, or it stopped answering health probes) while it held the job",
+                               handler=_handler(request))
 
     def _watch_leases(self) -> None:
         if self._lease_watch is None or self._lease_watch.done():

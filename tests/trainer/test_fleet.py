@@ -646,3 +646,31 @@ def test_a_fifo_a_device_link_or_a_huge_file_among_the_records_is_skipped_withou
     threading.Thread(target=read, daemon=True).start()
     assert done.wait(10), "reading the fleet directory blocked"
     assert seen == {"urls": ["http://127.0.0.1:1"], "headers": {}, "pruned": 0}
+
+
+async def test_a_member_that_renews_its_lease_but_never_answers_is_taken_out_and_its_job_resubmitted(
+        tmp_path, serve_handlers, varied):
+    # red team F7: a member that renews its lease and accepts connections but never answers held its jobs
+    # forever (no refusal, no reset, a live lease): 4 of 40 prorl-run jobs hung
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # accepts (the kernel does), never reads or answers
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    good = await serve_handlers(varied)
+    write_record(tmp_path, record("s", silent_url, ttl_s=3600))
+    write_record(tmp_path, record("g", good, ttl_s=3600))
+    fleet = Fleet(tmp_path, poll_s=0.05, liveness_interval_s=0.1, liveness_timeout_s=0.2, liveness_failures=2,
+                  slurm=None)
+    try:
+        req = process_request({"data_source": "varied", "id": "x", "rewards": [1.0]})
+        async with JobSubmitter(fleet=fleet) as jobs:
+            t0 = time.monotonic()
+            held = await asyncio.wait_for(jobs.submit(silent_url, req.model_copy(update={"job_id": "h"})), 10)
+            assert held.filter and held.failure_kind == ROLLOUT_SERVER and "health probes" in held.error
+            assert time.monotonic() - t0 < 5
+            assert list(fleet) == [good] and fleet.is_lost(silent_url)
+            outcome = await jobs.run(fleet, req, job_prefix="r")
+        assert outcome.server == good and not outcome.filtered
+    finally:
+        fleet.close()
+        silent.close()
