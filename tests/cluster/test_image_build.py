@@ -491,7 +491,7 @@ def test_installed_wheel_ships_the_templates_and_the_builder_finds_them(tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     assert sorted(n.split("/", 2)[2] for n in names if n.startswith("singularity/templates/")) == templates, names
     assert "singularity/build.py" in names and not any(".data/" in n for n in names), names
-    chat_templates = sorted(p.name for p in (REPO / "prorl_server" / "chat_templates" / "templates").glob("*.jinja"))
+    chat_templates = sorted(p.name for p in (REPO / "prorl_server" / "llm" / "chat_templates" / "templates").glob("*.jinja"))
     assert chat_templates and sorted(n.rsplit("/", 1)[1] for n in names
                                      if n.startswith("prorl_server/llm/chat_templates/templates/")) == chat_templates
 

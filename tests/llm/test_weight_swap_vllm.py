@@ -108,3 +108,5 @@ async def test_a_keep_swap_mid_generation_aborts_nothing_and_splits_each_sequenc
     async with session.post(f"{address}/collective_rpc",
                             json={"method": "prorl_load_weights", "args": [str(tiny_model_dir)]}) as lr:
         assert lr.status == 200
+    async with session.post(f"{address}/reset_prefix_cache") as rr:  # no KV of the marked weights is reused
+        assert rr.status == 200

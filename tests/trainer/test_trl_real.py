@@ -117,16 +117,20 @@ def hf_logprobs(model):
     return torch.stack([lp[k, IDS[k + 1]] for k in range(len(IDS) - 1)])
 
 
-async def _load(backend, path, sha=""):
-    from trainer_plugins.trl.weights import load_into_backend
+async def _load(backend, path, sha="", reset_cache=False):
+    from trainer_plugins.trl.weights import load_into_backend, reset_prefix_cache
 
     async with aiohttp.ClientSession() as s:
         await load_into_backend(s, backend, str(path), sha)
+        if reset_cache:
+            await reset_prefix_cache(s, backend)
 
 
 def push_original(ext_vllm, tiny_model_dir):
-    """Put the tiny model's own weights back (each test starts from them)."""
-    asyncio.run(_load(ext_vllm.address, Path(tiny_model_dir) / "model.safetensors"))
+    """Put the tiny model's own weights back (each test starts from them), and drop the prefix cache: the
+    server is the session's (tests/conftest.py), and KV another test's weights computed for a shared prefix (the
+    shout system prompt) would otherwise be reused under these weights."""
+    asyncio.run(_load(ext_vllm.address, Path(tiny_model_dir) / "model.safetensors", reset_cache=True))
 
 
 # ------------------------------------------------------------------ the worker extension
