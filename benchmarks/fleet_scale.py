@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from server_scale import cpu_seconds  # noqa: E402  (run as a script: the benchmarks folder is on sys.path)
 
+from prorl_server.stats import percentile  # noqa: E402
 from trainer_plugins.admission import LeastInFlight  # noqa: E402
 from trainer_plugins.fleet import Fleet  # noqa: E402
 from trainer_plugins.jobs import JobSubmitter, process_request  # noqa: E402
@@ -131,10 +132,8 @@ class Recording(LeastInFlight):
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    """The project's one percentile (nearest rank; ``q`` from 0 to 1 here); NaN for no data."""
+    return percentile(xs, 100 * q) if xs else float("nan")
 
 
 async def prime(jobs: JobSubmitter, urls: list[str]) -> None:

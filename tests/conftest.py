@@ -68,6 +68,35 @@ def vllm_ext_server(tiny_model_dir):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def fake_llm(request, tiny_model_dir):
+    """``tests/trainer/fleet_fake_llm.py``, the labelled stand-in for a GPU vLLM whose turns take the test
+    module's ``TURN_S`` seconds, in its own session: its URL; its process group is killed after the module.
+    For the fleet tests (real processes, and the Slurm tier, whose nodes both reach this machine)."""
+    model_dir, turn_s = tiny_model_dir, request.module.TURN_S
+    import json
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    port_file = Path(tempfile.mkdtemp(prefix="fleet-llm-")) / "port.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "trainer" / "fleet_fake_llm.py"), "--model-dir",
+                             str(model_dir), "--turn-s", str(turn_s), "--port-file", str(port_file)],
+                            start_new_session=True)
+    for _ in range(300):
+        if port_file.exists():
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the fake LLM did not start")
+    yield f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 # ------------------------------------------------------------------------------------------ sandboxes
 def sandbox_processes() -> list:
     """Sandbox processes (bwrap launchers and execution servers) below this test process. Used to CHECK

@@ -194,32 +194,6 @@ async def test_a_sigkilled_server_is_out_within_2_ttl_and_a_scancelled_job_drain
 TURN_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def fake_llm(tiny_model_dir):
-    """The labelled stand-in for a GPU vLLM whose turns take TURN_S seconds (tests/trainer/fleet_fake_llm.py),
-    on this machine: both nodes reach it, so jobs take seconds and a drain has jobs to finish."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import tempfile
-
-    port_file = Path(tempfile.mkdtemp(prefix="fleet-llm-")) / "port.json"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "trainer" / "fleet_fake_llm.py"), "--model-dir",
-                             str(tiny_model_dir), "--turn-s", str(TURN_S), "--port-file", str(port_file)],
-                            start_new_session=True)
-    for _ in range(300):
-        if port_file.exists():
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("the fake LLM did not start")
-    yield f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def shout(i: int) -> dict:
     return {"data_source": "shout", "instance_id": f"shout-{i}", "prompt": "Say something about the sea.",
             "turns": 2}

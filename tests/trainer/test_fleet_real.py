@@ -32,24 +32,6 @@ TURN_S = 0.5
 TTL_S = 5.0  # the default lease
 
 
-@pytest.fixture(scope="module")
-def fake_llm(tiny_model_dir):
-    port_file = Path(tempfile.mkdtemp(prefix="fleet-llm-")) / "port.json"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "trainer" / "fleet_fake_llm.py"), "--model-dir",
-                             str(tiny_model_dir), "--turn-s", str(TURN_S), "--port-file", str(port_file)],
-                            start_new_session=True)
-    for _ in range(300):
-        if port_file.exists():
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("the fake LLM did not start")
-    yield f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 class FleetServer:
     """One ``python -m prorl_server --fleet-dir`` process in its own session. ``ready_at``: monotonic time its
     ready file appeared (it listens: ``/health`` answers)."""
