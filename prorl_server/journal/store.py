@@ -100,35 +100,37 @@ CREATE INDEX IF NOT EXISTS gateway_session ON gateway(session_id, seq);
 _LITTLE = sys.byteorder == "little"
 
 
-def pack_ints(ids: Sequence[int]) -> bytes:
-    """int32 little-endian bytes of ``ids``. Raises OverflowError for an id outside int32."""
-    a = array.array("i", ids)
+def _pack(typecode: str, xs: Sequence) -> bytes:
+    a = array.array(typecode, xs)
     if not _LITTLE:  # pragma: no cover - every supported platform is little-endian
         a.byteswap()
     return a.tobytes()
 
 
-def unpack_ints(b: bytes) -> list[int]:
-    a = array.array("i")
+def _unpack(typecode: str, b: bytes) -> list:
+    a = array.array(typecode)
     a.frombytes(b)
     if not _LITTLE:  # pragma: no cover
         a.byteswap()
     return a.tolist()
+
+
+def pack_ints(ids: Sequence[int]) -> bytes:
+    """int32 little-endian bytes of ``ids``. Raises OverflowError for an id outside int32."""
+    return _pack("i", ids)
+
+
+def unpack_ints(b: bytes) -> list[int]:
+    return _unpack("i", b)
 
 
 def pack_floats(xs: Sequence[float]) -> bytes:
-    a = array.array("d", xs)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
+    """float64 little-endian bytes of ``xs``."""
+    return _pack("d", xs)
 
 
 def unpack_floats(b: bytes) -> list[float]:
-    a = array.array("d")
-    a.frombytes(b)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a.tolist()
+    return _unpack("d", b)
 
 
 @dataclass
