@@ -235,8 +235,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         raise RuntimeError(f"{server}/add_llm_server {b} answered {r.status}: {await r.text()}")
 
         if fleet is not None:
-            if not fleet and not await fleet.wait_for_members(60.0):
-                raise RuntimeError(f"no rollout server in the fleet {args.fleet_dir} after 60 s")
+            if not fleet:  # servers may still be starting (a launcher submitted beside this run): wait, and say so
+                where = Path(args.fleet_dir)
+                print(f"waiting up to 60 s for a rollout server to join the fleet {where}"
+                      + ("" if where.is_dir() else " (no such directory yet: is the path right?)") + " ...",
+                      file=sys.stderr)
+                if not await fleet.wait_for_members(60.0):
+                    raise RuntimeError(f"no rollout server in the fleet {args.fleet_dir} after 60 s")
             if backends:  # every member, those that join later included
                 registrar = FleetRegistrar(fleet, add_backends)
                 registrar.set(backends, 0)

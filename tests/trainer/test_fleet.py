@@ -5,6 +5,7 @@ open). Real server processes joining, dying, draining and ending are in test_fle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -585,6 +586,31 @@ async def test_prorl_run_follows_a_fleet_and_registers_its_backends_with_a_membe
 
     assert await backends_of(b) == [backend]  # the joiner got the backends
     assert on_b  # and jobs
+
+
+async def test_prorl_run_on_a_missing_fleet_dir_says_at_once_what_it_waits_for(tmp_path, capsys):
+    """A mistyped ``--fleet-dir`` is not a silent 60 s wait: the wait is announced at once, naming the path
+    and that it does not exist (servers starting beside the run may still create it, so it is not an error)."""
+    from trainer_plugins import run_job
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"data_source": "varied", "instance_id": "i0"}) + "\n")
+    missing = tmp_path / "flete"
+    args = run_job.build_parser().parse_args(["--dataset", str(data), "--fleet-dir", str(missing),
+                                              "--out", str(tmp_path / "out")])
+    run = asyncio.create_task(run_job.run(args))
+    err = ""
+    try:
+        for _ in range(200):
+            err += capsys.readouterr().err
+            if "waiting up to 60 s" in err or run.done():
+                break
+            await asyncio.sleep(0.02)
+        assert f"fleet {missing} (no such directory yet: is the path right?)" in err, err
+    finally:
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await run
 
 
 async def test_prorl_run_with_several_servers_moves_the_jobs_of_one_that_does_not_answer(tmp_path, serve_handlers,
