@@ -4,7 +4,7 @@ server SIGKILLed and one joining mid-run (issue #24, item 6): the fleet (``--fle
 side by side, the same load and the same kill and join.
 
 The LLM is a **fake OpenAI-compatible completions backend standing for vLLM on a GPU**
-(``tests/trainer/fleet_fake_llm.py``, its own process): every ``POST /v1/completions`` answers 8 token ids of
+(``prorl_server.dev.timed_llm``, its own process): every ``POST /v1/completions`` answers 8 token ids of
 the tiny test model after ``--turn-s`` seconds (default 8 s, a GPU turn of a few hundred tokens under load), so
 a session of ``--turns`` model turns (the ``shout`` handler, no sandbox) ideally takes ``turns x turn_s``
 seconds, and the ideal rate is ``sessions / (turns x turn_s)`` jobs/s. The rollout servers are real
@@ -66,7 +66,6 @@ from trainer_plugins.jobs import JobSubmitter, process_request  # noqa: E402
 from trainer_plugins.servers import ServerEntry, load_servers, write_servers  # noqa: E402
 
 MODEL_DIR = ROOT / ".cache" / "tiny-model"
-FAKE_LLM = ROOT / "tests" / "trainer" / "fleet_fake_llm.py"  # the labelled stand-in for vLLM (see its docstring)
 
 
 def raise_nofile() -> None:
@@ -288,8 +287,9 @@ async def main_async(args) -> None:
     raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     port_file = tmp / "llm.port.json"
-    llm = Proc([sys.executable, str(FAKE_LLM), "--model-dir", str(MODEL_DIR), "--turn-s", str(args.turn_s),
-                "--port-file", str(port_file)], port_file, tmp / "llm.log")
+    llm = Proc([sys.executable, "-m", "prorl_server.dev.timed_llm", "--model-dir", str(MODEL_DIR),  # stands for vLLM
+                "--turn-s", str(args.turn_s), "--tokens", "8", "--port-file", str(port_file)], port_file,
+               tmp / "llm.log")
     backend = f"http://127.0.0.1:{(await llm.wait_ready())['port']}"
     results = []
     try:

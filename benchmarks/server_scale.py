@@ -3,7 +3,8 @@ latency, event-loop stalls, collector time, memory and errors, for the baseline 
 side; then two server processes beside one at 1,024 jobs in flight.
 
 Workload: the ``shout`` handler, 2 model turns of 16 tokens per job, no sandbox. The LLM is a **fake
-OpenAI-compatible completions backend standing for vLLM** (its own process): ``GET /v1/models`` names the
+OpenAI-compatible completions backend standing for vLLM** (``prorl_server.dev.timed_llm``, its own process):
+``GET /v1/models`` names the
 tiny test model's directory (the server loads that tokenizer) and every ``POST /v1/completions`` answers 16
 token ids with logprobs after 50 ms + 1 ms per requested token (66 ms), so a job's ideal time is 132 ms and
 the ideal rate at C jobs in flight is C / 0.132 s. The load client is this script (uvloop, one connection per
@@ -29,6 +30,11 @@ seconds is measured:
 This tree's servers run with prorl-server's defaults, admission control included (jobs start their stages only
 while the event loop keeps within 5 ms of lag; ``--ours-args "--admission-target-lag-ms 0"`` turns it off): the
 line under each row says the admission limit and the jobs waiting for it at the window's end.
+
+The HTTP floor (``floor`` rows; ``--no-floor`` leaves them out): a server of a few lines that does only the
+HTTP work of a job with the same libraries (aiohttp server and client on uvloop, orjson) and no job, pipeline,
+handler or tokenizer; its CPU per turn is what aiohttp alone costs here, and ``ours_above_floor_*`` in the last
+line what this tree spends beyond it.
 
 Baseline: the commit ``--baseline-ref`` (default: the parent of this work, whose server has aiohttp's
 default listen backlog of 128, no collector freeze, and keeps finished jobs' full results alive) checked out
@@ -59,8 +65,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".cache" / "tiny-model"
 TURN_S = 0.050 + 0.001 * 16  # the fake backend's answer time for one 16-token turn
 JOB_S = 2 * TURN_S
-#: The fake backend's answer: 16 token ids of the tiny model's vocabulary (4096) with a logprob each.
-TOKENS = [72, 101, 108, 111, 32, 119, 114, 100, 33, 1200, 2048, 3001, 77, 88, 99, 400]
 DEFAULT_BASELINE_REF = "c410bdc"  # the tree before issue #26's changes
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -68,40 +72,60 @@ TICKS = os.sysconf("SC_CLK_TCK")
 # ----------------------------------------------------------------------------------------------- fake backend
 
 
-def fake_backend_main(port_file: str, model_dir: str) -> None:
-    """Serve the stand-in for vLLM (see the module docstring) on a free loopback port; write it to
-    ``port_file``."""
+# ----------------------------------------------------------------------------------------------- HTTP floor
+
+
+def floor_server_main(ready_file: str, backend: str) -> None:
+    """The HTTP floor: an aiohttp server on uvloop that does only the HTTP work of a rollout server for one
+    job, with the same libraries and settings (aiohttp server with a 4,096 backlog and no access log, one
+    ``aiohttp.ClientSession`` with an unlimited keep-alive pool, orjson): ``POST /process`` is read and parsed,
+    2 ``POST /v1/completions`` go to the backend with a body of the shape the LLM client sends (60 prompt ids
+    growing by each answer, the same sampling fields), their answers are parsed, and a result of a
+    trajectory's shape (the ids, logprobs and loss mask of both turns) is answered. No job, pipeline, handler,
+    tokenizer or metrics: its CPU per turn is what aiohttp alone costs on this machine."""
     import orjson
     import uvloop
     from aiohttp import web
+    import aiohttp
 
-    models_body = orjson.dumps({"object": "list", "data": [{"id": "tiny", "object": "model", "root": model_dir,
-                                                             "max_model_len": 16384}]})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.Response(body=models_body, content_type="application/json")
-
-    async def completions(request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
-        n = min(int(body.get("max_tokens") or 16), len(TOKENS))
-        await asyncio.sleep(0.050 + 0.001 * int(body.get("max_tokens") or 16))
-        return web.Response(body=orjson.dumps({
-            "id": "cmpl", "object": "text_completion", "model": "tiny",
-            "choices": [{"index": 0, "text": "", "token_ids": TOKENS[:n], "finish_reason": "length",
-                         "stop_reason": None, "logprobs": {"token_logprobs": [-1.0] * n}}]}),
-            content_type="application/json")
+    prompt = list(range(1000, 1060))
+    headers = {"Content-Type": "application/json"}
 
     async def main() -> None:
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=300, connect=10))
+
+        async def process(request: web.Request) -> web.Response:
+            req = orjson.loads(await request.read())
+            ids, logprobs, mask = list(prompt), [], []
+            for _ in range(2):
+                body = {**req.get("sampling_params", {}), "prompt": ids, "max_tokens": 16, "logprobs": 0,
+                        "return_tokens_as_token_ids": True, "n": 1, "stream": False, "echo": False,
+                        "add_special_tokens": False, "model": "tiny"}
+                async with http.post(f"{backend}/v1/completions", data=orjson.dumps(body), headers=headers) as r:
+                    answer = orjson.loads(await r.read())
+                choice = answer["choices"][0]
+                ids += choice["token_ids"] + [13, 14, 15, 16]
+                logprobs += choice["logprobs"]["token_logprobs"] + [0.0] * 4
+                mask += [1] * len(choice["token_ids"]) + [0] * 4
+            n = len(prompt)
+            return web.Response(body=orjson.dumps({
+                "job_id": "j", "reward": 1.0, "trajectories": [{
+                    "prompt_ids": ids[:n], "response_ids": ids[n:], "logprobs": logprobs, "loss_mask": mask,
+                    "weight_versions": [0] * len(mask)}], "critical_error": None}), content_type="application/json")
+
         app = web.Application(client_max_size=64 << 20)
-        app.router.add_get("/v1/models", models)
-        app.router.add_get("/health", lambda r: web.Response())
-        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/process", process)
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        app.router.add_get("/metrics", metrics)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0, backlog=8192).start()
-        tmp = port_file + ".tmp"
-        Path(tmp).write_text(str(runner.addresses[0][1]))
-        os.replace(tmp, port_file)
+        await web.TCPSite(runner, "127.0.0.1", 0, backlog=4096).start()
+        tmp = ready_file + ".tmp"
+        Path(tmp).write_text(json.dumps({"url": f"http://127.0.0.1:{runner.addresses[0][1]}"}))
+        os.replace(tmp, ready_file)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -218,6 +242,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class FloorServer(Server):
+    """The HTTP floor (:func:`floor_server_main`) in its own process, with :class:`Server`'s interface."""
+
+    def __init__(self, backend: str, tmp: Path, name: str) -> None:
+        self.ready = tmp / f"{name}.ready.json"
+        self.stats = tmp / f"{name}.gc.json"  # never written: no collector probe
+        self.log = tmp / f"{name}.log"
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_floor", str(self.ready),
+                                      backend], cwd=str(ROOT), stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        self.url = ""
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -423,7 +459,8 @@ async def measure(root: Path, backend_url: str, backend_pid: int, concurrency: i
 
 async def _measure_once(root: Path, backend_url: str, backend_pid: int, concurrency: int, processes: int,
                         window_s: float, tmp: Path, name: str, extra_args: tuple[str, ...]) -> dict:
-    servers = [Server(root, backend_url, concurrency // processes, tmp, f"{name}-c{concurrency}-p{processes}-{i}",
+    servers = [FloorServer(backend_url, tmp, f"{name}-c{concurrency}-{i}") if name.startswith("floor") else
+               Server(root, backend_url, concurrency // processes, tmp, f"{name}-c{concurrency}-p{processes}-{i}",
                       extra_args) for i in range(processes)]
     try:
         await asyncio.gather(*(s.wait_ready() for s in servers))
@@ -465,17 +502,20 @@ async def main(args: argparse.Namespace) -> None:
           flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="prorl-scale-"))
     port_file = tmp / "backend.port"
-    backend = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_backend", str(port_file)],
-                               cwd=str(ROOT))
+    backend = subprocess.Popen([sys.executable, "-m", "prorl_server.dev.timed_llm", "--model-dir", str(MODEL_DIR),
+                                "--turn-s", "0.050", "--per-token-s", "0.001", "--port-file", str(port_file)],
+                               cwd=str(ROOT))  # the stand-in for vLLM
     results: dict[str, dict[str, Any]] = {}
     try:
         while not port_file.exists():
             if backend.poll() is not None:
                 raise RuntimeError("the fake backend did not start")
             await asyncio.sleep(0.05)
-        backend_url = f"http://127.0.0.1:{port_file.read_text()}"
+        backend_url = f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
         with contextlib.ExitStack() as stack:
             versions = [("ours", ROOT)]
+            if not args.no_floor:
+                versions.append(("floor", ROOT))
             if not args.no_baseline:
                 versions.insert(0, ("baseline", stack.enter_context(baseline_tree(args.baseline_ref))))
             rows: list[tuple[str, dict]] = []
@@ -494,7 +534,7 @@ async def main(args: argparse.Namespace) -> None:
                           f"{r['load_average']:.1f}" + (f"; admission at the end: {adm}" if adm else "")
                           + (f"; failures: {r['failures']}" if r["failures"] else ""), flush=True)
             if not args.no_two_process:
-                for name, root in versions:
+                for name, root in [v for v in versions if v[0] != "floor"]:
                     r = await measure(root, backend_url, backend.pid, two_at, 2, window, tmp, name,
                                       tuple(args.ours_args.split()) if name == "ours" else (), args.repeat)
                     results[name][f"{two_at}x2"] = r
@@ -534,13 +574,17 @@ async def main(args: argparse.Namespace) -> None:
             summary[f"cpu_per_turn_ratio_{c}"] = round(o["cpu_ms_per_turn"] / b["cpu_ms_per_turn"], 3)
     ours = [results["ours"][str(c)]["cpu_ms_per_turn"] for c in levels]
     summary["ours_cpu_ms_per_turn_spread"] = round(max(ours) / min(ours) - 1, 3)
+    if "floor" in results:  # what this tree spends per turn beyond aiohttp's own HTTP work
+        for c in levels:
+            summary[f"ours_above_floor_cpu_ms_per_turn_{c}"] = round(
+                results["ours"][str(c)]["cpu_ms_per_turn"] - results["floor"][str(c)]["cpu_ms_per_turn"], 3)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     print(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--_backend":
-        fake_backend_main(sys.argv[2], str(MODEL_DIR))
+    if len(sys.argv) > 3 and sys.argv[1] == "--_floor":
+        floor_server_main(sys.argv[2], sys.argv[3])
     elif len(sys.argv) > 3 and sys.argv[1] == "--_probe":
         probe_main(sys.argv[2], sys.argv[4:])
     else:
@@ -551,6 +595,7 @@ if __name__ == "__main__":
         ap.add_argument("--baseline-ref", default=DEFAULT_BASELINE_REF, help="git ref of the baseline")
         ap.add_argument("--no-baseline", action="store_true", help="measure this tree only")
         ap.add_argument("--no-two-process", action="store_true", help="skip the two-process run")
+        ap.add_argument("--no-floor", action="store_true", help="skip the HTTP floor (aiohttp alone) rows")
         ap.add_argument("--two-process-at", type=int, help="jobs in flight of the two-process run (default 1024)")
         ap.add_argument("--repeat", type=int, default=1, help="runs per level (fresh servers each); the median "
                         "of each figure is printed (a shared machine's noise)")

@@ -70,7 +70,7 @@ def vllm_ext_server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def fake_llm(request, tiny_model_dir):
-    """``tests/trainer/fleet_fake_llm.py``, the labelled stand-in for a GPU vLLM whose turns take the test
+    """``prorl_server.dev.timed_llm`` (8 tokens a turn), the labelled stand-in for a GPU vLLM whose turns take the test
     module's ``TURN_S`` seconds, in its own session: its URL; its process group is killed after the module.
     For the fleet tests (real processes, and the Slurm tier, whose nodes both reach this machine)."""
     model_dir, turn_s = tiny_model_dir, request.module.TURN_S
@@ -82,9 +82,9 @@ def fake_llm(request, tiny_model_dir):
     import time
 
     port_file = Path(tempfile.mkdtemp(prefix="fleet-llm-")) / "port.json"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "trainer" / "fleet_fake_llm.py"), "--model-dir",
-                             str(model_dir), "--turn-s", str(turn_s), "--port-file", str(port_file)],
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_server.dev.timed_llm", "--model-dir", str(model_dir),
+                             "--turn-s", str(turn_s), "--tokens", "8", "--port-file", str(port_file)],
+                            cwd=str(ROOT), start_new_session=True)
     for _ in range(300):
         if port_file.exists():
             break

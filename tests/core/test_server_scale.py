@@ -215,3 +215,27 @@ async def test_a_refreeze_while_jobs_run_walks_nothing(monkeypatch):
     finally:
         monkeypatch.undo()
         await control.stop()
+
+
+async def test_the_timed_llm_stand_in_answers_at_its_set_speed_in_vllms_dialect(aiohttp_client):
+    """``prorl_server.dev.timed_llm`` (the scale benchmarks' and fleet tests' stand-in for vLLM): an answer takes
+    ``turn_s + per_token_s * max_tokens``, carries at most ``tokens`` ids with a logprob each, and the LLM
+    client reads it as a completion."""
+    import time
+
+    from prorl_server.dev import timed_llm
+    from prorl_server.llm.client import LLMClient
+
+    with pytest.raises(ValueError, match="tokens must be in 1..16"):
+        timed_llm.app("/m", 0.1, tokens=0)
+    client = await aiohttp_client(timed_llm.app("/models/tiny", 0.05, per_token_s=0.002, tokens=8))
+    async with client.get("/v1/models") as r:
+        assert (await r.json())["data"][0]["root"] == "/models/tiny"
+    base = str(client.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        llm = LLMClient(http, model="tiny")
+        t0 = time.monotonic()
+        comp = await llm.complete([1, 2, 3], backend=base, max_tokens=16)
+        took = time.monotonic() - t0
+    assert comp.token_ids == timed_llm.TOKENS[:8] and comp.logprobs == [-1.0] * 8
+    assert comp.finish_reason == "length" and took >= 0.05 + 0.002 * 16

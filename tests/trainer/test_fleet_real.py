@@ -4,7 +4,7 @@ multi-turn ``shout`` jobs, with the issue's figures asserted: a joining server g
 listening; a SIGKILLed one is out at once for the client that had requests on it and within 2 x TTL (10 s) for
 a reader that sent it nothing, and its in-flight jobs come back and run elsewhere, none delivered twice; a
 drained one finishes every job it holds (0 aborted) and takes no new one; the end sentinel stops every member
-within 30 s. The LLM is a labelled stand-in whose turns take 0.5 s (tests/trainer/fleet_fake_llm.py)."""
+within 30 s. The LLM is a labelled stand-in whose turns take 0.5 s (prorl_server/dev/timed_llm.py)."""
 from __future__ import annotations
 
 import asyncio
