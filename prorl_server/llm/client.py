@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import itertools
 import logging
 import secrets
 import time
@@ -365,6 +366,10 @@ class LLMClient:
         self.model = model
         self._models: dict[str, ModelInfo] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # X-Request-Id of each call: vLLM needs them unique among the requests it holds (several servers may
+        # share one engine), so a random prefix per client and a counter (not 8 random bytes per call)
+        self._request_prefix = f"prorl-{secrets.token_hex(6)}-"
+        self._request_seq = itertools.count()
         self.counters: dict[str, int] = {"requests": 0, "backend_failures": 0, "failovers": 0,
                                          "pause_retries": 0, "request_errors": 0, "tokens_discarded": 0,
                                          "swap_moved": 0, "swap_held": 0}
@@ -496,7 +501,8 @@ class LLMClient:
                 # Read as the request leaves: a trainer may re-register the backend (same object, new
                 # version) at any await before this point.
                 version_sent = b.weight_version
-                call = InFlightCall(f"prorl-{secrets.token_hex(8)}", b, asyncio.current_task())
+                call = InFlightCall(f"{self._request_prefix}{next(self._request_seq)}", b,
+                                    asyncio.current_task())
                 calls = self.in_flight.setdefault(b.address, {})
                 calls[call.request_id] = call
                 t0 = time.perf_counter()

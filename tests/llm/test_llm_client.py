@@ -47,6 +47,28 @@ async def test_request_carries_token_ids_and_owned_keys_cannot_be_overridden(aio
     assert c.token_ids == [7, 8, 9] and c.logprobs == [-0.5] * 3 and c.finish_reason == "length"
 
 
+async def test_request_ids_are_unique_within_a_client_and_across_clients_sharing_a_backend(aiohttp_server):
+    """vLLM keys its requests by ``X-Request-Id`` (aborts, progress): two rollout servers on one engine must not
+    send the same id."""
+    ids = []
+
+    async def completions(request):
+        ids.append(request.headers["X-Request-Id"])
+        return web.json_response(choice([7]))
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    async with LLMClient() as a, LLMClient() as b:
+        for llm in (a, b, a, b, a):
+            await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
+    assert len(ids) == 5 and len(set(ids)) == 5 and all(i.startswith("prorl-") for i in ids)
+
+
 async def test_aborted_turn_during_weight_sync_is_retried_and_nothing_partial_is_kept(aiohttp_server):
     b = Backend("", weight_version=1)
     seen = []
