@@ -36,8 +36,8 @@ from prorl_server.job import JobServices, SandboxOpener
 from prorl_server.llm.context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
-from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, Pipeline,
-                                   ServerStoppedError)
+from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, JournalUnavailableError,
+                                   Pipeline, ServerStoppedError)
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
 from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
@@ -91,6 +91,8 @@ def _submit(request: web.Request, req: ProcessRequest):
         raise ApiError(503, "no_backend", str(e)) from None
     except ServerStoppedError as e:
         raise ApiError(503, "stopped", str(e)) from None
+    except JournalUnavailableError as e:  # a full disk: no job is run only to be discarded
+        raise ApiError(503, "journal_unavailable", str(e)) from None
     except DuplicateJobError as e:
         raise ApiError(409, "duplicate_job", str(e), "job_id") from None
     except HandlerUnavailableError as e:  # a configuration fault: a 4xx a client stops on, never a 503 to retry

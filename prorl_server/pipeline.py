@@ -41,6 +41,11 @@ class ServerStoppedError(RuntimeError):
     """The pipeline is stopped (``POST /stop``); ``POST /start`` resumes it."""
 
 
+class JournalUnavailableError(RuntimeError):
+    """The server's journal cannot commit now (a full disk, a lock held too long): a job run now would have its
+    result discarded, so none is taken until a commit goes through again."""
+
+
 class DuplicateJobError(ValueError):
     """A job with this id is still in flight."""
 
@@ -162,6 +167,8 @@ class Pipeline:
                 being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.
             HandlerUnavailableError: the handler needs a sandbox runtime and this server has none.
+            JournalUnavailableError: the journal's writes fail now (a finished result already recorded under
+                ``job_id`` is still answered).
         """
         if not self.accepting:
             raise ServerStoppedError("server is stopped; POST /start to accept jobs again")
@@ -184,6 +191,10 @@ class Pipeline:
                 done = self.journaled_result(req.job_id)
                 if done is not None and not done[1]:
                     return done[0]  # idempotent: the finished result again, not a second sample
+        failing = self.journal_failing()
+        if failing is not None:
+            raise JournalUnavailableError(f"this server's journal cannot record results now ({failing}); a job "
+                                          "run here would be discarded: submit it elsewhere or later")
         job = Job(job_id=req.job_id, instance=instance, sampling_params=req.sampling_params,
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
@@ -237,6 +248,13 @@ class Pipeline:
         job.enqueued_at = time.monotonic()
         self.queues[stage].put_nowait(job)
         self.metrics.stage_queue_depth[stage].set(self.queues[stage].qsize())
+
+    def journal_failing(self) -> Optional[str]:
+        """Why the journal cannot record results now (its writer is gone, or its last commit failed), or None
+        (no journal, or it writes)."""
+        if self.journal is None:
+            return None
+        return self.journal.failed or self.journal.last_error
 
     def _retain(self, job: Job) -> None:
         """Keep the newest finished jobs queryable: at most ``keep_finished`` of them and
@@ -485,7 +503,10 @@ class Pipeline:
             job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
             self.journal.job_result(job.job_id, job.result_json_cache, result.filter)
             self.journal.forget_owner(job.job_id)
-            if self.journal.failed is not None or not await self.journal.aflush(self.journal_flush_s):
+            # while commits fail (a full disk), a result waits a moment, not the whole flush time: the server's
+            # clients are told at once to run it again (elsewhere, or here once the journal writes again)
+            wait_s = self.journal_flush_s if self.journal.last_error is None else min(1.0, self.journal_flush_s)
+            if self.journal.failed is not None or not await self.journal.aflush(wait_s):
                 # never answer a result the journal may lose: the client resubmits (the id stays free until
                 # the row is written; once it is, the resubmission gets this result)
                 why = self.journal.failed or self.journal.last_error or f"no commit within {self.journal_flush_s:g} s"

@@ -15,8 +15,8 @@ the rollout server answers              outcome
 503 ``draining`` (the server leaves)     a filtered ``draining`` result at once (another attempt, elsewhere,
                                         not counted against ``max_sample_retries``: see below); a fleet
                                         takes the server out of the rotation
-503 (no LLM backend yet, stopped)       offered again on the same server every 0.25 s for
-                                        ``unavailable_retry_s``, then a filtered ``rollout_server`` result
+503 (no LLM backend yet, stopped,       offered again on the same server every 0.25 s for
+``journal_unavailable``: a full disk)   ``unavailable_retry_s``, then a filtered ``rollout_server`` result
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
 400 ``handler_unavailable``             :class:`HandlerUnavailableError` (the server cannot run the handler,
                                         e.g. no sandbox runtime: a configuration error), the server's message

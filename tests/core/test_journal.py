@@ -297,6 +297,43 @@ async def test_a_result_the_journal_cannot_record_is_not_answered_as_one(make_cl
     assert again["reward"] == 0.5 and again["failure_kind"] is None  # the real result, recorded since
 
 
+async def test_while_the_journal_cannot_commit_new_jobs_are_refused_and_a_finishing_one_fails_fast(
+        make_client, tmp_path, monkeypatch):
+    """A full disk (here: a write lock held by another connection) must not make every job run only to be thrown
+    away 30 s later: new jobs are a 503 ``journal_unavailable`` (a client sends them elsewhere), a job that
+    finishes meanwhile is answered in about a second as a filtered ``internal`` failure, and everything works
+    again with the first commit that goes through."""
+    monkeypatch.setattr(Journal, "busy_timeout_s", 0.05)  # a commit meeting the lock fails at once
+    path = str(tmp_path / "s.sqlite")
+    client = await make_client(journal=path)
+    pipeline = client.server.app[PIPELINE]
+    assert pipeline.journal_flush_s == 30.0  # the default: a failing journal must not cost it
+    running = asyncio.ensure_future(client.post("/process", json={
+        "job_id": "r", "instance": {"data_source": "scripted", "sleep": {"run": 1.0}}}))
+    await asyncio.sleep(0.3)  # r runs
+    other = _hold_write_lock(path)
+    pipeline.journal.job_submitted("probe", "h", b"{}")  # a commit that fails: the writer reports why
+    assert await pipeline.journal.aflush(0.5) is False and pipeline.journal_failing() is not None
+    refused = await client.post("/process", json={"job_id": "n", "instance": {"data_source": "scripted"}})
+    body = await refused.json()
+    assert refused.status == 503 and body["error"]["type"] == "journal_unavailable", body
+    assert "submit it elsewhere or later" in body["error"]["message"]
+    t0 = time.monotonic()
+    res = await (await running).json()
+    assert res["failure_kind"] == "internal" and res["filter"] is True and "journal" in res["error"]
+    assert time.monotonic() - t0 < 5.0  # ~0.7 s of r's run left + 1 s, not 30 s
+    other.execute("ROLLBACK")
+    other.close()
+    for _ in range(100):  # the writer's retry goes through
+        if pipeline.journal_failing() is None:
+            break
+        await asyncio.sleep(0.05)
+    ok = await (await client.post("/process", json={"job_id": "n", "instance": {"data_source": "scripted",
+                                                                                "reward": 0.5}})).json()
+    assert ok["reward"] == 0.5 and ok["failure_kind"] is None
+
+
+
 _SERVER = """
 import os
 import sys
