@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -58,15 +57,13 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm.client import LLMClient, SwapMark
+from prorl_server.llm.client import REQUEST_ID, LLMClient, SwapMark
 from prorl_server.types import StrictInt64, normalise_backend_address
 
 log = logging.getLogger(__name__)
 
 #: The worker-extension method that reports each running request's generated-token count.
 PROGRESS_RPC = "prorl_progress"
-#: Our request ids (``X-Request-Id``) inside vLLM's own (``cmpl-<ours>-0-<suffix>``).
-_OURS = re.compile(r"prorl-[0-9a-f]{16}")
 #: Counters of :attr:`SwapCoordinator.counters` exported on /metrics (key -> (name, help)).
 SWAP_COUNTS = {
     "swaps": ("prorl_weight_swaps", "Weight swaps resumed by their trainer"),
@@ -229,7 +226,7 @@ class SwapCoordinator:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 log.warning("%s reported progress %r for %r: its report is not used", b.address, n, rid)
                 return None  # one impossible count and none of the report is trusted
-            m = _OURS.search(str(rid))
+            m = REQUEST_ID.search(str(rid))
             if m:
                 out[m.group(0)] = n
         return out

@@ -34,6 +34,7 @@ import hashlib
 import json
 import itertools
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -336,6 +337,11 @@ def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else []
 
 
+#: Our request ids (``X-Request-Id``: ``prorl-<12 hex, one per client>-<counter>``), also found inside the ids vLLM
+#: reports for them (``cmpl-<ours>-0-<suffix>``, e.g. in a worker's progress report).
+REQUEST_ID = re.compile(r"prorl-[0-9a-f]{12}-[0-9]+")
+
+
 class LLMClient:
     """Token-in/token-out completions client over one shared ``aiohttp.ClientSession``.
 
@@ -366,8 +372,8 @@ class LLMClient:
         self.model = model
         self._models: dict[str, ModelInfo] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
-        # X-Request-Id of each call: vLLM needs them unique among the requests it holds (several servers may
-        # share one engine), so a random prefix per client and a counter (not 8 random bytes per call)
+        # X-Request-Id of each call (REQUEST_ID): vLLM needs them unique among the requests it holds (several
+        # servers may share one engine), so a random prefix per client and a counter (not 8 random bytes a call)
         self._request_prefix = f"prorl-{secrets.token_hex(6)}-"
         self._request_seq = itertools.count()
         self.counters: dict[str, int] = {"requests": 0, "backend_failures": 0, "failovers": 0,

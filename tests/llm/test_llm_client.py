@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 
 from prorl_server.balancer import Backend, BackendPool
-from prorl_server.llm.client import LLMClient, LLMRequestError, LLMUnavailableError, PoolBackends
+from prorl_server.llm.client import REQUEST_ID, LLMClient, LLMRequestError, LLMUnavailableError, PoolBackends
 
 
 def choice(ids, finish="length"):
@@ -66,7 +66,9 @@ async def test_request_ids_are_unique_within_a_client_and_across_clients_sharing
     async with LLMClient() as a, LLMClient() as b:
         for llm in (a, b, a, b, a):
             await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
-    assert len(ids) == 5 and len(set(ids)) == 5 and all(i.startswith("prorl-") for i in ids)
+    assert len(ids) == 5 and len(set(ids)) == 5
+    # the weight-swap coordinator finds them again inside vLLM's own ids (cmpl-<ours>-0-<suffix>)
+    assert all(REQUEST_ID.fullmatch(i) and REQUEST_ID.search(f"cmpl-{i}-0-a1b2").group(0) == i for i in ids)
 
 
 async def test_aborted_turn_during_weight_sync_is_retried_and_nothing_partial_is_kept(aiohttp_server):
