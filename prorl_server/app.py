@@ -398,6 +398,9 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                           prealloc_wal=bool(settings.journal_prealloc_wal))
         pipeline.journal = llm.client.journal = journal
         log.info("journal: %s", path)
+    elif (settings.journal or "").lower() == "auto":  # prorl-server's default, with --port 0 (the launcher's)
+        log.warning("journal: off (auto needs a fixed --port; with --port 0 give --journal PATH): a crash of "
+                    "this server loses the results of its jobs in flight and ones not yet delivered")
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
                       runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
                       services=services, pipeline=pipeline, collector=collector, journal=journal)

@@ -135,6 +135,14 @@ class ServerSettings(BaseModel):
             raise ValueError(f"{v} exists and is not a directory")
         return v
 
+    @field_validator("journal", mode="before")
+    @classmethod
+    def _journal_yaml_words(cls, v: Any) -> Any:
+        # YAML 1.1 reads an unquoted `journal: off` (or no/false) as False, and on/yes/true as True
+        if isinstance(v, bool):
+            return "auto" if v else "off"
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:

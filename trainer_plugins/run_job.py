@@ -240,7 +240,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"waiting up to 60 s for a rollout server to join the fleet {where}"
                       + ("" if where.is_dir() else " (no such directory yet: is the path right?)") + " ...",
                       file=sys.stderr)
-                if not await fleet.wait_for_members(60.0):
+                members = asyncio.ensure_future(fleet.wait_for_members(60.0))
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait([members, stopper], return_when=asyncio.FIRST_COMPLETED)
+                for t in (members, stopper):
+                    await _cancel(t)
+                if stop.is_set():  # Ctrl-C / SIGTERM during the wait: nothing was submitted
+                    raise Interrupted(f"interrupted while waiting for the fleet {where}; no job was submitted")
+                if not members.result():
                     raise RuntimeError(f"no rollout server in the fleet {args.fleet_dir} after 60 s")
             if backends:  # every member, those that join later included
                 registrar = FleetRegistrar(fleet, add_backends)
@@ -309,6 +316,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return s
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM before any job was submitted (exit 130)."""
+
+
 async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -319,6 +330,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.server and args.fleet_dir:
         parser.error("--server and --fleet-dir are exclusive: a fleet's members are its servers")
+    for url in (args.server or []) + list(args.backend or []):
+        if not url.startswith(("http://", "https://")):
+            parser.error(f"{url!r}: --server and --backend take URLs that start with http:// or https:// "
+                         f"(e.g. http://{url})")
     if args.max_sample_retries is not None and args.max_sample_retries < 0:
         parser.error(f"--max-sample-retries must be >= 0, got {args.max_sample_retries}")
     if args.max_connections < 0:
@@ -329,6 +344,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DatasetError as e:
         print(f"prorl-run: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"prorl-run: {e}", file=sys.stderr)
+        return 130
     except (RuntimeError, ValueError, InvalidInstanceError, aiohttp.ClientError, OSError) as e:
         print(f"prorl-run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

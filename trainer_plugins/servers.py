@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from trainer_plugins.fleet import Fleet, is_fleet_dir
+
 FORMAT_VERSION = 1
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -314,10 +316,28 @@ def _compose(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    if is_fleet_dir(args.path):  # a fleet directory goes wherever a servers.json does: its live members
+        return _show_fleet(args)
     sf = wait_for_servers(args.path, args.wait) if args.wait else load_servers(args.path)
     for s in sf.ordered(args.node):
         health = ("ok" if is_healthy(s.url) else "DOWN") if args.health else ""
         print(f"{s.url}\t{s.node}\t{health}".rstrip())
+    return 0
+
+
+def _show_fleet(args: argparse.Namespace) -> int:
+    fleet = Fleet(args.path, local_node=args.node, start=False, slurm=None)  # one reading, no threads
+    deadline = time.monotonic() + args.wait
+    while not fleet.urls() and time.monotonic() < deadline:
+        time.sleep(0.25)
+        fleet.refresh()
+    if not fleet.urls():
+        raise TimeoutError(f"no live member in the fleet {args.path}"
+                           + (f" after {args.wait:g} s" if args.wait else " (--wait S waits for one)"))
+    nodes = {r.url: r.node for r in fleet.records()}
+    for url in fleet.urls():
+        health = ("ok" if is_healthy(url) else "DOWN") if args.health else ""
+        print(f"{url}\t{nodes.get(url, '')}\t{health}".rstrip())
     return 0
 
 
@@ -327,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description="Read or write the servers.json of a rollout job.")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("show", help="print the servers, same-node first: URL, node[, health]")
-    s.add_argument("path", help="servers.json or the directory holding it")
+    s.add_argument("path", help="servers.json, the directory holding it, or a fleet directory")
     s.add_argument("--node", help="order for this node (default: this one)")
     s.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the file")
     s.add_argument("--health", action="store_true", help="also probe GET /health of each")

@@ -59,7 +59,7 @@ def open_journal(path: str) -> Journal:
         CliError: no file there, not an SQLite database (corrupt or another file), or no journal tables.
     """
     if not os.path.exists(path):
-        raise CliError(f"no journal at {path} (the server's journal_path setting says where it writes one)")
+        raise CliError(f"no journal at {path} (the server's journal setting, --journal, says where it writes one)")
     if not os.path.isfile(path):
         raise CliError(f"{path} is not a file")
     try:

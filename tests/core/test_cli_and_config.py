@@ -33,6 +33,20 @@ def test_config_file_yaml_and_toml_with_flags_winning(tmp_path, monkeypatch):
     assert build_settings().host == "127.0.0.1"  # safe default bind
 
 
+def test_journal_off_and_on_unquoted_in_yaml_mean_what_they_say(tmp_path):
+    """YAML 1.1 reads ``journal: off`` as the boolean false (a new user's first try, as docs/journal.md writes
+    it): it is off, not a validation error; ``on``/``true`` are ``auto``."""
+    from prorl_server.config import journal_path
+
+    y = tmp_path / "j.yaml"
+    for word, want in (("off", "off"), ("no", "off"), ("false", "off"), ("on", "auto"), ("true", "auto"),
+                       ('"off"', "off"), ("/tmp/j.sqlite", "/tmp/j.sqlite")):
+        y.write_text(f"journal: {word}\nport: 8123\n")
+        assert build_settings(str(y)).journal == want, word
+    y.write_text("journal: off\nport: 8123\n")
+    assert journal_path(build_settings(str(y))) is None
+
+
 def test_token_from_environment_and_flag_overrides_it(monkeypatch):
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
     assert settings_from_args([]).token == "from-env"

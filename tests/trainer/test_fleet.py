@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -607,10 +608,27 @@ async def test_prorl_run_on_a_missing_fleet_dir_says_at_once_what_it_waits_for(t
                 break
             await asyncio.sleep(0.02)
         assert f"fleet {missing} (no such directory yet: is the path right?)" in err, err
+        # and the wait is not deaf: SIGTERM (or Ctrl-C) ends it at once (main() exits 130), not after 60 s
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(run_job.Interrupted, match="no job was submitted"):
+            await asyncio.wait_for(run, 10)
+        assert time.monotonic() - t0 < 5
     finally:
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await run
+
+
+def test_prorl_run_refuses_a_server_or_backend_url_without_its_scheme(capsys):
+    from trainer_plugins import run_job
+
+    for flag in ("--server", "--backend"):
+        with pytest.raises(SystemExit) as e:
+            run_job.main(["--dataset", "arithmetic", flag, "127.0.0.1:8080"])
+        assert e.value.code == 2
+        assert "'127.0.0.1:8080': --server and --backend take URLs that start with http:// or https:// " \
+               "(e.g. http://127.0.0.1:8080)" in capsys.readouterr().err
 
 
 async def test_prorl_run_with_several_servers_moves_the_jobs_of_one_that_does_not_answer(tmp_path, serve_handlers,
@@ -700,3 +718,24 @@ async def test_a_member_that_renews_its_lease_but_never_answers_is_taken_out_and
     finally:
         fleet.close()
         silent.close()
+
+
+async def test_servers_show_lists_a_fleet_directorys_live_members(tmp_path, serve_handlers, varied, capsys):
+    """``python -m trainer_plugins.servers show DIR`` takes a fleet directory as it takes a servers.json (the
+    docs say a fleet directory goes wherever a server list does); an empty one is a clear error, not a
+    missing servers.json."""
+    from trainer_plugins import servers
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert await asyncio.to_thread(servers.main, ["show", str(empty)]) == 1
+    assert f"no live member in the fleet {empty}" in capsys.readouterr().err
+    a = await serve_handlers(varied)
+    m = Membership(tmp_path / "fleet", url=a, host="127.0.0.1", port=int(a.rsplit(":", 1)[1]), ttl_s=2)
+    await m.start()
+    try:
+        assert await asyncio.to_thread(servers.main, ["show", str(tmp_path / "fleet"), "--health"]) == 0
+        out = capsys.readouterr().out.split("\t")
+        assert out[0] == a and out[-1].strip() == "ok"
+    finally:
+        await m.close()
