@@ -152,7 +152,8 @@ async def start_embedded_llm(model: Optional[str], max_model_len: int, out: Path
     from prorl_server.dev.vllm_launcher import start_vllm_async
 
     if model is None:
-        print("building the tiny test model (first run only) ...", file=sys.stderr)
+        if not (Path(DEFAULT_MODEL_DIR) / "prorl_tiny_model.json").exists():  # built (its marker is last) or not
+            print("building the tiny test model (first run only) ...", file=sys.stderr)
         model = str(await asyncio.to_thread(build, DEFAULT_MODEL_DIR))
     print(f"starting an embedded vLLM CPU server for {model} (about a minute) ...", file=sys.stderr)
     server = await start_vllm_async(model, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
