@@ -35,6 +35,17 @@ def fake_vllm(script):
     return app, seen
 
 
+def vllm_answering(completions):
+    """An app whose /v1/completions is ``completions`` (a handler) and /v1/models names model "m"."""
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
 async def test_request_carries_token_ids_and_owned_keys_cannot_be_overridden(aiohttp_server):
     app, seen = fake_vllm([(200, choice([7, 8, 9]))])
     server = await aiohttp_server(app)
@@ -56,13 +67,7 @@ async def test_request_ids_are_unique_within_a_client_and_across_clients_sharing
         ids.append(request.headers["X-Request-Id"])
         return web.json_response(choice([7]))
 
-    async def models(request):
-        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    server = await aiohttp_server(app)
+    server = await aiohttp_server(vllm_answering(completions))
     async with LLMClient() as a, LLMClient() as b:
         for llm in (a, b, a, b, a):
             await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
@@ -179,13 +184,7 @@ async def test_a_backend_that_keeps_disconnecting_still_fails_over(aiohttp_serve
         request.transport.close()
         return web.Response()
 
-    async def models(request):
-        return web.json_response({"data": [{"id": "m", "max_model_len": 128}]})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    server = await aiohttp_server(app)
+    server = await aiohttp_server(vllm_answering(completions))
     async with LLMClient(max_attempts=2) as llm:
         with pytest.raises(LLMUnavailableError, match="failed 2 times.*ServerDisconnected"):
             await llm.complete([1], backend=str(server.make_url("")), max_tokens=1)
