@@ -41,8 +41,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from handlers.swe.harness import (ERROR, FAILED, PASSED, ReportError, harness_paths, parse_junit, parse_nul_list,
-                                  parse_numstat, parse_status, read_report, file_of_test, report_statuses)
+from handlers.swe.harness import (FAILED, PASSED, ReportError, harness_paths, parse_nul_list, parse_numstat,
+                                  parse_status, file_of_test, report_statuses, report_verdict)
 from handlers.swe.patch_check import MAX_PATCH_BYTES, WAIVABLE, PatchCheck, check_patch, config_files
 from handlers.swe.run_tests import TIMEOUT_EXIT
 from prorl_server.cpu_pool import CpuTimeoutError
@@ -68,6 +68,8 @@ SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a git repositor
                  "smallest correct change, optionally run the tests, then call finish.")
 DEFAULT_MAX_TURNS = 20
 DEFAULT_EVAL_TIMEOUT_S = 600.0
+#: Longest the parse of one JUnit report (at most 32 MiB) may take in a CPU-pool worker, seconds (~1 s is typical).
+REPORT_PARSE_TIMEOUT_S = 30.0
 #: Status of a test that was not run (the patch was flagged before its tests could run).
 NOT_RUN = "NOT_RUN"
 #: Wall-clock limit of the patch check in a CPU worker, seconds (it reads at most 1 MiB: well under a second).
@@ -244,7 +246,13 @@ class SweHandler(AgentHandler):
                 handle, f"git apply --numstat -z ../{grader}/{PATCH_FILE}", grader, "numstat")))
             after = parse_status(await _git_output(handle, _STATUS, grader, "status-after"))
             touched.update(entry[3:].rstrip("/") for entry in after - before)
-            restored = harness_paths(touched, base_files, named)
+            # up to ~20k paths a 1 MiB patch can name: 0.15 s of matching, off the event loop
+            try:
+                restored = await _off_loop(job, harness_paths, touched, base_files, named,
+                                           timeout_s=PATCH_CHECK_TIMEOUT_S)
+            except CpuTimeoutError as e:  # bounded input (the patch's size): a time-out is the machine's
+                raise InfrastructureError("harness", f"sorting the patch's paths ran past {PATCH_CHECK_TIMEOUT_S:g} s: "
+                                                     f"{e}") from None
             if restored:
                 await self._restore(handle, base, grader, restored, set(base_files))
             info["harness_restored"] = restored
@@ -290,19 +298,23 @@ class SweHandler(AgentHandler):
             f"--timeout {timeout_s:g} -- bash -c {shlex.quote(pytest_cmd)}", timeout_s=timeout_s + 60)
         # Read on the host, from the workspace directory, without following links; stdout is never read for
         # the verdict (the tests share it).
+        args = (handle.workspace, report_rel, ids["FAIL_TO_PASS"], ids["PASS_TO_PASS"])
         try:
-            report = parse_junit(await asyncio.to_thread(read_report, handle.workspace, report_rel))
+            f2p, p2p, any_failed = await _off_loop(job, report_verdict, *args, timeout_s=REPORT_PARSE_TIMEOUT_S)
             info["report_error"] = None
-        except ReportError as e:
-            report, info["report_error"] = {}, str(e)
-        f2p, p2p = report_statuses(ids["FAIL_TO_PASS"], report), report_statuses(ids["PASS_TO_PASS"], report)
+        except (ReportError, CpuTimeoutError) as e:
+            # the report's size and shape are the tested code's doing: one that cannot be read in time is no
+            # report (every test MISSING, a scored 0), never a stalled server or a filtered sample
+            info["report_error"] = str(e) or f"the report took longer than {REPORT_PARSE_TIMEOUT_S:g} s to parse"
+            f2p, p2p = report_statuses(ids["FAIL_TO_PASS"], {}), report_statuses(ids["PASS_TO_PASS"], {})
+            any_failed = False
         info.update(FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, tests_run=True,
                     timed_out=r.timed_out or r.exit_code == TIMEOUT_EXIT, test_exit_code=r.exit_code,
                     output_tail=r.output[-3000:])
         tests = {**f2p, **p2p}
         # pytest exits 1 exactly when a test failed or errored; a report that shows none then was rewritten after
         # pytest wrote it (code the tests imported can do that at exit): its verdict is not the tests'
-        if r.exit_code == 1 and not any(st in (FAILED, ERROR) for st in report.values()):
+        if r.exit_code == 1 and not any_failed:
             info["report_inconsistent"] = ("pytest exited 1 (a test failed) and the report shows no failure: the "
                                            "report was rewritten after pytest wrote it")
             tests = {**tests, "<report>": FAILED}
@@ -325,12 +337,19 @@ async def _check_patch(job, handle, base: str, grader: str, patch: str, base_fil
                                  "config-base")
         texts[path] = data.decode("utf-8", "surrogateescape")
     args = (patch, base_files, sorted(named), tuple(job.instance.get("patch_check_allow") or ()), texts)
-    if job.services.cpu_pool is None:
-        return await asyncio.to_thread(check_patch, *args)
     try:
-        return await job.run_cpu(check_patch, *args, timeout_s=PATCH_CHECK_TIMEOUT_S)
+        return await _off_loop(job, check_patch, *args, timeout_s=PATCH_CHECK_TIMEOUT_S)
     except CpuTimeoutError as e:
         raise InfrastructureError("harness", f"the patch check ran past {PATCH_CHECK_TIMEOUT_S:g} s: {e}") from None
+
+
+async def _off_loop(job, fn, *args, timeout_s: float):
+    """``fn(*args)`` in the server's CPU pool (``job.run_cpu``), or in a thread where the job has none: for work
+    whose size the policy shapes (its patch's paths, the report its code wrote), which must not stall the
+    event loop. Raises :class:`CpuTimeoutError` past ``timeout_s`` (pool only) and whatever ``fn`` raises."""
+    if job.services.cpu_pool is None:
+        return await asyncio.to_thread(fn, *args)
+    return await job.run_cpu(fn, *args, timeout_s=timeout_s)
 
 
 async def _git_output(handle, git_cmd: str, grader: str, name: str) -> bytes:
