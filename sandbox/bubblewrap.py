@@ -32,7 +32,7 @@ import shutil
 import subprocess
 from typing import Optional
 
-from .errors import SandboxError
+from .errors import SandboxError, SandboxStartError
 from .leases import Lease, ensure_lease_dir, try_lease
 from .python_view import VIEW_ROOT, system_site_dirs
 from .runtime import LaunchContext, SandboxRuntime, server_binds
@@ -59,13 +59,17 @@ ETC_SECRETS = ("shadow", "shadow-", "gshadow", "gshadow-", "ssh", "ssl/private",
                "letsencrypt", "pki/private", "libvirt", "cups/ssl")
 # Sandbox users of a root server: high uids that belong to nobody on the node, one per sandbox.
 DEFAULT_UID_RANGE = (1_900_000_000, 1_000_000)
-DEFAULT_UID_LEASE_DIR = "/dev/shm/prorl-uids"
+#: Where root servers lease sandbox uids: a private (0755, root's) directory under /run, where only root can
+#: create anything, so no other local user can plant or hold a name (a world-writable /dev/shm directory let
+#: a FIFO at every free name fail every sandbox start).
+DEFAULT_UID_LEASE_DIR = "/run/prorl-uids"
 
 
 class BubblewrapRuntime(SandboxRuntime):
     """Options (besides :class:`SandboxRuntime`'s): ``bwrap`` (path of the binary, default from PATH);
     ``run_as`` for a server running as root: ``None`` (default) = one unprivileged uid/gid per sandbox, leased
-    node-wide from ``uid_range`` (``(first, count)``) in ``uid_lease_dir``, so that ``max_processes`` counts
+    node-wide from ``uid_range`` (``(first, count)``) in ``uid_lease_dir`` (a directory of this user's that no
+    one else can write, see :func:`sandbox.leases.ensure_lease_dir`), so that ``max_processes`` counts
     each sandbox alone and sandboxes cannot touch each other's files; ``(uid, gid)`` = that user for every
     sandbox (their process counts add up); ``False`` = stay root (no process limit). A given
     ``spec.workspace`` is chowned to the sandbox user. ``host_dirs``: top-level host directories bound
@@ -95,7 +99,10 @@ class BubblewrapRuntime(SandboxRuntime):
             return None, None
         if self._run_as is not None:
             return tuple(self._run_as), None
-        ensure_lease_dir(self._uid_lease_dir)
+        try:
+            ensure_lease_dir(self._uid_lease_dir, private=True)
+        except OSError as e:
+            raise SandboxStartError(f"sandbox uid lease directory {self._uid_lease_dir}: {e}") from e
         first, count = self._uid_range
         start = random.randrange(count)
         for i in range(count):
@@ -103,7 +110,8 @@ class BubblewrapRuntime(SandboxRuntime):
             lease = try_lease(self._uid_lease_dir, str(uid), owner=sandbox_id)
             if lease is not None:
                 return (uid, uid), lease
-        raise SandboxError(f"no free sandbox uid in [{first}, {first + count}) (lease dir {self._uid_lease_dir})")
+        raise SandboxStartError(f"no free sandbox uid in [{first}, {first + count}): every name in the lease "
+                                f"directory {self._uid_lease_dir} is held, or is not a regular file of this user")
 
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         return build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import random
 
-from .errors import SandboxError
+from .errors import SandboxStartError
 from .leases import Lease, ensure_lease_dir, try_lease
 
 DEFAULT_LEASE_DIR = "/dev/shm/prorl-loopback"
@@ -48,10 +48,11 @@ class LoopbackAllocator:
             yield str(addr)
 
     def allocate(self, owner: str = "", attempts: int = 4096) -> LoopbackLease:
-        """Lease a free address. Raises :class:`SandboxError` if none of ``attempts`` candidates is free."""
+        """Lease a free address. Raises :class:`SandboxStartError` if none of ``attempts`` candidates is free
+        (held, or a name another user planted: see :mod:`sandbox.leases`)."""
         for addr in self._candidates(attempts):
             lease = try_lease(self.lease_dir, addr, owner)
             if lease is not None:
                 return LoopbackLease(lease.name, lease.fd, lease.path)
-        raise SandboxError(f"no free loopback address in {self.network} after {attempts} tries "
+        raise SandboxStartError(f"no free loopback address in {self.network} after {attempts} tries "
                            f"(lease dir {self.lease_dir})")
