@@ -45,7 +45,9 @@ Filtered kinds (``filter: true``):
     a bug of the rollout server itself (a stage worker crashed).
 ``configuration``
     the server's setup cannot run the job and no retry will (the served model's tokenizer cannot be loaded:
-    :class:`~prorl_server.llm.context.TokenizerUnavailableError`); trainer clients stop on it
+    :class:`~prorl_server.llm.context.TokenizerUnavailableError`; the LLM backend refused a request as invalid,
+    4xx but 408/429: :class:`~prorl_server.llm.client.LLMRequestError`, e.g. token ids outside its vocabulary
+    from a tokenizer that is not the model's, or a context longer than it serves); trainer clients stop on it
     (``trainer_plugins.jobs.ConfigurationError``) instead of regenerating the sample forever.
 
 Scored kinds (``filter: false``, reward 0.0, trajectories kept):
@@ -85,7 +87,8 @@ FAILURE_KINDS: "MappingProxyType[str, str]" = MappingProxyType({
     "invalid_instance": "the instance is malformed (the trainer's bug)",
     "handler": "a handler stage raised an unexpected exception (a handler bug)",
     "internal": "the rollout server itself failed",
-    "configuration": "the server's setup cannot run this job (no tokenizer for the served model); a trainer stops",
+    "configuration": "the server's setup cannot run this job (no tokenizer for the served model, a backend that "
+                     "refuses its requests as invalid); a trainer stops",
     "model_crashed_sandbox": "the model's sandbox died or broke after the model acted (scored 0.0)",
     "model_stalled_sandbox": "a tool of the model's sandbox stopped answering after the model acted (scored 0.0)",
     "model_timeout": "the job's timeout_s ran out after the model acted (scored 0.0)",
@@ -194,6 +197,13 @@ def _classify(exc: BaseException, stage: Optional[str], seen: set[int]) -> str:
     from prorl_server.llm.context import TokenizerUnavailableError
 
     if isinstance(exc, TokenizerUnavailableError):
+        return "configuration"
+    from prorl_server.llm.client import LLMRequestError
+
+    # The turn engine sends only token ids it holds and never more than the context has room for, so a backend
+    # that refuses the request as invalid disagrees with this server's tokenizer or context length: a setup
+    # fault no retry fixes (408/429 are the backend's load, not the request).
+    if isinstance(exc, LLMRequestError) and exc.status not in (408, 429):
         return "configuration"
     if isinstance(exc, (InvalidInstanceError, ContextLengthError)):
         return "invalid_instance"

@@ -116,7 +116,7 @@ EXPECTED = [
     ("SandboxDeadError", "run", "sandbox"), ("SandboxClosedError", "eval", "sandbox"),
     ("SandboxStartError", "init", "sandbox"), ("ProtocolError", "run", "sandbox"),
     ("ToolTimeout", "eval", "sandbox"), ("LLMUnavailableError", "run", "llm_backend"),
-    ("LLMRequestError", "run", "llm_backend"), ("NoBackendError", "run", "llm_backend"),
+    ("LLMRequestError", "run", "configuration"), ("NoBackendError", "run", "llm_backend"),
     ("harness", "eval", "harness"), ("agent_missing", "run", "agent_missing"),
     ("InvalidInstanceError", "run", "invalid_instance"), ("ValueError", "init", "invalid_instance"),
     ("ValueError", "run", "handler"), ("RuntimeError", "run", "handler"), ("KeyError", "eval", "handler"),

@@ -45,6 +45,12 @@ local hop; a ``clear`` by one relay would drop the others). A rollout server tha
 with no weight version (a vLLM started from a fixed model) is refused with :class:`RelayError`: jobs there
 would look on-policy. A missing version from verl is an error answer (HTTP 500), never a guess.
 
+A request verl's replica refuses as invalid (a token id outside the vocabulary, a prompt longer than the
+context, bad sampling parameters: :func:`request_fault_status`, vLLM's own 4xx rule) is answered 4xx, not 502:
+the rollout server's LLM client does not fail over on a 4xx (no replica would take it), the job fails with
+``failure_kind="configuration"`` and the trainer stops with the message (a wrong-but-loadable tokenizer on a
+rollout server otherwise spun as filtered, retried, evicted and refilled rows: 0 steps in 6 minutes).
+
 The relay has no authentication, like verl's own replica servers: it binds the node's address (Ray's node IP)
 unless ``host`` says otherwise.
 """
@@ -156,6 +162,39 @@ class CompletionRequest(BaseModel):
 
 def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
     return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a Ray actor raised, under Ray's ``RayTaskError`` wrapper (``.cause``), else ``exc``."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def request_fault_status(exc: BaseException) -> Optional[int]:
+    """The 4xx status of a request-validation error raised by verl's ``generate`` (None: a backend fault, 502).
+
+    The rule is vLLM's own (``vllm/entrypoints/serve/exception_handling/error_response.py``, 0.31):
+    ``VLLMValidationError`` and other ``VLLMClientError`` are 400 (``VLLMNotFoundError`` 404,
+    ``VLLMUnprocessableEntityError`` 422), ``VLLMServerError`` (engine dead, generation error) is 5xx, and a
+    raw ``ValueError`` / ``TypeError`` / ``OverflowError`` is 400 (verl's ``vLLMHttpServer.generate`` raises
+    ``ValueError`` for a prompt that leaves no room, vLLM for a token id outside the vocabulary, and
+    ``SamplingParams`` for bad parameters). Classes are read by name through the MRO, so the relay needs no
+    vLLM import and Ray's dual ``RayTaskError(ValueError)`` classes and its ``.cause`` are both read.
+    """
+    for e in (exc, _cause(exc)):
+        names = {c.__name__ for c in type(e).__mro__}
+        if "VLLMServerError" in names or "EngineDeadError" in names:
+            return None
+        if "VLLMNotFoundError" in names:
+            return 404
+        if "VLLMUnprocessableEntityError" in names:
+            return 422
+        if "VLLMClientError" in names:
+            return 400
+    if isinstance(_cause(exc), (ValueError, TypeError, OverflowError)) or isinstance(exc, (ValueError, TypeError,
+                                                                                             OverflowError)):
+        return 400
+    return None
 
 
 def _node_ip() -> str:
@@ -429,8 +468,15 @@ class Relay:
             out = await self.server_manager.generate(request_id, prompt_ids=list(prompt), sampling_params=sp)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the rollout server fails over to another backend on a 5xx
-            self.stats["generate_errors"] += 1
+        except Exception as e:
+            status = request_fault_status(e)
+            if status is not None:  # the request is wrong for this model: no other replica would take it
+                self.stats["request_errors"] += 1
+                log.warning("relay %s: verl's replica refused the request (HTTP %d): %s", self.address, status, e)
+                return _error(status, f"verl's replica refused the request ({type(_cause(e)).__name__}: "
+                                      f"{str(_cause(e))[:500]}); the rollout server's tokenizer, max_model_len or "
+                                      "sampling parameters do not fit the policy's model", "BadRequestError")
+            self.stats["generate_errors"] += 1  # the rollout server fails over to another backend on a 5xx
             log.warning("relay %s: verl generate failed: %r", self.address, e)
             return _error(502, f"verl generate failed: {e!r}", "BackendError")
         versions = _version_of(out.extra_fields or {})
