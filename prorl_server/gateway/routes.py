@@ -111,23 +111,45 @@ async def chat_completions(request: web.Request, gw: "Gateway", s: "Session") ->
     body = await _json_body(request)
     await decode_arguments(body)
     req = parse_chat_request(body)
+    _journal_room(gw, s)
     answer, backend_s = await gw.chat(s, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
     text = json.dumps(answer)
-    await _journal(request, gw, s, text)
+    await _journal(request, gw, s, body, text)
     if not req.stream:
         return web.Response(text=text, content_type="application/json", headers={"Server-Timing": timing})
     return await _stream(request, answer, req.include_usage, timing)
 
 
-async def _journal(request: web.Request, gw: "Gateway", s: "Session", answer: str) -> None:
-    """Record the exchange in the server's journal (if it has one): the request body as sent (its SHA-256
-    too) and the answer, under the session's job id (else the session id), numbered in the session."""
+def _journal_room(gw: "Gateway", s: "Session") -> None:
+    """Refuse a turn of a session whose job (or the session itself, without a job) has journalled its cap
+    (:meth:`~prorl_server.journal.store.Journal.gateway_full`): the journal never grows without bound because
+    of what an agent sends. The agent's doing, so a 400 the agent sees (its job is scored as it ends).
+
+    Raises:
+        GatewayError: 400 ``journal_cap_exceeded``.
+    """
+    journal = gw.llm.client.journal
+    if journal is None:
+        return
+    if s.job is None:
+        journal.gateway_session(s.session_id, f"gateway:{s.session_id}")
+        why = journal.gateway_full(s.session_id, f"gateway:{s.session_id}")
+    else:
+        why = journal.gateway_full(s.job.job_id)
+    if why is not None:
+        raise GatewayError(400, f"session {s.session_id} can make no more requests: {why}", "journal_cap_exceeded")
+
+
+async def _journal(request: web.Request, gw: "Gateway", s: "Session", body: Any, answer: str) -> None:
+    """Record the exchange in the server's journal (if it has one): the decoded request ``body`` (stored
+    compact, its messages after those the previous request had), the SHA-256 of the body as sent, and the
+    answer, under the session's job id (else the session id), numbered in the session."""
     journal = gw.llm.client.journal
     if journal is not None:
         raw = await request.read()  # aiohttp keeps the body it read: no second read from the socket
         owner = s.job.job_id if s.job is not None else s.session_id
-        journal.gateway_exchange(owner, s.counters["requests"], hashlib.sha256(raw).hexdigest(), raw,
+        journal.gateway_exchange(owner, s.counters["requests"], hashlib.sha256(raw).hexdigest(), body,
                                  answer.encode())
 
 
@@ -147,13 +169,16 @@ async def _translated(request: web.Request, gw: "Gateway", s: "Session", api: Mo
     :mod:`~prorl_server.gateway.responses`) translates the body into a Chat Completions body and the
     ``chat.completion`` answer back (whole, or as its server-sent events). ``Server-Timing`` as for chat."""
     t0 = time.perf_counter()
-    req = api.to_chat_request(await _json_body(request))
+    body = await _json_body(request)
+    req = api.to_chat_request(body)
     await decode_arguments(req.chat)
-    answer, backend_s = await gw.chat(s, parse_chat_request(req.chat))
+    chat = parse_chat_request(req.chat)
+    _journal_room(gw, s)
+    answer, backend_s = await gw.chat(s, chat)
     out = api.from_chat_completion(answer, req)
     timing = server_timing(backend_s, time.perf_counter() - t0 - backend_s)
     text = json.dumps(out)
-    await _journal(request, gw, s, text)
+    await _journal(request, gw, s, body, text)
     if not req.stream:
         return web.Response(text=text, content_type="application/json", headers={"Server-Timing": timing})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

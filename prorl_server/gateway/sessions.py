@@ -331,6 +331,9 @@ class Gateway:
             journal = self.llm.client.journal
             if journal is not None and s.job is None:  # its turns end: the journal drops its last context
                 journal.forget_owner(s.backend_key)
+        journal = self.llm.client.journal
+        if journal is not None and s.job is None:  # its rows may go once they are the oldest
+            journal.gateway_session_ended(s.session_id)
         s.completed.set()
 
     def complete(self, s: Session, reward_info: Optional[dict[str, Any]] = None) -> None:

@@ -25,8 +25,21 @@ previous completion (prompt + output) plus the new ids only, so a 50-turn rollou
 live list (or a copy of it) continued; otherwise it sends the whole prompt and the writer compares bytes (so a
 context the chat template rewrote is stored whole).
 
-Retention: ``max_age_s`` (rows of jobs finished longer ago are deleted) and ``max_bytes`` (oldest finished jobs
-deleted until the file is under it), applied by the writer every ``retention_every_s``.
+Gateway exchanges are stored as the decoded request re-encoded compactly (no whitespace), its ``messages``
+without those it shares with the same owner's previous request (``prefix_messages``; :meth:`Journal.gateway_exchanges`
+rebuilds them), so what a session costs is bounded by what it added, not by how it was written: a client that
+padded 2 MiB bodies with whitespace wrote 80 MB for 160 generated tokens. Each owner (a job, or a session without
+a job) may journal ``max_owner_bytes`` of gateway requests and answers and completions (prompt tails and output);
+past it the gateway refuses the session's next request (:meth:`Journal.gateway_full`).
+
+Retention: ``max_age_s`` (rows of jobs and job-less gateway sessions that ended longer ago are deleted) and
+``max_bytes`` (the oldest ended ones, jobs and sessions alike, deleted until the live data, pages in use, is
+under it), applied by the writer every ``retention_every_s`` in steps of at most ``retention_step_s`` between
+commits. Space is handed back to the file system with ``PRAGMA incremental_vacuum`` in small steps
+(``auto_vacuum=INCREMENTAL``, set when a journal is created; an older journal is converted once when opened,
+if small, else its freed pages are only reused), never with a full VACUUM, which rewrote the whole file while
+every commit waited. A finished result that retention deletes leaves its job id in ``expired`` (a tombstone,
+~50 bytes): a resubmission of that id is answered "expired" (HTTP 410), never run a second time.
 
 Sources: SQLite's WAL documentation (https://sqlite.org/wal.html: readers do not block the writer; with
 ``synchronous=NORMAL`` a commit is durable against application crashes); rLLM's gateway trace store (SQLite,
@@ -52,8 +65,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
-#: ``PRAGMA user_version`` of the journals this code writes; another version is refused, never guessed at.
-SCHEMA_VERSION = 2
+#: ``PRAGMA user_version`` of the journals this code writes; another version is refused, never guessed at, but
+#: version 2 (no ``sessions`` or ``expired`` table, gateway requests stored as sent) is upgraded in place.
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -87,15 +101,34 @@ CREATE TABLE IF NOT EXISTS completions (
 CREATE INDEX IF NOT EXISTS completions_owner ON completions(owner, seq);
 CREATE TABLE IF NOT EXISTS gateway (
     id INTEGER PRIMARY KEY,
-    session_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,   -- the owner: the session's job id, or the session id of a session without a job
     seq INTEGER NOT NULL,
-    request_hash TEXT NOT NULL,
-    request BLOB NOT NULL,
+    request_hash TEXT NOT NULL, -- SHA-256 of the body as sent
+    request BLOB NOT NULL,      -- compact JSON (see prefix_messages); the body as sent in rows of schema 2
     response BLOB NOT NULL,
-    t REAL NOT NULL
+    t REAL NOT NULL,
+    prefix_messages INTEGER     -- the request's messages are the owner's previous request's first
+                                -- prefix_messages, then those stored; NULL: stored as sent (schema 2)
 );
 CREATE INDEX IF NOT EXISTS gateway_session ON gateway(session_id, seq);
+CREATE TABLE IF NOT EXISTS sessions (  -- gateway sessions without a job (their rows go with them)
+    session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,        -- the owner of their completions
+    updated REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS sessions_ended ON sessions(ended, updated);
+CREATE TABLE IF NOT EXISTS expired (  -- tombstones: finished results that retention deleted
+    job_id TEXT PRIMARY KEY,
+    t REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS expired_t ON expired(t);
 """
+
+#: Journals created by older code (no ``auto_vacuum``) up to this size are converted with one VACUUM when a
+#: server opens them (before its writer starts: ~1 s per 100 MB here); a larger one keeps its size and reuses
+#: the pages retention frees (convert it offline: ``prorl-journal vacuum JOURNAL``).
+CONVERT_MAX_BYTES = 256 << 20
 
 _LITTLE = sys.byteorder == "little"
 
@@ -179,6 +212,9 @@ class Journal:
             rows go to it over a pipe) or ``"thread"`` (a thread of this process commits: every SQLite call
             it makes waits for the GIL, up to ``sys.getswitchinterval()`` each while the event loop is busy;
             kept as the benchmark's baseline).
+        max_owner_bytes: bytes one owner (a job, or a gateway session without a job) may journal in gateway
+            exchanges and completions before the gateway refuses its next request (:meth:`gateway_full`); None: no
+            cap. Counted by this process (since it opened the journal), as stored: compact requests, prompt tails.
         prealloc_wal: before the first commit, the writer writes the ``-wal`` file's space (zeros, 97 MiB with
             4 KiB pages, fsynced: 60-90 ms here) so commits overwrite allocated blocks instead of appending,
             which waited for the checkpointer's fsync (5-15 ms); the file is removed at a clean close. On in
@@ -194,13 +230,15 @@ class Journal:
 
     def __init__(self, path: str, *, max_age_s: Optional[float] = None, max_bytes: Optional[int] = None,
                  retention_every_s: float = 60.0, max_queue: int = 1_000_000, readonly: bool = False,
-                 writer: str = "process", prealloc_wal: bool = False) -> None:
+                 writer: str = "process", prealloc_wal: bool = False,
+                 max_owner_bytes: Optional[int] = 64 << 20) -> None:
         if writer not in ("process", "thread"):
             raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
         self.path = os.path.abspath(path)
         self.readonly = readonly
         self.writer = writer
         self.prealloc_wal = prealloc_wal
+        self.max_owner_bytes = max_owner_bytes
         self._lock_file: Any = None
         if readonly:  # a reader (prorl-journal, a test) of a journal a server may be writing: no lock, no schema
             if not os.path.isfile(self.path):
@@ -216,12 +254,22 @@ class Journal:
             db = self._connect()
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
-            if tables and version != SCHEMA_VERSION:
+            if tables and version not in (2, SCHEMA_VERSION):
                 db.close()
                 raise JournalError(f"the journal {self.path} has schema version {version}, this server writes "
                                    f"version {SCHEMA_VERSION}: move it aside or point journal at a new file")
-            db.executescript(SCHEMA)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if not tables:  # takes effect only before the first table exists
+                db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            _upgrade(db, version if tables else SCHEMA_VERSION)
+            db.execute("UPDATE sessions SET ended = 1 WHERE ended = 0")  # the server that had them open is gone
+            if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                if os.path.getsize(self.path) <= CONVERT_MAX_BYTES:
+                    db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+                    db.execute("VACUUM")  # once, at open: the writer has not started, nothing waits for it
+                else:
+                    log.warning("journal %s was created without auto_vacuum: retention will reuse the pages it "
+                                "frees but the file will not shrink (convert it once, server stopped: "
+                                "prorl-journal vacuum %s)", self.path, self.path)
             db.close()
         except (sqlite3.Error, OSError, JournalError) as e:
             self._lock_file.close()
@@ -247,6 +295,10 @@ class Journal:
         # producer side: owner -> (the prompt list last recorded, its length then, its output), so that a
         # prompt continuing it is sent as its new tail only
         self._ctx: dict[str, tuple[Any, int, list[int]]] = {}
+        #: owner -> bytes it journalled (gateway rows, completions' prompt tails and outputs) since this opened
+        self._owner_bytes: dict[str, int] = {}
+        #: owner -> the messages (decoded, as received) of its last journalled gateway request
+        self._gw_prev: dict[str, list[Any]] = {}
         self._sent = 0  # rows handed to the writer (numbered 1, 2, ...)
         self._acked = 0  # rows the writer has committed (or dropped as unstorable), in order
         self._waiters: list[tuple[int, Any]] = []  # (row number, callback(ok)) waiting for _acked >= it
@@ -641,6 +693,7 @@ class Journal:
                     and prompt_ids[prev_n:end] == prev_out:
                 start = end
         out = list(token_ids)
+        self._count(owner, 4 * (n - start) + 12 * len(out))  # int32 ids; an int32 id and a float64 logprob
         self._ctx[owner] = (prompt_ids, n, out)
         if len(self._ctx) > 4096:  # owners that never said they ended (it holds their last prompt list)
             self._ctx.pop(next(iter(self._ctx)))
@@ -652,17 +705,69 @@ class Journal:
         """A new attempt of ``owner`` starts (a resubmitted interrupted job): its journalled completions are
         deleted (read them first: they are what the new attempt replays) and it numbers its turns from 0."""
         self._ctx.pop(owner, None)
+        self._owner_bytes.pop(owner, None)
+        self._gw_prev.pop(owner, None)
         self._put(("reset", owner, 0.0))
 
     def forget_owner(self, owner: str) -> None:
         """The owner ended: no further completion of it will come (its previous context is dropped)."""
         self._ctx.pop(owner, None)
+        self._owner_bytes.pop(owner, None)
+        self._gw_prev.pop(owner, None)
         self._put(("forget", owner, 0.0))
 
-    def gateway_exchange(self, session_id: str, seq: int, request_hash: str, request: bytes,
-                         response: bytes) -> None:
-        self._put(("gateway", (session_id, seq, request_hash, request, response, time.time()),
+    def _count(self, owner: str, n: int) -> None:
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + n
+        if len(self._owner_bytes) > 100_000:  # owners that never said they ended
+            self._owner_bytes.pop(next(iter(self._owner_bytes)))
+
+    def gateway_full(self, *owners: str) -> Optional[str]:
+        """Why ``owners`` (a gateway session's row owner and its completions' owner) may journal no more (they
+        reached ``max_owner_bytes`` together), or None. At most one request past the cap is journalled: the
+        one that crossed it (up to the gateway's 2 MiB body limit, compact)."""
+        if self.max_owner_bytes is None:
+            return None
+        used = sum(self._owner_bytes.get(o, 0) for o in set(owners))
+        if used < self.max_owner_bytes:
+            return None
+        return (f"it has journalled {used} bytes of requests, answers and tokens, the cap per job and per session "
+                f"is {self.max_owner_bytes} (Journal max_owner_bytes)")
+
+    def gateway_session(self, session_id: str, completions_owner: str) -> None:
+        """A gateway session without a job is in use (its rows are its own: retention deletes them, oldest
+        ended first, with its completions, owned by ``completions_owner``)."""
+        self._put(("session", (session_id, completions_owner, time.time()), time.perf_counter()))
+
+    def gateway_session_ended(self, session_id: str) -> None:
+        """The job-less gateway session ``session_id`` ended: its rows may go once they are the oldest."""
+        self._owner_bytes.pop(session_id, None)
+        self._gw_prev.pop(session_id, None)
+        self._put(("session_end", (time.time(), session_id), time.perf_counter()))
+
+    def gateway_exchange(self, owner: str, seq: int, request_hash: str, request: Any, response: bytes) -> int:
+        """Record one gateway exchange of ``owner`` (the session's job id, or its session id): ``request`` is
+        the decoded body (not mutated afterwards: its messages are kept to compare the next request with),
+        stored compact with its ``messages`` after those it shares with the owner's previous request;
+        ``request_hash`` the SHA-256 of the body as sent; ``response`` the answer's bytes. O(new messages)
+        to encode, O(messages) to compare (C-speed ``==``). Returns the bytes stored."""
+        msgs = request.get("messages") if isinstance(request, dict) else None
+        prefix = 0
+        if isinstance(msgs, list):
+            prev = self._gw_prev.get(owner)
+            if prev:
+                limit = min(len(prev), len(msgs))
+                while prefix < limit and prev[prefix] == msgs[prefix]:
+                    prefix += 1
+                if prefix:
+                    request = {**request, "messages": msgs[prefix:]}
+            self._gw_prev[owner] = msgs
+            if len(self._gw_prev) > 4096:  # owners that never said they ended (it holds their messages)
+                self._gw_prev.pop(next(iter(self._gw_prev)))
+        data = _compact(request)
+        self._count(owner, len(data) + len(response))
+        self._put(("gateway", (owner, seq, request_hash, data, response, time.time(), prefix),
                    time.perf_counter()))
+        return len(data) + len(response)
 
     def size_bytes(self) -> int:
         """The journal's size on disk (the database and its WAL)."""
@@ -720,11 +825,30 @@ class Journal:
                 (owner,)).fetchall()
         return expand_prompts(rows)
 
-    def gateway_exchanges(self, session_id: str) -> list[tuple[int, str, bytes, bytes]]:
-        """``(seq, request_hash, request, response)`` of a gateway session, in order."""
+    def gateway_exchanges(self, owner: str) -> list[tuple[int, str, bytes, bytes]]:
+        """``(seq, request_hash, request, response)`` of a gateway owner (a job id, or the id of a session
+        without a job), in the order they were recorded. ``request`` is the body as compact JSON with its
+        whole ``messages`` (rebuilt from the previous request's), or, in a row of schema 2, as sent."""
         with self._reader_lock:
-            return self._read().execute("SELECT seq, request_hash, request, response FROM gateway WHERE "
-                                        "session_id = ? ORDER BY seq", (session_id,)).fetchall()
+            rows = self._read().execute("SELECT seq, request_hash, request, response, prefix_messages FROM gateway "
+                                        "WHERE session_id = ? ORDER BY id", (owner,)).fetchall()
+        out = []
+        prev: list[Any] = []
+        for seq, h, request, response, prefix in rows:
+            if prefix is not None:
+                body = json.loads(request)
+                msgs = body.get("messages") if isinstance(body, dict) else None
+                if isinstance(msgs, list):
+                    body["messages"] = prev[:prefix] + msgs
+                    prev = body["messages"]
+                    request = _compact(body)
+            out.append((seq, h, request, response))
+        return out
+
+    def expired(self, job_id: str) -> bool:
+        """True when retention deleted ``job_id``'s finished (unfiltered) result: the id is spent."""
+        with self._reader_lock:
+            return self._read().execute("SELECT 1 FROM expired WHERE job_id = ?", (job_id,)).fetchone() is not None
 
 
 def expand_prompts(rows: Sequence[tuple]) -> list[CompletionRecord]:
@@ -767,6 +891,24 @@ def _runs_json(runs: Sequence[Sequence[Optional[int]]]) -> str:
         return json.dumps(runs, separators=(",", ":"))
 
 
+def _upgrade(db: sqlite3.Connection, version: int) -> None:
+    """Create the tables, upgrading a schema-2 journal in place: its gateway rows keep their requests as sent
+    (``prefix_messages`` NULL) and its job-less sessions (gateway rows of an owner that is no job) are recorded
+    as ended, so retention covers them."""
+    script = SCHEMA
+    if version == 2:
+        script = ("ALTER TABLE gateway ADD COLUMN prefix_messages INTEGER;" + SCHEMA +
+                  "INSERT OR IGNORE INTO sessions(session_id, owner, updated, ended) "
+                  "SELECT session_id, 'gateway:' || session_id, MAX(t), 1 FROM gateway "
+                  "WHERE session_id NOT IN (SELECT job_id FROM jobs) GROUP BY session_id;")
+    db.executescript(f"BEGIN;{script}PRAGMA user_version = {SCHEMA_VERSION};COMMIT;")
+
+
+def _compact(value: Any) -> bytes:
+    """``value`` (decoded JSON) as compact JSON bytes: no whitespace, non-ASCII as UTF-8."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -789,8 +931,11 @@ class _Store:
         "completion": "INSERT INTO completions(owner, seq, backend, prefix_len, prompt_tail, token_ids, logprobs, "
                       "version_runs, finish_reason, stop_reason, params, t) "
                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        "gateway": "INSERT INTO gateway(session_id, seq, request_hash, request, response, t) "
-                   "VALUES (?, ?, ?, ?, ?, ?)",
+        "gateway": "INSERT INTO gateway(session_id, seq, request_hash, request, response, t, prefix_messages) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "session": "INSERT INTO sessions(session_id, owner, updated, ended) VALUES (?, ?, ?, 0) "
+                   "ON CONFLICT(session_id) DO UPDATE SET updated = excluded.updated",
+        "session_end": "UPDATE sessions SET ended = 1, updated = ? WHERE session_id = ?",
     }
 
     def __init__(self, path: str, max_age_s: Optional[float] = None, max_bytes: Optional[int] = None,
@@ -811,6 +956,12 @@ class _Store:
         #: WAL restarts: 16,384 frames of 4 KiB = 64 MiB (~3 s at 5,000 completions/s)
         self.restart_frames = 16_384
         self._last_retention = time.monotonic()
+        #: retention's longest step between two commits, seconds (a pass that has more to do goes on after the
+        #: next commit); rows queued meanwhile wait for it
+        self.retention_step_s = 0.05
+        self._retention_due = False  # a pass is under way
+        #: what retention did: units (jobs, sessions) and tombstones deleted, pages handed back
+        self.retention_counters = {"jobs": 0, "sessions": 0, "tombstones": 0, "pages_freed": 0}
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "last_error": self.last_error}
@@ -993,49 +1144,87 @@ class _Store:
         return [now - t for k, _, t in rows if k not in ("forget", "reset", "flush")]
 
     def after_commit(self) -> None:
-        """What the writer does after a commit has been reported: complete a checkpoint pass, retention."""
+        """What the writer does after a commit has been reported: complete a checkpoint pass, a retention step."""
         assert self._db is not None
         if self._checkpointed.is_set():
             self._finish_checkpoint(self._db)
         if time.monotonic() - self._last_retention > self.retention_every_s:
             self._last_retention = time.monotonic()
-            self._retention(self._db)
+            self._retention_due = True
+        if self._retention_due:
+            try:
+                self._retention_due = self._retention(self._db)
+            except sqlite3.Error as e:
+                self._retention_due = False
+                log.warning("journal %s: retention failed: %s", self.path, e)
 
-    def _retention(self, db: sqlite3.Connection) -> None:
-        try:
-            if self.max_age_s is not None:
-                self._delete_done(db, "updated < ?", (time.time() - self.max_age_s,))
-            if self.max_bytes is not None:
-                truncated = False
-                while self._size_bytes() > self.max_bytes:
-                    n = self._delete_done(db, "job_id IN (SELECT job_id FROM jobs WHERE state = 'done' "
-                                          "ORDER BY updated LIMIT 1000)", ())
-                    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                    db.execute("VACUUM")
-                    truncated = True
-                    if n == 0:
+    def _retention(self, db: sqlite3.Connection) -> bool:
+        """One retention step of at most about ``retention_step_s``: delete what is older than ``max_age_s``,
+        then the oldest ended jobs and sessions (tombstones last) while the live data exceeds ``max_bytes``,
+        then hand free pages back (``incremental_vacuum``), each in transactions of a few hundred rows or a
+        thousand pages. Returns True when there is more to do (the next commit's step goes on)."""
+        deadline = time.monotonic() + self.retention_step_s
+        if self.max_age_s is not None:
+            cutoff = time.time() - self.max_age_s
+            while self._delete_oldest(db, cutoff):
+                if time.monotonic() > deadline:
+                    return True
+            db.execute("DELETE FROM expired WHERE t < ?", (cutoff,))
+        if self.max_bytes is not None:
+            while self.live_bytes(db) > self.max_bytes:
+                if not self._delete_oldest(db, None):
+                    n = db.execute("DELETE FROM expired WHERE job_id IN (SELECT job_id FROM expired ORDER BY t "
+                                   "LIMIT 1000)").rowcount
+                    self.retention_counters["tombstones"] += max(0, n)
+                    if n <= 0:
                         break
-                if truncated and self.prealloc_wal:  # the TRUNCATE checkpoint emptied the file: write it again
-                    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # VACUUM's frames: the WAL is empty again
-                    self._prealloc_wal()
-        except sqlite3.Error as e:
-            log.warning("journal %s: retention failed: %s", self.path, e)
-
-    def _size_bytes(self) -> int:
-        """What retention holds under ``max_bytes``: the database and its WAL, less the preallocated zeros."""
-        if not self.prealloc_wal:
-            return size_bytes(self.path)
-        try:
-            wal = os.path.getsize(self.path + "-wal")
-        except OSError:
-            wal = 0
-        return os.path.getsize(self.path) + max(0, wal - self.wal_prealloc_bytes())
+                if time.monotonic() > deadline:
+                    return True
+        if db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+            while db.execute("PRAGMA freelist_count").fetchone()[0] > 0:
+                before = db.execute("PRAGMA page_count").fetchone()[0]
+                db.execute("PRAGMA incremental_vacuum(1024)").fetchall()  # a row a page: step through them all
+                self.retention_counters["pages_freed"] += before - db.execute("PRAGMA page_count").fetchone()[0]
+                if time.monotonic() > deadline:
+                    return True
+        return False
 
     @staticmethod
-    def _delete_done(db: sqlite3.Connection, where: str, params: tuple) -> int:
+    def live_bytes(db: sqlite3.Connection) -> int:
+        """Bytes of the database's pages in use (what ``max_bytes`` bounds): its pages less the free ones, as
+        this connection sees them (the WAL's newer pages included; the WAL file itself is bounded apart: see
+        :meth:`_checkpoints`)."""
+        page = db.execute("PRAGMA page_size").fetchone()[0]
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        free = db.execute("PRAGMA freelist_count").fetchone()[0]
+        return page * (pages - free)
+
+    def _delete_oldest(self, db: sqlite3.Connection, before: Optional[float], limit: int = 200) -> int:
+        """Delete the ``limit`` oldest ended units (finished jobs, ended job-less gateway sessions) last updated
+        before ``before`` (None: any), with their completions and gateway rows, in one transaction; a job with
+        an unfiltered result leaves a tombstone. Returns how many were deleted."""
+        cutoff = float("inf") if before is None else before
         db.execute("BEGIN")
-        ids = [r[0] for r in db.execute(f"SELECT job_id FROM jobs WHERE state = 'done' AND {where}", params)]
-        db.executemany("DELETE FROM completions WHERE owner = ?", [(i,) for i in ids])
-        db.executemany("DELETE FROM jobs WHERE job_id = ?", [(i,) for i in ids])
-        db.execute("COMMIT")
-        return len(ids)
+        try:
+            # two index scans (jobs_updated, sessions_ended) merged here: a UNION sorted in SQL read every row
+            units = sorted(db.execute("SELECT updated, 0, job_id, job_id, filtered FROM jobs WHERE state = 'done' "
+                                      "AND updated < ? ORDER BY updated LIMIT ?", (cutoff, limit)).fetchall()
+                           + db.execute("SELECT updated, 1, session_id, owner, 0 FROM sessions WHERE ended = 1 "
+                                        "AND updated < ? ORDER BY updated LIMIT ?", (cutoff, limit)).fetchall()
+                           )[:limit]
+            units = [u[1:] for u in units]
+            now = time.time()
+            db.executemany("DELETE FROM gateway WHERE session_id = ?", [(u[1],) for u in units])
+            db.executemany("DELETE FROM completions WHERE owner = ?", [(u[2],) for u in units])
+            jobs = [(u[1],) for u in units if u[0] == 0]
+            db.executemany("DELETE FROM jobs WHERE job_id = ?", jobs)
+            db.executemany("INSERT OR REPLACE INTO expired(job_id, t) VALUES (?, ?)",
+                           [(u[1], now) for u in units if u[0] == 0 and not u[3]])
+            db.executemany("DELETE FROM sessions WHERE session_id = ?", [(u[1],) for u in units if u[0] == 1])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.retention_counters["jobs"] += len(jobs)
+        self.retention_counters["sessions"] += len(units) - len(jobs)
+        return len(units)
