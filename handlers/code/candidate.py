@@ -26,7 +26,8 @@ if __package__:  # imported as handlers.code.* (the unit tests); in a sandbox it
 else:
     import plain
 
-MAX_MESSAGE_CHARS = 2000
+#: Longest exception message sent (the host accepts no more: one constant for both sides).
+MAX_MESSAGE_CHARS = plain.MAX_TEXT_CHARS
 
 
 def _convert(value):
@@ -53,7 +54,8 @@ def _describe(e: BaseException) -> dict:
 
 def serve(chan, solution_path: str, entry_point: str) -> None:
     def send(message: dict) -> None:
-        chan.sendall(plain.dumps_line(message))
+        # the host's bounds, checked here: a value past them is refused by this side, never sent and refused there
+        chan.sendall(plain.dumps_line(message, max_items=plain.MAX_ITEMS))
 
     ns = {"__name__": "__solution__", "__file__": solution_path}
     try:
@@ -65,7 +67,7 @@ def serve(chan, solution_path: str, entry_point: str) -> None:
             return
     except BaseException as e:  # the solution may raise anything, SystemExit included
         d = _describe(e)
-        send({"loaded": False, "error": f"solution failed to load: {d['type']}: {d['message']}"})
+        send({"loaded": False, "error": plain.text(f"solution failed to load: {d['type']}: {d['message']}")})
         return
     send({"loaded": True})
     reader = chan.makefile("rb")

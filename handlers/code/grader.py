@@ -17,6 +17,13 @@ One JSON line each way (values encoded by :mod:`plain`)::
     -> {"verdict": {"passed": bool, "error": str|null, "failed_test": str|null}}
        | {"invalid_tests": str}  (the tests do not load, or pass an argument that is not plain data)
 
+Every message this side sends fits what the host accepts (:data:`plain.MAX_MESSAGE_BYTES`,
+:data:`plain.MAX_ITEMS`), checked here before it is sent: texts built from the candidate's data (an assertion
+message quoting its value: HumanEval/77, 78, 95, 97, 117, 148) are cut to :data:`plain.MAX_TEXT_CHARS`, and a
+call too large to send once the candidate has answered (the tests built its argument from the candidate's
+values) fails the test run as the candidate's, like any other answer past a bound. A bound crossed by the
+candidate's data is its failed test, never the grader's fault.
+
 The proxy only ever hands the tests freshly decoded plain data, so nothing the solution controls runs here.
 A ``fatal`` answer (the solution's process died, timed out, or answered garbage or a value that is not plain
 data) raises an exception outside the ``Exception`` hierarchy, so tests that catch errors cannot swallow it,
@@ -62,7 +69,7 @@ class Channel:
         self.reader = sock.makefile("rb")
 
     def send(self, message: dict) -> None:
-        self.sock.sendall(plain.dumps_line(message))
+        self.sock.sendall(plain.dumps_line(message, max_items=plain.MAX_ITEMS))
 
     def recv(self) -> dict:
         line = self.reader.readline(plain.MAX_MESSAGE_BYTES + 1)
@@ -89,23 +96,36 @@ class Grading:
         self.chan = chan
         self.fault: str | None = None
         self.invalid_tests: str | None = None
+        self.answered = False  # the candidate has answered a call: the tests may hold its data from now on
 
     def candidate(self, *args, **kwargs):
         if self.fault is not None:
             raise CandidateFault(self.fault)
         try:
             call = {"args": [plain.encode(a) for a in args], "kwargs": {k: plain.encode(v) for k, v in kwargs.items()}}
-            line = plain.dumps_line({"call": call})
         except plain.PlainDataError as e:
-            self.invalid_tests = f"they pass the candidate an argument that cannot be sent: {e}"
+            self.invalid_tests = plain.text(f"they pass the candidate an argument that cannot be sent: {e}")
             raise InvalidTests(self.invalid_tests) from None
+        try:  # the host relays it to the candidate a few bytes longer: room for that is kept
+            line = plain.dumps_line({"call": call}, plain.MAX_MESSAGE_BYTES - plain.RELAY_OVERHEAD_BYTES,
+                                    plain.MAX_ITEMS)
+        except plain.PlainDataError as e:
+            if not self.answered:  # nothing of the candidate's yet: the tests' own argument is too large
+                self.invalid_tests = plain.text(f"they pass the candidate an argument too large to send: {e}")
+                raise InvalidTests(self.invalid_tests) from None
+            # Built from what the candidate answered (HumanEval tests pass its values back): its data crossed
+            # the bound, so the run fails as it would for an answer too large to send.
+            self.fault = plain.text(f"a call built from the candidate's answers is too large to send ({e})")
+            raise CandidateFault(self.fault) from None
         self.chan.sock.sendall(line)
         reply = self.chan.recv()
         if "value" in reply:
+            self.answered = True
             return plain.decode(reply["value"])
         if "raised" in reply:
+            self.answered = True
             raise _rebuilt(reply["raised"])
-        self.fault = str(reply.get("fatal", "malformed reply from the host"))
+        self.fault = plain.text(reply.get("fatal", "malformed reply from the host"))
         raise CandidateFault(self.fault)
 
 
@@ -123,14 +143,14 @@ def run_tests(chan: Channel, job: dict) -> dict:
             exec(prompt_code, ns)
         exec(compile(job["tests"], TESTS_FILE, "exec"), ns)
     except BaseException as e:
-        return {"invalid_tests": f"they failed to load: {type(e).__name__}: {e}"}
+        return {"invalid_tests": plain.text(f"they failed to load: {type(e).__name__}: {plain.text(e)}")}
     check = ns.get("check")
     if not callable(check):
         return {"verdict": {"passed": False, "error": "the tests define no check(candidate)", "failed_test": None}}
     chan.send({"ready": True})
     start = chan.recv()
     if "start" not in start:
-        return {"verdict": {"passed": False, "error": str(start.get("abort")), "failed_test": None}}
+        return {"verdict": {"passed": False, "error": plain.text(start.get("abort")), "failed_test": None}}
     grading = Grading(chan)
 
     def candidate(*args, **kwargs):
@@ -146,12 +166,15 @@ def run_tests(chan: Channel, job: dict) -> dict:
         check(candidate)
     except BaseException as e:  # an assertion, the candidate's exception, or a fault
         frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == TESTS_FILE]
-        failed = frames[-1].line if frames else None
-        error = f"{type(e).__name__}: {e}".strip()
+        failed = plain.text(frames[-1].line) if frames and frames[-1].line is not None else None
+        # cut here: an assertion's message may quote the candidate's value (megabytes of it), and an error past
+        # the host's bound would turn this failed test into a grader fault
+        error = plain.text(f"{type(e).__name__}: {plain.text(e)}".strip())
     if grading.invalid_tests is not None:
         return {"invalid_tests": grading.invalid_tests}
     if grading.fault is not None:  # also when the tests caught the fault and carried on
-        return {"verdict": {"passed": False, "error": f"candidate fault: {grading.fault}", "failed_test": failed}}
+        return {"verdict": {"passed": False, "error": plain.text(f"candidate fault: {grading.fault}"),
+                            "failed_test": failed}}
     return {"verdict": {"passed": error is None, "error": error, "failed_test": failed}}
 
 

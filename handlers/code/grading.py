@@ -18,6 +18,10 @@ The graded code and its grader never share a sandbox, a process, a stream or a w
   The verdict travels from G to the host over G's socket, which S cannot reach.
 
 S dying, timing out, or answering garbage or a value that is not plain data fails the test run (reward 0.0).
+Every side bounds what it sends by what its receiver accepts, with the same constants (:data:`plain.MAX_MESSAGE_BYTES`,
+:data:`plain.MAX_ITEMS`, :data:`plain.MAX_TEXT_CHARS`), so a bound crossed because of the candidate's data (an
+answer too large, an assertion message quoting it, a value the host cannot pass on) is a failed test run,
+scored, never a :class:`GraderError`.
 G failing or answering garbage is an infrastructure fault (:class:`GraderError`); tests that do not load, or
 that pass the candidate an argument that is not plain data, make the instance invalid
 (:class:`~prorl_server.failures.InvalidInstanceError`).
@@ -56,7 +60,7 @@ GRADER_LIMITS = {"max_processes": 64, "max_memory_bytes": 8 << 30, "max_file_byt
 # How long the grader's and the candidate server's processes may take to connect (interpreter start, before any
 # solution code runs): beyond that it is an infrastructure fault, not charged to the solution.
 GRADER_START_TIMEOUT_S = 30.0
-_MAX_INFO_CHARS = 2000
+_MAX_INFO_CHARS = plain.MAX_TEXT_CHARS
 
 
 class GraderError(InfrastructureError, RuntimeError):
@@ -86,7 +90,7 @@ class _Fault(Exception):
     """The solution's side failed: the test run fails. ``timed_out``: a time limit was hit."""
 
     def __init__(self, message: str, timed_out: bool = False) -> None:
-        super().__init__(message)
+        super().__init__(plain.text(message))  # it travels to the grader (abort, fatal): bounded here
         self.timed_out = timed_out
 
 
@@ -98,8 +102,9 @@ def _fail(error: str, timed_out: bool = False, failed_test: Optional[str] = None
 # ------------------------------------------------------------------------------------------------ channels
 #: What the host decodes of one message from a sandbox (the solution's process writes its own): 2 MiB and 2**16
 #: items, a few milliseconds of decoding on the event loop at most (docs/reward-integrity.md, I4). A HumanEval
-#: call's arguments and value are far smaller.
-HOST_MESSAGE_BOUNDS = bounded_json.JsonBounds(max_bytes=2 << 20, max_items=1 << 16)
+#: call's arguments and value are far smaller. The same constants bound what the grader and the candidate
+#: server send (:mod:`handlers.code.plain`): a sender never builds a message its receiver refuses.
+HOST_MESSAGE_BOUNDS = bounded_json.JsonBounds(max_bytes=plain.MAX_MESSAGE_BYTES, max_items=plain.MAX_ITEMS)
 
 
 class _Peer:
@@ -108,8 +113,10 @@ class _Peer:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
-    async def send(self, message: dict) -> None:
-        self.writer.write(plain.dumps_line(message))
+    async def send(self, message: Union[dict, bytes]) -> None:
+        """Send a message, or a line :func:`plain.dumps_line` already wrote. Raises
+        :class:`plain.PlainDataError` for a message larger than :data:`plain.MAX_MESSAGE_BYTES`."""
+        self.writer.write(message if isinstance(message, bytes) else plain.dumps_line(message))
         await self.writer.drain()
 
     async def recv(self) -> dict:
@@ -382,7 +389,7 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
             await asyncio.to_thread(shutil.rmtree, root, True)
 
 
-async def _to_grader(grader: _Peer, message: dict) -> None:
+async def _to_grader(grader: _Peer, message: Union[dict, bytes]) -> None:
     """Send to G. A G that has gone shows at the next read (its buffered last message, or the end of the
     connection), where it is told apart from one that sent a verdict and exited: so a send error is ignored."""
     with contextlib.suppress(ConnectionError, OSError):
@@ -463,7 +470,7 @@ async def _await_loaded(peer: _Peer, deadline: float, limits: GradingLimits) -> 
     if hello == {"loaded": True}:
         return
     if set(hello) == {"loaded", "error"} and hello["loaded"] is False and isinstance(hello["error"], str):
-        raise _Fault(hello["error"])
+        raise _Fault(hello["error"])  # cut to plain.MAX_TEXT_CHARS by _Fault: it is the solution's text
     raise _Fault("the solution's process answered garbage instead of its load status")
 
 
@@ -506,11 +513,17 @@ async def _relay(grader: _Peer, g_task: asyncio.Task, candidate: _Peer, deadline
         call_id += 1
         try:
             reply = await _call(candidate, call_id, msg["call"], min(deadline, loop.time() + limits.call_timeout_s))
+            try:
+                line = plain.dumps_line(reply)
+            except plain.PlainDataError as e:
+                # Re-encoded as ASCII, a value the solution's process wrote in raw UTF-8 can pass the bound the
+                # grader reads with: its value, so its failed call.
+                raise _Fault(f"returned a value too large to pass on to the tests ({e})") from None
         except _Fault as e:
             # The run has failed; the grader's verdict cannot change that, so it is not awaited.
             await _send_quietly(grader, {"fatal": str(e)})
             return _fail(f"call {call_id} of the candidate: {e}", e.timed_out)
-        await _to_grader(grader, reply)
+        await _to_grader(grader, line)
 
 
 async def _call(candidate: _Peer, call_id: int, call: dict, deadline: float) -> dict:
@@ -543,7 +556,8 @@ async def _call(candidate: _Peer, call_id: int, call: dict, deadline: float) -> 
             return {"raised": {"type": raised["type"], "message": raised["message"][:_MAX_INFO_CHARS]}}
         raise _Fault("garbage answer: malformed exception")
     if keys == {"refused"}:
-        raise _Fault(f"returned a value that is not plain data ({str(answer['refused'])[:200]})")
+        raise _Fault(f"returned a value that is not plain data or too large to send "
+                     f"({plain.text(answer['refused'])[:200]})")
     raise _Fault("garbage answer: unknown message")
 
 

@@ -24,11 +24,24 @@ import base64
 import re
 import binascii
 import json
+from typing import Optional
 
 #: Deepest nesting accepted (containers inside containers). Also what bounds the recursion of both directions.
 MAX_DEPTH = 64
-#: Largest message (one line, newline included), in bytes. Bounds what an untrusted peer makes the host buffer.
-MAX_MESSAGE_BYTES = 8 << 20
+#: Largest message (one line, newline included), in bytes, in either direction: what every side sends and
+#: what every side accepts (the host decodes at most this much, ``handlers.code.grading.HOST_MESSAGE_BOUNDS``).
+#: One constant for sender and receiver, so that a message built from the candidate's data can never be
+#: accepted where it is built and refused where it arrives (a wrong answer turned into a grader fault).
+MAX_MESSAGE_BYTES = 2 << 20
+#: Most items of a message the host accepts (``sandbox.bounded_json``'s count: arrays, objects, strings and
+#: commas outside strings). The candidate server and the grader check it before sending (:func:`count_items`).
+MAX_ITEMS = 1 << 16
+#: Longest text (an exception message, an error, a source line) put into a message, in characters: a test's
+#: assertion message can quote the candidate's value, so every such text is cut at its source.
+MAX_TEXT_CHARS = 2000
+#: Bytes a relayed call may grow by on the host (``{"call": ...}`` from the grader becomes ``{"id": N, ...}``
+#: for the candidate): the grader keeps its calls this much under :data:`MAX_MESSAGE_BYTES`.
+RELAY_OVERHEAD_BYTES = 64
 
 
 class PlainDataError(ValueError):
@@ -184,12 +197,34 @@ def _check_hashable(form) -> None:
         stack.extend(f[1])
 
 
-def dumps_line(message: dict) -> bytes:
+def text(value: object) -> str:
+    """``str(value)`` cut to :data:`MAX_TEXT_CHARS` characters (``""`` if ``str`` raises): every text a message
+    carries goes through it where the message is built."""
+    try:
+        return str(value)[:MAX_TEXT_CHARS]
+    except Exception:  # a __str__ that raises
+        return ""
+
+
+def count_items(line: bytes) -> int:
+    """The items of a line :func:`dumps_line` wrote, counted as the host's bounded decoder counts them
+    (``sandbox.bounded_json``: arrays, objects and commas outside strings, plus strings). ``json.dumps`` writes
+    a quote or backslash inside a string only escaped, so pairing the escapes first leaves only the quotes that
+    delimit strings."""
+    parts = line.replace(b"\\\\", b"__").replace(b'\\"', b"__").split(b'"')
+    outside = b"".join(parts[0::2])
+    return outside.count(b"[") + outside.count(b"{") + outside.count(b",") + (len(parts) - 1) // 2
+
+
+def dumps_line(message: dict, max_bytes: int = MAX_MESSAGE_BYTES, max_items: Optional[int] = None) -> bytes:
     """One protocol message as a newline-terminated line of ASCII JSON. Raises :class:`PlainDataError` if
-    it is larger than :data:`MAX_MESSAGE_BYTES`."""
+    it is larger than ``max_bytes`` (default :data:`MAX_MESSAGE_BYTES`) or, with ``max_items`` (what a side
+    sending to the host passes: :data:`MAX_ITEMS`), has more items (:func:`count_items`)."""
     line = json.dumps(message, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode("ascii") + b"\n"
-    if len(line) > MAX_MESSAGE_BYTES:
-        raise PlainDataError(f"message of {len(line)} bytes is larger than {MAX_MESSAGE_BYTES}")
+    if len(line) > max_bytes:
+        raise PlainDataError(f"message of {len(line)} bytes is larger than {max_bytes}")
+    if max_items is not None and count_items(line) > max_items:
+        raise PlainDataError(f"message of more than {max_items} items")
     return line
 
 
