@@ -25,7 +25,7 @@ _EXPORTS = MappingProxyType({
     "BubblewrapRuntime": "bubblewrap", "SingularityRuntime": "singularity", "LocalRuntime": "local",
     "LoopbackAllocator": "loopback",
     "SandboxError": "errors", "SandboxStartError": "errors", "SandboxDeadError": "errors",
-    "SandboxClosedError": "errors", "ProtocolError": "errors", "ToolTimeout": "errors", "ToolError": "errors",
+    "SandboxEvictedError": "errors", "SandboxClosedError": "errors", "ProtocolError": "errors", "ToolTimeout": "errors", "ToolError": "errors",
     "EditorError": "errors", "PathOutsideWorkspaceError": "errors", "KernelDiedError": "errors",
     "FileTransferError": "errors",
 })

@@ -12,12 +12,22 @@ and reports :class:`~sandbox.errors.SandboxDeadError` with ``reason="memory"``. 
 bound is per process (``RLIMIT_AS``, :class:`~sandbox.spec.Limits` ``max_memory_bytes``), and the runtime says
 so once, at its start (:func:`memory_cgroups`).
 
-Disk. A workspace must stay a host directory (graders read it), and a rootless server can mount no quota'd
-file system, so the host measures (:func:`disk_usage`) and kills the sandbox when its writable host
+Disk. A workspace must stay a host directory that graders read after the sandbox is gone, and a rootless
+server can mount no quota'd file system (a sized tmpfs inside the sandbox's mount namespace is invisible to
+the host and dies with it; a loop image or a project quota needs root), so the quota is *measured*, and the
+runtime says so at its start. The host measures (:func:`disk_usage`: allocated blocks, so
+``posix_fallocate`` counts; :func:`open_deleted_bytes`: files unlinked but held open) at least every
+``watch_interval_s`` whatever the last measurement cost, and kills the sandbox when its writable host
 directories pass the quota (``reason="disk_quota"``); ``RLIMIT_FSIZE`` bounds any single file to the quota as
-well. The measurement runs in a thread every ``watch_interval_s`` (more seldom for large trees: at most
-1/:data:`MEASURE_COST_FACTOR` of one core per sandbox), so a sandbox may overshoot by what it writes in one
-interval.
+well. What a sandbox can make a measurement cost is bounded too: one measurement reads at most
+``max_entries`` entries (directory entries plus its processes' descriptors, :class:`MeasureBudget`,
+default :data:`MAX_MEASURED_ENTRIES`, ~0.4 s here); a sandbox past that, or holding a path the kernel will
+not resolve (longer than ``PATH_MAX``), cannot be measured and counts as over its quota
+(:class:`UnmeasurableError`). The budget counts entries, not seconds: a slow, loaded host must never make an
+honest sandbox look too costly. A sandbox may still overshoot by what it writes in one interval (a
+``posix_fallocate`` takes milliseconds), so the host also watches the free space of the file systems that
+hold the workspaces (:func:`free_bytes`): below the runtime's floor it ends the largest sandbox there before
+the disk fills.
 """
 from __future__ import annotations
 
@@ -43,9 +53,33 @@ DEFAULT_WORKSPACE_BYTES = 4 << 30
 #: empty files pass a quota as surely as a large file.
 MIN_ENTRY_BYTES = 4096
 CGROUP_PREFIX = "prorl-"
-#: A workspace that takes ``t`` seconds to measure is measured at most every ``MEASURE_COST_FACTOR * t``
-#: seconds (2% of a core per sandbox: a 6,000-file repository costs ~50 ms a walk).
-MEASURE_COST_FACTOR = 50
+#: Most entries one measurement of a sandbox's disk use reads (directory entries of its writable host
+#: directories plus its processes and their descriptors): 100,000 cost ~0.4 s of one core here (a
+#: 6,000-file repository ~25 ms). A sandbox that needs more cannot be measured and counts as over its quota.
+MAX_MEASURED_ENTRIES = 100_000
+#: Free space (bytes) below which the host ends the largest sandbox on a file system holding workspaces.
+DEFAULT_MIN_FREE_BYTES = 1 << 30
+
+
+class UnmeasurableError(Exception):
+    """A sandbox's disk use cannot be measured within bounds: more entries than its :class:`MeasureBudget`,
+    or a path longer than ``PATH_MAX`` (what lies below it would be invisible to the walk). The runtime
+    counts such a sandbox as over its quota: only what ran inside can make its workspace so."""
+
+
+class MeasureBudget:
+    """How many entries (directory entries, processes, descriptors) one measurement may still read;
+    :meth:`spend` raises :class:`UnmeasurableError` past ``max_entries``."""
+
+    def __init__(self, max_entries: int = MAX_MEASURED_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self.left = max_entries
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise UnmeasurableError(f"more than {self.max_entries} entries (files, processes and descriptors) "
+                                    "to read")
 
 
 @dataclass(frozen=True)
@@ -259,15 +293,25 @@ def memory_cgroups(parent: Optional[str] = None) -> Optional[MemoryCgroups]:
     return found
 
 
-def disk_usage(paths: Sequence[str], stop_above: Optional[int] = None) -> int:
-    """Bytes the trees at ``paths`` take on disk: allocated blocks of each entry, at least
-    :data:`MIN_ENTRY_BYTES` per entry, hard links counted once, symbolic links not followed, other file
-    systems not entered. Stops early once the total passes ``stop_above``. An unreadable directory owned by
-    this user is made readable (a sandbox may ``chmod 000`` to hide what it wrote); entries that vanish while
-    it walks are skipped."""
+def disk_usage(paths: Sequence[str], stop_above: Optional[int] = None, budget: Optional[MeasureBudget] = None) -> int:
+    """Bytes the trees at ``paths`` take on disk: allocated blocks of each entry (``st_blocks``: space reserved
+    with ``fallocate`` counts), at least :data:`MIN_ENTRY_BYTES` per entry, hard links counted once, symbolic
+    links not followed, other file systems not entered. Stops early once the total passes ``stop_above``. An
+    unreadable directory owned by this user is made readable (a sandbox may ``chmod 000`` to hide what it
+    wrote); entries that vanish while it walks are skipped.
+
+    Raises:
+        UnmeasurableError: more entries than ``budget`` allows, or a path longer than ``PATH_MAX`` (skipping
+            it would hide everything below it).
+    """
     total = 0
     seen: set[tuple[int, int]] = set()
     me = os.geteuid()
+
+    def too_long(e: OSError) -> None:
+        if e.errno == errno.ENAMETOOLONG:
+            raise UnmeasurableError(f"a path longer than PATH_MAX under {paths[0]!r}") from e
+
     for top in dict.fromkeys(paths):
         try:
             st = os.lstat(top)
@@ -287,15 +331,20 @@ def disk_usage(paths: Sequence[str], stop_above: Optional[int] = None) -> int:
                         it = os.scandir(d)
                     else:
                         continue
-                except OSError:
+                except OSError as e:
+                    too_long(e)
                     continue
-            except OSError:
+            except OSError as e:
+                too_long(e)
                 continue
             with it:
                 for e in it:
+                    if budget is not None:
+                        budget.spend()
                     try:
                         st = e.stat(follow_symlinks=False)
-                    except OSError:
+                    except OSError as err:
+                        too_long(err)
                         continue
                     if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                         key = (st.st_dev, st.st_ino)
@@ -310,11 +359,17 @@ def disk_usage(paths: Sequence[str], stop_above: Optional[int] = None) -> int:
     return total
 
 
-def open_deleted_bytes(root_pid: int, paths: Sequence[str]) -> int:
+def open_deleted_bytes(root_pid: int, paths: Sequence[str], budget: Optional[MeasureBudget] = None) -> int:
     """Bytes of files on the file systems of ``paths`` that processes of the tree under ``root_pid`` hold
-    open after unlinking them: a walk of the tree cannot see them, yet they take the disk until the last
-    descriptor closes (open, unlink, write: 6 GB passed a 4 GiB quota unseen). Each file counted once; a
-    process that ends or a descriptor that closes while this reads is skipped."""
+    open after unlinking them (no link left): a walk of the tree cannot see them, yet they take the disk
+    until the last descriptor closes (open, unlink, write: 6 GB passed a 4 GiB quota unseen). Each file counted
+    once; a process that ends or a descriptor that closes while this reads is skipped. One ``stat`` per
+    descriptor.
+
+    Raises:
+        UnmeasurableError: more processes plus descriptors than ``budget`` allows (400 processes sharing
+            1,000 descriptors made one unbounded reading cost 8-13 s).
+    """
     import psutil
 
     devices = set()
@@ -328,6 +383,8 @@ def open_deleted_bytes(root_pid: int, paths: Sequence[str]) -> int:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0
+    if budget is not None:
+        budget.spend(len(procs))
     total, seen = 0, set()
     for proc in procs:
         fd_dir = f"/proc/{proc.pid}/fd"
@@ -335,15 +392,22 @@ def open_deleted_bytes(root_pid: int, paths: Sequence[str]) -> int:
             fds = os.listdir(fd_dir)
         except OSError:
             continue
+        if budget is not None:
+            budget.spend(len(fds))
         for fd in fds:
             try:
-                if not os.readlink(os.path.join(fd_dir, fd)).endswith(" (deleted)"):
-                    continue
-                st = os.stat(os.path.join(fd_dir, fd))
+                st = os.stat(os.path.join(fd_dir, fd))  # the open file itself, whatever its name was
             except OSError:
                 continue
             key = (st.st_dev, st.st_ino)
-            if stat.S_ISREG(st.st_mode) and st.st_dev in devices and key not in seen:
+            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode) and st.st_dev in devices and key not in seen:
                 seen.add(key)
                 total += st.st_blocks * 512
     return total
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged user can still write on the file system holding ``path`` (``statvfs``
+    ``f_bavail * f_frsize``). Raises ``OSError``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -29,12 +29,23 @@ class SandboxDeadError(SandboxError):
     """The sandbox's processes are gone (killed from outside, crashed, or closed) while or before a call ran.
 
     ``reason``: why, when the host knows it: ``"memory"`` (the sandbox passed its memory limit),
-    ``"disk_quota"`` (its workspace passed its disk quota): both are the doing of what ran inside; ``None``:
+    ``"disk_quota"`` (its workspace passed its disk quota, or could not be measured within the host's budget):
+    both are the doing of what ran inside; ``"host_disk"``: see :class:`SandboxEvictedError`; ``None``:
     unknown (killed from outside, crashed, closed)."""
 
     def __init__(self, *args: object, reason: "str | None" = None) -> None:
         super().__init__(*args)
         self.reason = reason
+
+
+class SandboxEvictedError(SandboxDeadError):
+    """The host ended a sandbox for the node's sake, not for anything it did past its own bounds:
+    ``reason="host_disk"`` (the file system holding its workspace fell below the runtime's free-space floor,
+    ``min_free_bytes``, and it held the most there while within its quota). An infrastructure fault: the
+    job should be filtered, not scored. Raised by the host only; the execution server cannot send it (it is
+    not in :data:`ERRORS_BY_NAME`)."""
+
+    REASON = "host_disk"
 
 
 class SandboxClosedError(SandboxDeadError):
@@ -69,7 +80,8 @@ class FileTransferError(ToolError):
     """An upload or download failed inside the sandbox (missing file, permission, size limit)."""
 
 
-# Names the execution server may put in an error response, mapped back to classes by the host client.
+# Names the execution server may put in an error response, mapped back to classes by the host client. Never a
+# class that says the host is at fault (SandboxEvictedError): a sandbox could then have its failure filtered.
 ERRORS_BY_NAME: "MappingProxyType[str, type[SandboxError]]" = MappingProxyType({
     cls.__name__: cls
     for cls in (SandboxError, SandboxStartError, SandboxDeadError, SandboxClosedError, ProtocolError,

@@ -33,7 +33,8 @@ import psutil
 from . import bounds
 from .bounds import DEFAULT_MEMORY_BYTES, DEFAULT_TMPFS_BYTES, DEFAULT_WORKSPACE_BYTES
 from .client import SERVER_GRACE_S, ExecClient
-from .errors import FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxStartError
+from .errors import (FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxEvictedError,
+                     SandboxStartError)
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .remove import remove_tree
@@ -168,7 +169,9 @@ class SandboxHandle:
     disk bounds as a whole).
 
     A sandbox that passes its memory limit or its disk quota is killed by the host; every call then raises
-    :class:`SandboxDeadError` whose ``reason`` (``"memory"``, ``"disk_quota"``) and message say so.
+    :class:`SandboxDeadError` whose ``reason`` (``"memory"``, ``"disk_quota"``) and message say so. One that the
+    host ends for the node's sake (its disk below the free-space floor) raises :class:`SandboxEvictedError`
+    (``reason="host_disk"``, not the doing of what ran inside).
     """
 
     def __init__(self, runtime: "SandboxRuntime", *, sandbox_id: str, spec: SandboxSpec,
@@ -197,7 +200,8 @@ class SandboxHandle:
         #: (reason, message) once the host ended the sandbox for passing a bound.
         self._death: Optional[tuple[str, str]] = None
         self._ending: Optional[asyncio.Future] = None
-        self._next_measure = 0.0
+        #: Bytes its writable host directories took at the last measurement (what the free-space floor compares).
+        self._used = 0
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -223,7 +227,8 @@ class SandboxHandle:
             self._death = ("memory", self._memory_message())
         if self._death is not None:
             reason, message = self._death
-            return SandboxDeadError(f"sandbox {self.sandbox_id}: {message}", reason=reason)
+            cls = SandboxEvictedError if reason == SandboxEvictedError.REASON else SandboxDeadError
+            return cls(f"sandbox {self.sandbox_id}: {message}", reason=reason)
         return SandboxDeadError(f"sandbox {self.sandbox_id} died (exit status {self._proc.returncode})")
 
     def _memory_message(self) -> str:
@@ -364,7 +369,12 @@ class SandboxRuntime(abc.ABC):
     (8 GiB), ``workspace_bytes`` (4 GiB); ``None`` for one of the last three: not bounded. ``cgroup_parent``:
     a delegated cgroup directory (memory controller enabled for its children) to create sandbox cgroups in;
     default: found at start (:func:`sandbox.bounds.memory_cgroups`, which warns once when there is none).
-    ``watch_interval_s``: how often the host checks each sandbox's disk usage and memory (seconds).
+    ``watch_interval_s``: how often the host checks each sandbox's disk usage and memory (seconds; every
+    sandbox at least this often, whatever a measurement cost). ``measure_max_entries``: most entries one
+    measurement of a sandbox's disk use reads (:class:`sandbox.bounds.MeasureBudget`; a sandbox that needs more
+    counts as over its quota). ``min_free_bytes``: free-space floor of the file systems holding the sandboxes'
+    writable host directories (default 1 GiB, :data:`sandbox.bounds.DEFAULT_MIN_FREE_BYTES`; ``None``: not
+    watched): below it the largest sandbox there is ended.
     ``view_dir``: where the Python views' skeletons are built, once per set of distributions, and reused
     (default :func:`sandbox.python_view.default_view_dir`, a per-user cache; never visible in a sandbox).
     """
@@ -381,12 +391,15 @@ class SandboxRuntime(abc.ABC):
                  sandbox_memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
                  workspace_bytes: Optional[int] = DEFAULT_WORKSPACE_BYTES,
                  cgroup_parent: Optional[str] = None, watch_interval_s: float = 1.0,
-                 view_dir: Optional[str] = None) -> None:
+                 view_dir: Optional[str] = None, measure_max_entries: int = bounds.MAX_MEASURED_ENTRIES,
+                 min_free_bytes: Optional[int] = bounds.DEFAULT_MIN_FREE_BYTES) -> None:
         if self.isolated and python and os.path.realpath(python) != os.path.realpath(sys.executable):
             raise ValueError(f"python={python!r}: an isolated sandbox runs this server's own interpreter "
                              f"({sys.executable}) through its Python view; `python` applies to the local runtime")
         if watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be positive")
+        if measure_max_entries <= 0 or (min_free_bytes is not None and min_free_bytes < 0):
+            raise ValueError("measure_max_entries must be positive and min_free_bytes >= 0 or None")
         # Checked here so that a bad option fails at start, not at the first sandbox.
         bounds_defaults = Limits(tmpfs_bytes=tmpfs_bytes, sandbox_memory_bytes=sandbox_memory_bytes,
                                  workspace_bytes=workspace_bytes)
@@ -400,6 +413,10 @@ class SandboxRuntime(abc.ABC):
         self.view_dir = os.path.abspath(view_dir or default_view_dir())
         self._bounds_defaults = bounds_defaults
         self.watch_interval_s = watch_interval_s
+        self.measure_max_entries = measure_max_entries
+        self.min_free_bytes = min_free_bytes
+        if self.isolated and (workspace_bytes is not None or min_free_bytes is not None):
+            log.info("sandbox disk: %s", self.disk_enforcement)
         self._cgroup_parent = cgroup_parent
         if self.isolated and sandbox_memory_bytes is not None:
             bounds.memory_cgroups(cgroup_parent)  # found (or its absence logged) once, at start
@@ -556,21 +573,34 @@ class SandboxRuntime(abc.ABC):
         """Host directories a sandbox writes to: what its disk quota counts."""
         return [handle.workspace, handle._ctx.run_dir, *(b.host for b in handle.spec.binds if not b.ro)]
 
+    @property
+    def disk_enforcement(self) -> str:
+        """How a sandbox's disk use is bounded here, in words (logged at start)."""
+        floor = ("not watched" if self.min_free_bytes is None
+                 else f"below {self.min_free_bytes} bytes free the largest sandbox on that file system is ended")
+        return (f"workspace quota measured by the host (no file-system quota: a rootless server can mount none "
+                f"that graders on the host can read) every {self.watch_interval_s} s, at most "
+                f"{self.measure_max_entries} entries a measurement (a sandbox needing more counts as over its "
+                f"quota); free-space floor: {floor}")
+
     async def _watch(self) -> None:
         """While sandboxes with bounds run: every ``watch_interval_s``, end each one whose cgroup saw an OOM
-        kill or whose writable host directories pass its disk quota (measured in a thread; a tree that takes
-        ``t`` seconds to measure is measured at most every :data:`sandbox.bounds.MEASURE_COST_FACTOR` ``t``
-        seconds, 2% of a core)."""
+        kill or whose writable host directories pass its disk quota (measured in threads, all sandboxes at
+        once, each measurement bounded by ``measure_max_entries``: no sandbox can slow the watch of itself or
+        of another), then end the largest sandbox on a file system below the free-space floor."""
         while True:
             handles = [h for h in self._handles.values()
                        if h._closing is None and h._death is None and h._proc.returncode is None]
             if not handles:
                 return
-            for h in handles:
-                try:
-                    await self._check_bounds(h)
-                except Exception:  # noqa: BLE001 - a failed check must not end the watch of every sandbox
-                    log.exception("checking the bounds of sandbox %s failed", h.sandbox_id)
+            results = await asyncio.gather(*(self._check_bounds(h) for h in handles), return_exceptions=True)
+            for h, r in zip(handles, results):
+                if isinstance(r, Exception):  # a failed check must not end the watch of every sandbox
+                    log.error("checking the bounds of sandbox %s failed: %r", h.sandbox_id, r)
+            try:
+                await self._check_free_space()
+            except Exception:  # noqa: BLE001 - as above
+                log.exception("checking the free space of the sandboxes' file systems failed")
             await asyncio.sleep(self.watch_interval_s)
 
     async def _check_bounds(self, h: SandboxHandle) -> None:
@@ -580,23 +610,61 @@ class SandboxRuntime(abc.ABC):
             await h._end("memory", h._memory_message())
             return
         quota = h.bounds.workspace_bytes
-        now = time.monotonic()
-        if quota is None or now < h._next_measure:
+        if quota is None and self.min_free_bytes is None:
             return
         dirs = self._writable_host_dirs(h)
 
         def measure() -> int:
-            used = bounds.disk_usage(dirs, quota)
-            return used if used > quota else used + bounds.open_deleted_bytes(h.pid, dirs)
+            budget = bounds.MeasureBudget(self.measure_max_entries)
+            used = bounds.disk_usage(dirs, quota, budget)
+            return used if quota is not None and used > quota else used + bounds.open_deleted_bytes(h.pid, dirs,
+                                                                                                     budget)
 
-        used = await asyncio.to_thread(measure)
-        cost = time.monotonic() - now
-        h._next_measure = time.monotonic() + max(0.0, bounds.MEASURE_COST_FACTOR * cost - self.watch_interval_s)
-        if used > quota and h._closing is None:
+        try:
+            h._used = await asyncio.to_thread(measure)
+        except bounds.UnmeasurableError as e:
+            if quota is not None and h._closing is None:
+                await h._end("disk_quota", f"the sandbox's workspace could not be measured against its disk quota "
+                                           f"of {quota} bytes ({e}) and the sandbox was killed: it counts as over "
+                                           "its quota")
+            return
+        if quota is not None and h._used > quota and h._closing is None:
             await h._end("disk_quota", f"the sandbox's workspace passed its disk quota of {quota} bytes (at "
-                                       f"least {used} bytes in its workspace and other writable host "
+                                       f"least {h._used} bytes in its workspace and other writable host "
                                        "directories, files it unlinked but holds open included) and the "
                                        "sandbox was killed")
+
+    async def _check_free_space(self) -> None:
+        """End the largest sandbox (last measured) on each file system whose free space is below
+        ``min_free_bytes``, counting as free what sandboxes already ended still hold (their directories go
+        when they are closed). A sandbox within its quota is evicted (:class:`SandboxEvictedError`, the host's
+        doing); one holding less than 1/64 of the floor is never the cause and is left alone."""
+        floor = self.min_free_bytes
+        if floor is None:
+            return
+        by_fs: dict[int, list[SandboxHandle]] = {}
+        for h in list(self._handles.values()):
+            try:
+                by_fs.setdefault(os.stat(h.workspace).st_dev, []).append(h)
+            except OSError:
+                continue
+        for hs in by_fs.values():
+            live = [h for h in hs if h._closing is None and h._death is None and h._proc.returncode is None]
+            if not live:
+                continue
+            free = await asyncio.to_thread(bounds.free_bytes, live[0].workspace)
+            ending = sum(h._used for h in hs if h not in live)
+            if free + ending >= floor:
+                continue
+            victim = max(live, key=lambda h: h._used)
+            if victim._used < floor // 64:
+                log.warning("the file system of %s has %d bytes free, below the floor of %d, and no sandbox on it "
+                            "holds enough to be the cause", victim.workspace, free, floor)
+                continue
+            await victim._end(SandboxEvictedError.REASON,
+                              f"the host's file system holding the sandbox's workspace fell below its free-space "
+                              f"floor ({free} of {floor} bytes free) and this sandbox held the most on it "
+                              f"({victim._used} bytes, within its quota): the host ended it")
 
     async def reap_orphans(self) -> int:
         """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer

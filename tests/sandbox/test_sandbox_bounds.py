@@ -102,6 +102,111 @@ async def test_files_unlinked_but_held_open_count_against_the_disk_quota(runtime
     procs.assert_gone(pids)
 
 
+async def _seconds_until_dead(handle, command: str, timeout_s: float = 60.0) -> tuple[float, SandboxDeadError]:
+    """Run ``command`` (it must not end by itself) until the host kills the sandbox; returns the seconds the
+    call lasted and the error it raised."""
+    t0 = time.monotonic()
+    try:
+        r = await handle.bash(command, timeout_s=timeout_s)
+    except SandboxDeadError as e:
+        return time.monotonic() - t0, e
+    raise AssertionError(f"the command ended after {time.monotonic() - t0:.1f} s but the sandbox was not killed: "
+                         f"{r.output[-2000:]}")
+
+
+@pytest.mark.real
+async def test_fallocate_far_past_the_quota_is_killed_within_a_watch_interval_even_in_a_tree_slow_to_walk(
+        runtime_options, procs, short_tmp):
+    """posix_fallocate reserves 20x the quota in milliseconds. The tree holds 40,000 files, so one walk costs
+    ~0.15 s: a watcher that defers its next measurement by 50x the cost of the last saw it ~6 s later (red
+    team: 22x the quota). The interval does not depend on the sandbox: killed within about one interval."""
+    quota = 256 << 20
+    ws = os.path.join(short_tmp, "slow-ws")
+    os.mkdir(ws)
+    for i in range(40):
+        os.mkdir(os.path.join(ws, str(i)))
+        for j in range(1000):
+            open(os.path.join(ws, str(i), str(j)), "w").close()
+    rt = make_runtime("bubblewrap", watch_interval_s=1.0, **runtime_options)
+    h = await rt.start(SandboxSpec(workspace=ws, limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for p in procs.of(h)}
+    try:
+        await asyncio.sleep(0.8)  # the watcher has measured this sandbox once (it starts with the sandbox)
+        grab = ("python3 -c \"import os, time\nfor i in range(20):\n    fd = os.open(f'r{i}', os.O_CREAT | "
+                f"os.O_WRONLY)\n    os.posix_fallocate(fd, 0, {quota})\nprint('reserved', flush=True)\n"
+                "time.sleep(60)\"")
+        elapsed, err = await _seconds_until_dead(h, grab)
+        assert err.reason == "disk_quota", err
+        assert elapsed < 2.0, f"20x the quota stayed reserved for {elapsed:.2f} s"
+    finally:
+        await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
+async def test_hundreds_of_processes_holding_descriptors_cannot_keep_an_over_quota_workspace_alive(
+        runtime_options, procs):
+    """400 processes sharing 1,000 descriptors made one measurement of open-but-unlinked files cost 8-13 s
+    (and the next one was deferred by 50x that): 15x the quota stayed for 26 s. A measurement has a budget of
+    entries; a sandbox past it cannot be measured and counts as over its quota."""
+    quota = 64 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=1.0, **runtime_options)
+    h = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for p in procs.of(h)}
+    crowd = ("python3 -c \"import os, time\nfds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\n"
+             "for _ in range(400):\n    if os.fork() == 0:\n        time.sleep(120)\n        os._exit(0)\n"
+             "open('ready_at', 'w').write(repr(time.time()))\ntime.sleep(3)\n"
+             "open('wrote_at', 'w').write(repr(time.time()))\n"
+             "for i in range(4):\n    open(f'w{i}', 'wb').write(b'x' * (30 << 20))\ntime.sleep(120)\"")
+    try:
+        _, err = await _seconds_until_dead(h, crowd, timeout_s=120)
+        dead_at = time.time()
+        assert err.reason == "disk_quota", err
+        with open(os.path.join(h.workspace, "ready_at")) as f:
+            ready_at = float(f.read())
+        # Dead at most ~2 s after the quota was passed (here: before, for being too costly to measure).
+        assert dead_at - ready_at < 3 + 2, f"alive {dead_at - ready_at:.1f} s after the crowd was ready"
+    finally:
+        await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
+async def test_below_the_free_space_floor_the_largest_sandbox_is_evicted_as_an_infrastructure_fault(
+        runtime_options, procs, monkeypatch):
+    """The node's disk falls below the runtime's floor (a fake statvfs): the sandbox holding the most is
+    ended before the disk fills, with an error that says the host did it (within its quota, so not the
+    model's doing); the others live on, and one eviction is enough once the disk has room again."""
+    from sandbox import bounds
+    from sandbox.errors import SandboxEvictedError
+
+    quota, floor = 256 << 20, 64 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=0.2, min_free_bytes=floor, **runtime_options)
+    big = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    small = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for h in (big, small) for p in procs.of(h)}
+    try:
+        await big.bash("head -c 24M /dev/zero > data", timeout_s=30)
+        await small.bash("head -c 4M /dev/zero > data", timeout_s=30)
+        real_free = bounds.free_bytes
+        low = {"on": True}
+        monkeypatch.setattr(bounds, "free_bytes", lambda path: 0 if low["on"] else real_free(path))
+        err = await _until_dead(big, 10)
+        low["on"] = False
+        assert isinstance(err, SandboxEvictedError) and err.reason == "host_disk", err
+        assert "free-space floor" in str(err) and "within its quota" in str(err)
+        await asyncio.sleep(1.0)
+        r = await small.bash("echo alive", timeout_s=10)
+        assert r.output.strip() == "alive" and small.alive
+    finally:
+        for h in (big, small):
+            await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
 @pytest.mark.real
 async def test_memory_past_the_sandbox_limit_kills_it_or_the_runtime_says_it_cannot(runtime_options, procs,
                                                                                    caplog):
@@ -205,6 +310,49 @@ def test_disk_usage_counts_entries_hard_links_once_and_stops_early(tmp_path):
     (tmp_path / "d").chmod(0)  # hidden from a walk by its owner: made readable again, still counted
     assert disk_usage([str(tmp_path)]) == used
     assert disk_usage([str(tmp_path)], stop_above=MIN_ENTRY_BYTES) < used
+
+
+def test_a_tree_past_its_entry_budget_or_with_paths_past_path_max_cannot_be_measured(tmp_path):
+    """A walk reads at most its budget of entries, and a path the kernel refuses to resolve (longer than
+    PATH_MAX: a directory chain made with chdir) is not skipped, which would hide what lies below it: both make
+    the tree unmeasurable (the runtime then counts the sandbox as over its quota)."""
+    from sandbox.bounds import MeasureBudget, UnmeasurableError, disk_usage
+
+    for i in range(50):
+        (tmp_path / f"f{i}").touch()
+    assert disk_usage([str(tmp_path)], budget=MeasureBudget(100)) > 0
+    with pytest.raises(UnmeasurableError, match="more than 20 entries"):
+        disk_usage([str(tmp_path)], budget=MeasureBudget(20))
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    try:
+        for _ in range(40):  # 40 x 200 characters: past PATH_MAX (4096) from the top
+            os.mkdir("d" * 200, dir_fd=fd)
+            nfd = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        hidden = os.open("hidden", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd)
+        os.posix_fallocate(hidden, 0, 8 << 20)
+        os.close(hidden)
+    finally:
+        os.close(fd)
+    with pytest.raises(UnmeasurableError, match="PATH_MAX"):
+        disk_usage([str(deep)])
+
+
+def test_descriptors_of_a_process_tree_are_read_within_a_budget(tmp_path):
+    """Open, unlink, allocate: counted through the holder's descriptors; more descriptors than the budget make
+    the tree unmeasurable instead of a measurement that takes seconds."""
+    from sandbox.bounds import MeasureBudget, UnmeasurableError, open_deleted_bytes
+
+    with open(tmp_path / "gone", "wb") as f:
+        os.unlink(tmp_path / "gone")
+        os.posix_fallocate(f.fileno(), 0, 4 << 20)
+        assert open_deleted_bytes(os.getpid(), [str(tmp_path)], budget=MeasureBudget(100_000)) >= 4 << 20
+        n_fds = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(UnmeasurableError, match="entries"):
+            open_deleted_bytes(os.getpid(), [str(tmp_path)], budget=MeasureBudget(n_fds // 2))
 
 
 def test_bounds_resolve_from_spec_then_runtime_and_rlimit_follows_the_quota(runtime_options):
