@@ -1,6 +1,9 @@
 """``prorl-server`` / ``python -m prorl_server``: run the rollout server.
 
 Settings come from defaults, then ``--config FILE`` (YAML or TOML), then ``PRORL_TOKEN``, then flags.
+The bearer token never travels in argv (every local user can read a command line: ``ps``,
+``/proc/PID/cmdline``): it comes from ``--token-file PATH`` (mode 600) or ``PRORL_TOKEN``; ``--token VALUE`` is
+refused with a usage error.
 SIGTERM and SIGINT stop it cleanly: in-flight jobs are cancelled at once (a blocking ``/process`` answers its
 client the cancelled result), every sandbox it started is closed, then the process exits.
 
@@ -33,6 +36,7 @@ from pydantic import ValidationError
 
 from prorl_server.app import FLEET, PIPELINE, POOL, create_app, write_ready_file
 from prorl_server.config import ServerSettings, build_settings
+from prorl_server.membership import TOKEN_IN_ARGV
 
 log = logging.getLogger("prorl_server")
 
@@ -52,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-workers", type=int, help="run stage pool size (default 32)")
     p.add_argument("--eval-workers", type=int, help="eval stage pool size (default 32)")
     p.add_argument("--default-timeout-s", type=float, help="job timeout when a job sets none (default 3600)")
-    p.add_argument("--token", help="bearer token required by every endpoint but /health (or PRORL_TOKEN)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the bearer token required by every endpoint but /health (a regular file "
+                   "of mode 600), or set PRORL_TOKEN; never a token on the command line")
+    # kept only to refuse it by name (else argparse would take "--token" as an abbreviation of --token-file)
+    p.add_argument("--token", help=argparse.SUPPRESS)
     p.add_argument("--backend", action="append", dest="backends", metavar="URL",
                    help="LLM backend to register at start (repeatable)")
     p.add_argument("--tokenizer", help="tokenizer directory or name (default: the backend's model path from "
@@ -101,7 +109,9 @@ def settings_from_args(argv: Optional[Sequence[str]] = None) -> ServerSettings:
     """Parse flags into settings. Exits with status 2 and a clear message on a bad setting."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    if args.token is not None:
+        parser.error(TOKEN_IN_ARGV)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "token")}
     try:
         settings = build_settings(args.config, overrides)
         if settings.journal is None:  # the server journals by default (an app built in code does not)
@@ -182,7 +192,7 @@ async def _join_fleet(app: web.Application, settings: ServerSettings, port: int,
 
     membership = Membership(settings.fleet_dir, url=f"http://{url_host}:{port}", host=host, port=port,
                             ttl_s=settings.fleet_ttl_s, capacity=settings.run_workers, status=status,
-                            on_end=stop.set)
+                            on_end=stop.set, token=settings.token)
     app[FLEET].membership = membership
     await membership.start()
     return membership

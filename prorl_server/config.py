@@ -1,5 +1,8 @@
 """Server settings: defaults < config file (YAML or TOML) < environment (``PRORL_TOKEN``) < command-line flags.
 
+``token_file`` (``--token-file``) is read where its layer is: a config file's ``token_file`` gives way to
+``PRORL_TOKEN``, and ``--token-file`` overrides both. A token never comes from argv.
+
 The ``handlers`` section holds each handler's own settings (``handlers: {code: {max_turns: 12}}``), validated
 against that handler's ``settings_model`` (:meth:`prorl_server.plugin.HandlerRegistry.configure`).
 """
@@ -13,6 +16,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from prorl_server.membership import read_token_file
 from prorl_server.plugin.registry import default_registry
 from prorl_server.llm.turn import AUTO, check_parser_name
 
@@ -29,7 +33,10 @@ class ServerSettings(BaseModel):
     eval_workers: int = Field(default=32, ge=1)
     default_timeout_s: Optional[float] = Field(default=3600.0, gt=0,
                                                description="counted-time limit of a job that sets none")
-    token: Optional[str] = Field(default=None, description="bearer token for every endpoint but /health")
+    token: Optional[str] = Field(default=None, description="bearer token for every endpoint but /health (and "
+                                 "the key that signs this server's fleet record)")
+    token_file: Optional[str] = Field(default=None, description="file holding the token (a regular file of mode "
+                                      "600), read at start into token; how prorl-server --token-file sets it")
     backends: list[str] = Field(default_factory=list, description="LLM backend URLs registered at start")
     backend_wait_s: float = Field(default=60.0, ge=0,
                                   description="how long a job waits for a backend before its stage fails")
@@ -183,18 +190,31 @@ def build_settings(file: Optional[str] = None, overrides: Optional[dict[str, Any
         pydantic.ValidationError: a setting has the wrong type or range, or is unknown.
         prorl_server.plugin.HandlerSettingsError: a ``handlers`` section names an unknown handler or setting,
             or has a bad value.
+        ValueError / OSError: a ``token_file`` others may read, not a regular file, or unreadable
+            (:func:`prorl_server.membership.read_token_file`).
     """
-    data: dict[str, Any] = load_config_file(file) if file else {}
+    data: dict[str, Any] = _read_token_file(load_config_file(file) if file else {})
     if os.environ.get("PRORL_TOKEN"):
         data["token"] = os.environ["PRORL_TOKEN"]
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            data[k] = v
+    data.update(_read_token_file({k: v for k, v in (overrides or {}).items() if v is not None}))
     settings = ServerSettings.model_validate(data)
     if settings.handlers:
         default_registry.load_entry_points()
         default_registry.configure(settings.handlers)
     return settings
+
+
+def _read_token_file(layer: dict[str, Any]) -> dict[str, Any]:
+    """A settings layer with its ``token_file`` read into ``token`` (so a later layer's token_file wins over an
+    earlier token, as any later setting does).
+
+    Raises:
+        ValueError: the file is not a regular file of mode 600 (others could read the secret), or is empty.
+        OSError: it cannot be read.
+    """
+    if layer.get("token_file"):
+        layer = {**layer, "token": read_token_file(layer["token_file"])}
+    return layer
 
 
 def journal_path(settings: ServerSettings) -> Optional[str]:

@@ -18,11 +18,24 @@ when the server exits cleanly. A member killed with SIGKILL leaves its record be
 stop moving and drop it after ``ttl_s`` (see :mod:`trainer_plugins.fleet` for how readers judge a lease
 without trusting the writer's clock), and the next member started on that node removes it (its pid is gone).
 
+Proof of membership (issue #33): the directory is shared node state another local user may be able to write
+(project directories are often group-writable), and a reader sends the fleet's bearer token with every job, so a
+record is trusted only when it proves its writer. With a fleet token (the server's ``token`` setting, which the
+launcher also writes to ``DIR/token``) every record carries ``sig``: HMAC-SHA256, keyed with the token, over the
+record's canonical bytes (:func:`canonical_record_bytes`); a reader holding the token checks it with
+``hmac.compare_digest`` (:func:`verify_record`), so a record nobody holding the token wrote, or one whose address a
+forger rewrote, is refused. Without a token a reader trusts only records it could have written itself: files of
+its own uid in a ``members/`` directory that it owns and that no other user can write (see
+:mod:`trainer_plugins.fleet`). ``members/`` is created ``0755`` (not group-writable whatever the umask); a fleet
+of servers running under several uids needs a token.
+
 All file I/O runs in a thread (``asyncio.to_thread``), never on the event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -73,6 +86,61 @@ class MemberRecord(BaseModel):
     started_at: float = 0.0
     renewed_at: float = 0.0
     expires_at: float = 0.0
+    sig: Optional[str] = Field(default=None, description="HMAC-SHA256 (hex) of the record with the fleet token "
+                               "(see canonical_record_bytes); None when the writer has no token")
+
+
+#: Domain separation: a record's signature cannot be replayed as any other HMAC made with the fleet token.
+SIGNATURE_CONTEXT = b"prorl-fleet-record-v1\n"
+
+
+class UnverifiedRecordError(ValueError):
+    """A record that does not prove its writer holds the fleet token (no ``sig``, or a wrong one)."""
+
+
+def canonical_record_bytes(fields: dict) -> bytes:
+    """The bytes a record's signature covers: every field but ``sig``, as JSON with sorted keys, no spaces,
+    ASCII only. ``fields`` is the record as parsed from its file (``json.loads``), so a field this version
+    does not know is covered too."""
+    body = {k: v for k, v in fields.items() if k != "sig"}
+    return SIGNATURE_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                                          allow_nan=True).encode()
+
+
+def sign_fields(fields: dict, token: str) -> str:
+    """HMAC-SHA256 of :func:`canonical_record_bytes` keyed with ``token`` (UTF-8), as 64 hex characters."""
+    return hmac.new(token.encode(), canonical_record_bytes(fields), hashlib.sha256).hexdigest()
+
+
+def record_bytes(record: MemberRecord, token: Optional[str] = None) -> bytes:
+    """The file content of ``record``: JSON, signed with ``token`` when one is given (``sig`` set)."""
+    fields = record.model_dump(mode="json", exclude={"sig"})
+    if token:
+        fields["sig"] = sign_fields(fields, token)
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def verify_record(data: bytes, token: Optional[str]) -> MemberRecord:
+    """Parse a record file's bytes (at most :data:`MAX_RECORD_BYTES`, read by :func:`read_small_file`) and, when
+    ``token`` is given, check its signature in constant time.
+
+    Raises:
+        UnverifiedRecordError: ``token`` is given and the record carries no ``sig`` or a wrong one.
+        ValueError: not JSON, nested too deep, or not a record (pydantic.ValidationError is a ValueError).
+    """
+    try:
+        fields = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")
+    if token:
+        sig = fields.get("sig")
+        if not isinstance(sig, str):
+            raise UnverifiedRecordError("unsigned record (the fleet has a token)")
+        if not hmac.compare_digest(sig.encode("ascii", "replace"), sign_fields(fields, token).encode()):
+            raise UnverifiedRecordError("signature does not match the fleet token")
+    return MemberRecord.model_validate(fields)
 
 
 def node_name() -> str:
@@ -84,15 +152,17 @@ def members_dir(fleet_dir: str | os.PathLike) -> Path:
     return Path(fleet_dir) / MEMBERS
 
 
-def write_record(fleet_dir: str | os.PathLike, record: MemberRecord) -> Path:
-    """Write ``record`` atomically to ``DIR/members/<member_id>.json`` (creating ``members/``). Blocking."""
+def write_record(fleet_dir: str | os.PathLike, record: MemberRecord, token: Optional[str] = None) -> Path:
+    """Write ``record`` atomically to ``DIR/members/<member_id>.json`` (creating ``members/`` with mode 0755),
+    signed with ``token`` when one is given (:func:`record_bytes`). Blocking."""
     d = members_dir(fleet_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o755, exist_ok=True)  # never group-writable by umask: a reader without a token checks that
     path = d / f"{record.member_id}.json"
     fd, tmp = tempfile.mkstemp(prefix=f".{record.member_id}.", suffix=".tmp", dir=d)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(record.model_dump_json())
+        with os.fdopen(fd, "wb") as f:
+            f.write(record_bytes(record, token))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -126,26 +196,81 @@ def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended") -
 MAX_RECORD_BYTES = 1 << 20
 
 
-def read_small_file(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES) -> bytes:
+def read_small_file(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES, *, dir_fd: Optional[int] = None,
+                    owner: Optional[int] = None) -> bytes:
     """The bytes of ``path``, a regular file of at most ``limit`` bytes, read without ever blocking on it.
 
     Anyone who can write the shared directory can put anything there: a FIFO (whose open blocks until a writer
     comes: a reader thread, or the server at start, hung for good), a symlink to ``/dev/zero`` (endless), a
     40 MB file. Records are written by rename, never as links, so a symlink is refused too.
 
+    Args:
+        dir_fd: open ``path`` relative to this directory descriptor (the directory whose owner was checked).
+        owner: the uid the file must belong to (checked on the open file, so a swap after a check cannot fool it).
+
     Raises:
-        OSError: it cannot be opened (a symlink: ``ELOOP``). ValueError: not a regular file, or over ``limit``.
+        OSError: it cannot be opened (a symlink: ``ELOOP``). UnverifiedRecordError: not ``owner``'s.
+        ValueError: not a regular file, or over ``limit``.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise UnverifiedRecordError(f"written by uid {st.st_uid}, not by this user (uid {owner}), and the "
+                                        "fleet has no token to prove it")
         data = os.read(fd, limit + 1)
         if len(data) > limit:
             raise ValueError(f"over {limit} bytes")
         return data
     finally:
         os.close(fd)
+
+
+#: The usage error for a token given in argv (prorl-server, prorl-run): a command line is no place for a secret.
+TOKEN_IN_ARGV = ("--token VALUE is refused: a command line is readable by every local user (ps, "
+                 "/proc/PID/cmdline). Give the token with --token-file PATH (a file of mode 600) or the "
+                 "PRORL_TOKEN environment variable")
+
+
+def read_token_file(path: str | os.PathLike, *, require_owner: bool = False) -> str:
+    """The secret in ``path`` (``prorl-server --token-file``, ``prorl-run --token-file``, a fleet's ``DIR/token``),
+    stripped of surrounding white space, read without blocking (a FIFO or a device is refused, not waited on).
+
+    A secret another user can read is no secret: the file must be a regular file with no permission bits for
+    group or other (``chmod 600``). ``require_owner``: it must also belong to this process's effective uid and
+    not be a symlink (a file in a shared directory: another user could have put it there, and root reads any
+    file, whoever owns it).
+
+    Raises:
+        ValueError: not a regular file, readable or writable by group/other, not ours (``require_owner``),
+            over 64 KiB, not UTF-8, or empty. OSError: it cannot be opened (missing; a symlink with
+            ``require_owner``: ``ELOOP``).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if require_owner else 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users may read it "
+                             f"(chmod 600 {path})")
+        if require_owner and st.st_uid != os.geteuid():
+            raise ValueError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+        data = os.read(fd, (64 << 10) + 1)
+    finally:
+        os.close(fd)
+    if len(data) > 64 << 10:
+        raise ValueError(f"{path} is over 64 KiB: not a token")
+    try:
+        token = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
 
 
 def clear_end(fleet_dir: str | os.PathLike) -> bool:
@@ -186,11 +311,13 @@ class Membership:
         ttl_s: lease length, seconds (renewed every ``ttl_s / 3``). capacity: jobs it runs at once.
         status: ``() -> (backends in rotation, weight_version, jobs in flight)``, read at every renewal.
         on_end: called once when an end sentinel appears that was not there when this member started.
+        token: the fleet's bearer token (the server's own): every record is signed with it, so readers holding
+            it can tell this record from a forged one. None: unsigned (readers then trust only their own uid).
     """
 
     def __init__(self, fleet_dir: str | os.PathLike, *, url: str, host: str, port: int, ttl_s: float = DEFAULT_TTL_S,
                  capacity: int = 1, status: Optional[Callable[[], tuple[int, Optional[int], int]]] = None,
-                 on_end: Optional[Callable[[], None]] = None) -> None:
+                 on_end: Optional[Callable[[], None]] = None, token: Optional[str] = None) -> None:
         if ttl_s <= 0:
             raise ValueError(f"fleet lease ttl must be > 0 seconds, got {ttl_s}")
         self.fleet_dir = Path(fleet_dir)
@@ -201,6 +328,7 @@ class Membership:
             step_id=os.environ.get("SLURM_STEP_ID"), capacity=capacity,
             ttl_s=ttl_s, started_at=time.time())
         self.ttl_s = ttl_s
+        self._token = token
         self._status = status
         self._on_end = on_end
         self._end_at_start: Optional[tuple[int, int]] = None
@@ -248,7 +376,7 @@ class Membership:
             update.update(backends=backends, weight_version=version, in_flight=in_flight)
         self.record = self.record.model_copy(update=update)
         if not self._closed:
-            await asyncio.to_thread(write_record, self.fleet_dir, self.record)
+            await asyncio.to_thread(write_record, self.fleet_dir, self.record, self._token)
 
     def _watched(self) -> tuple[int, Optional[int]]:
         if self._status is None:

@@ -50,7 +50,8 @@
 #   PRORL_PORT             server port                                            default: 0 (a free port)
 #   PRORL_PROCESSES        server processes per node (--processes): each its own member on its own port
 #                          (one event loop uses one core); 0 = one per CPU core           default: 1
-#   PRORL_TOKEN            bearer token                                           default: 32 random bytes, hex
+#   PRORL_TOKEN            bearer token (passed to every server in the environment, never in argv)
+#                                                                                 default: 32 random bytes, hex
 #   PRORL_STARTUP_TIMEOUT  seconds to wait for every server (and vLLM) to be ready     default: 600
 #   PRORL_STOP_GRACE       seconds servers get to exit after SIGTERM before SIGKILL    default: 25
 #                          (keep it below the cluster's KillWait, 30 s by default)
@@ -331,7 +332,15 @@ if [ -n "$FLEET_DIR" ]; then
             && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$tok_tmp" \
             && { ln "$tok_tmp" "$FLEET_DIR/token" 2>/dev/null || true; }
         rm -f "$tok_tmp"
-        PRORL_TOKEN=$(cat "$FLEET_DIR/token" 2>/dev/null) || { log "cannot read $FLEET_DIR/token"; exit 1; }
+        # read back with the reader's checks (a regular file of this user, mode 600, no link, no FIFO): a co-tenant
+        # who can write the directory may have put a token of their own there first, to sign records with it
+        PRORL_TOKEN=$("$PY" -c 'import sys
+from prorl_server.membership import read_token_file
+try:
+    print(read_token_file(sys.argv[1], require_owner=True))
+except (OSError, ValueError) as e:
+    sys.exit(f"the fleet token {sys.argv[1]} cannot be used: {e}")' "$FLEET_DIR/token") \
+            || { log "cannot use $FLEET_DIR/token (remove it if it is not yours)"; exit 1; }
     fi
     END_AT_START=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
 fi

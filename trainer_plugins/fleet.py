@@ -26,6 +26,10 @@ a request gets no answer (refused, reset)         out at once (:meth:`Fleet.mark
                                                   lease but answers nothing stays out
 a record that is not JSON / not a record          skipped (logged once); a member known under that file
 (half-written by a foreign tool, corrupt)         keeps its last good record, whose lease then runs out
+a record that does not prove its writer (see      skipped, one log line each: never routed to, never sent
+"Proof of membership" below): unsigned, a wrong   the token, never probed; a member known under that file
+signature, written by another uid, or its         keeps its last proven record, whose lease then runs out
+``members/`` is writable by other users
 a record of this node whose pid is gone           out at once (it died; its lease need not run out)
 Slurm says its job or step ended (SIGKILLed      out at the next Slurm probe (every 2 s; its lease need
 server, scancel, node lost: job failed)           not run out; :mod:`trainer_plugins.slurm_probe`); Slurm
@@ -42,12 +46,27 @@ writer's wall-clock ``expires_at`` is never compared with this host's clock, so 
 minutes judge each other correctly. The one use of wall time is a record seen for the first time: if its
 ``renewed_at`` is more than ``ttl_s + max_clock_skew_s`` (default 30 s) behind this host's clock it is
 treated as stale until its ``seq`` moves (a record left by a server killed long ago is not routed to).
+
+Proof of membership (issue #33). Every job carries the fleet's bearer token to the member it goes to, and the
+directory may be writable by other local users, so a record is used only when it proves its writer:
+
+- with a fleet token (the ``token`` argument, else ``DIR/token`` when it is a regular file of this user with mode
+  0600, else ``$PRORL_TOKEN``): its ``sig`` must be the HMAC-SHA256 of the record with that token
+  (:func:`prorl_server.membership.verify_record`); whoever wrote the file, a valid signature proves a server that
+  holds the token wrote the content, its ``url`` included;
+- with no token: only files of this process's uid, opened without following links (``O_NOFOLLOW``, non-blocking,
+  owner read with ``fstat`` on the open file), in a ``members/`` directory that this uid owns and that no group
+  or other user can write; anything else in it, or the whole directory when it fails that check, is skipped.
+
+A ``DIR/token`` that is not this user's, or that others can read, is not used (logged). When the token changes
+(``DIR/token`` appears), every record is checked again.
 """
 from __future__ import annotations
 
 import asyncio
 import collections.abc
 import concurrent.futures
+import errno
 import logging
 import os
 import threading
@@ -60,8 +79,8 @@ from typing import Optional, Union
 
 import psutil
 
-from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, node_name, read_small_file,
-                                     write_end)
+from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, UnverifiedRecordError,
+                                     node_name, read_small_file, read_token_file, verify_record, write_end)
 from trainer_plugins.slurm_probe import SlurmProbe
 
 log = logging.getLogger(__name__)
@@ -96,13 +115,21 @@ class Fleet(collections.abc.Sequence):
         start: start the reading thread now (tests read by hand with :meth:`refresh`).
         slurm: a :class:`~trainer_plugins.slurm_probe.SlurmProbe` asked which members' jobs/steps ended
             (``"auto"``: one when the Slurm commands are installed; None: the leases alone decide).
+        token: the fleet's bearer token: records must be signed with it, and :attr:`headers` carries it
+            (default: ``DIR/token`` if it is this user's and private, else ``$PRORL_TOKEN``, else none: records
+            are then trusted by owner; see the module docstring).
     """
 
     def __init__(self, fleet_dir: str | os.PathLike, *, poll_s: float = 0.25, max_clock_skew_s: float = 30.0,
                  probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0, liveness_interval_s: float = 5.0,
                  liveness_timeout_s: float = 5.0, liveness_failures: int = 3, local_node: Optional[str] = None,
-                 start: bool = True, slurm: Union[SlurmProbe, None, str] = "auto") -> None:
+                 start: bool = True, slurm: Union[SlurmProbe, None, str] = "auto",
+                 token: Optional[str] = None) -> None:
         self.fleet_dir = Path(fleet_dir)
+        self._explicit_token = token or None
+        self._key: object = _UNSET  # the token records were last verified with
+        self._token_complaint: Optional[str] = None  # the last reason DIR/token was not used (logged once)
+        self._dir_complaint: Optional[str] = None  # the last reason members/ was not trusted (logged once)
         self.poll_s = poll_s
         self.max_clock_skew_s = max_clock_skew_s
         self.probe_interval_s = probe_interval_s
@@ -171,12 +198,28 @@ class Fleet(collections.abc.Sequence):
 
     @property
     def headers(self) -> dict[str, str]:
-        """``{"Authorization": "Bearer <token>"}`` from ``DIR/token`` (written by the launcher), or ``{}``."""
-        try:
-            token = read_small_file(self.fleet_dir / TOKEN_FILE).decode().strip()
-        except (OSError, ValueError):  # none, or not a small regular file of text
-            return {}
+        """``{"Authorization": "Bearer <token>"}`` with the fleet token records are verified with (the
+        ``token`` given, ``DIR/token`` written by the launcher, or ``$PRORL_TOKEN``), or ``{}``."""
+        token = self.token()
         return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def token(self) -> Optional[str]:
+        """The fleet token (see :attr:`headers`), read now. Blocking (a small file)."""
+        if self._explicit_token:
+            return self._explicit_token
+        path = self.fleet_dir / TOKEN_FILE
+        try:
+            token = read_token_file(path, require_owner=True)
+            self._token_complaint = None
+            return token
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:  # another user's, readable by others, a FIFO, a link: not our secret
+            why = str(e)
+            if why != self._token_complaint:
+                self._token_complaint = why
+                log.warning("fleet: not using %s as the fleet token: %s", path, why)
+        return os.environ.get("PRORL_TOKEN") or None
 
     # ------------------------------------------------------------------ what requests tell us
     def mark_failed(self, url: str, why: str = "") -> None:
@@ -227,7 +270,9 @@ class Fleet(collections.abc.Sequence):
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        _FLEETS.pop(str(self.fleet_dir.resolve()), None)
+        with _FLEETS_LOCK:
+            for k in [k for k, f in _FLEETS.items() if f is self]:
+                del _FLEETS[k]
 
     # ------------------------------------------------------------------ reading
     def _loop(self) -> None:
@@ -273,45 +318,50 @@ class Fleet(collections.abc.Sequence):
         """Re-read the directory (blocking; the thread calls it every ``poll_s``). Returns True when the
         routable set changed."""
         now = time.monotonic()
+        key = self.token()
+        if key != self._key:
+            with self._lock:  # a new token: what was proven with the old one (or by owner) is proven again
+                if self._members or self._bad_files:
+                    log.info("fleet %s: the fleet token changed: every record is verified again", self.fleet_dir)
+                self._members.clear()
+                self._bad_files.clear()
+                self._dir_mtime = None
+                self._key = key
         members = self.fleet_dir / MEMBERS
         try:
-            st = os.stat(members)
-            listing = None
-            if st.st_mtime_ns != self._dir_mtime or now - self._last_list >= 1.0:
-                listing = [e for e in os.scandir(members) if e.name.endswith(".json") and not e.name.startswith(".")]
-                stats = {e.name: e.stat() for e in listing}
+            # one descriptor for the checks and every open below: renaming members/ away cannot swap it
+            dfd = os.open(members, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             if self._blind_since is None and not self._members:  # not created yet: an empty fleet, not an outage
                 self.ended = os.path.exists(self.fleet_dir / END_SENTINEL)
                 return False
             return self._blind(now, "members/ is missing")
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a link or a file put in its place: nothing there is ours
+                return self._distrust(now, "members/ is a symlink or not a directory")
             return self._blind(now, repr(e))
-        self.ended = os.path.exists(self.fleet_dir / END_SENTINEL)
-        if listing is None:  # nothing was added, replaced or removed
-            with self._lock:
-                self._end_blindness(now)
-                return self._recompute(now)
-        self._dir_mtime, self._last_list = st.st_mtime_ns, now
-        parsed: dict[str, tuple[MemberRecord, tuple[int, int, int]]] = {}
-        for name, s in stats.items():
-            file_id = (s.st_ino, s.st_mtime_ns, s.st_size)
-            known = self._members.get(name)
-            if known is not None and known.file_id == file_id:
-                continue
-            if self._bad_files.get(name) == file_id:
-                continue
-            try:
-                rec = MemberRecord.model_validate_json(read_small_file(members / name))
-            except FileNotFoundError:  # replaced or removed since the listing: the next poll sees it
-                continue
-            except (OSError, ValueError) as e:
-                self._bad_files[name] = file_id
-                log.warning("fleet: skipping %s: not a member record (%s)", members / name,
-                            str(e).splitlines()[0][:200])
-                continue
-            self._bad_files.pop(name, None)
-            parsed[name] = (rec, file_id)
+        try:
+            st = os.fstat(dfd)
+            if key is None:
+                problem = _not_private(st)
+                if problem:
+                    return self._distrust(now, f"{members} {problem}, and no fleet token is configured")
+            self._dir_complaint = None
+            listing = None
+            if st.st_mtime_ns != self._dir_mtime or now - self._last_list >= 1.0:
+                listing = [e for e in os.scandir(dfd) if e.name.endswith(".json") and not e.name.startswith(".")]
+                stats = {e.name: e.stat(follow_symlinks=False) for e in listing}
+            self.ended = os.path.exists(self.fleet_dir / END_SENTINEL)
+            if listing is None:  # nothing was added, replaced or removed
+                with self._lock:
+                    self._end_blindness(now)
+                    return self._recompute(now)
+            self._dir_mtime, self._last_list = st.st_mtime_ns, now
+            parsed = self._parse(members, dfd, stats, key)
+        except OSError as e:
+            return self._blind(now, repr(e))
+        finally:
+            os.close(dfd)
         wall = time.time()
         with self._lock:
             self._end_blindness(now)
@@ -334,6 +384,52 @@ class Fleet(collections.abc.Sequence):
             for mid in [mid for mid in self._suspect if mid not in live_ids]:
                 del self._suspect[mid]
             self._draining &= live_ids
+            return self._recompute(now)
+
+    def _parse(self, members: Path, dfd: int, stats: dict[str, os.stat_result],
+               key: Optional[str]) -> dict[str, tuple[MemberRecord, tuple[int, int, int]]]:
+        """Read and verify the records that changed since the last read (``key``: the fleet token, or None to
+        trust by owner). Unproven and corrupt files are skipped with one log line per file version."""
+        parsed: dict[str, tuple[MemberRecord, tuple[int, int, int]]] = {}
+        owner = None if key else os.geteuid()
+        for name, s in stats.items():
+            file_id = (s.st_ino, s.st_mtime_ns, s.st_size)
+            known = self._members.get(name)
+            if known is not None and known.file_id == file_id:
+                continue
+            if self._bad_files.get(name) == file_id:
+                continue
+            try:
+                rec = verify_record(read_small_file(name, dir_fd=dfd, owner=owner), key)
+                if f"{rec.member_id}.json" != name:
+                    raise UnverifiedRecordError(f"it names member {rec.member_id[:80]!r}, not its file")
+            except FileNotFoundError:  # replaced or removed since the listing: the next poll sees it
+                continue
+            except UnverifiedRecordError as e:
+                self._bad_files[name] = file_id
+                log.warning("fleet: skipping %s: not a proven member (%s): no job and no token go to it",
+                            members / name, e)
+                continue
+            except (OSError, ValueError) as e:
+                self._bad_files[name] = file_id
+                log.warning("fleet: skipping %s: not a member record (%s)", members / name,
+                            str(e).splitlines()[0][:200])
+                continue
+            self._bad_files.pop(name, None)
+            parsed[name] = (rec, file_id)
+        return parsed
+
+    def _distrust(self, now: float, why: str) -> bool:
+        """No record of the directory can be trusted: every member is dropped (logged once per reason)."""
+        if why != self._dir_complaint:
+            self._dir_complaint = why
+            log.warning("fleet: trusting no record in %s: %s (give the fleet a token: DIR/token, mode 600, or "
+                        "PRORL_TOKEN; or keep members/ yours and writable by you alone)", self.fleet_dir, why)
+        self._dir_mtime = None
+        self.ended = os.path.exists(self.fleet_dir / END_SENTINEL)
+        with self._lock:
+            self._end_blindness(now)
+            self._members.clear()
             return self._recompute(now)
 
     def _blind(self, now: float, why: str) -> bool:
@@ -424,6 +520,19 @@ class Fleet(collections.abc.Sequence):
             self._recompute(time.monotonic())
 
 
+_UNSET = object()
+
+
+def _not_private(st: os.stat_result) -> Optional[str]:
+    """Why a directory with status ``st`` could hold records this uid did not write, or None: it must be this
+    process's own and writable by no group or other user."""
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"has mode {st.st_mode & 0o777:04o}: other users can write it"
+    return None
+
+
 def _healthy(url: str, timeout_s: float) -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as r:
@@ -438,8 +547,8 @@ _FLEETS_LOCK = threading.Lock()
 
 def open_fleet(fleet_dir: str | os.PathLike, **kwargs) -> Fleet:
     """The process's one :class:`Fleet` of ``fleet_dir`` (one reading thread however many clients follow it:
-    verl builds a submitter per event loop)."""
-    key = str(Path(fleet_dir).resolve())
+    verl builds a submitter per event loop); one per fleet token when ``token=`` is given."""
+    key = f"{Path(fleet_dir).resolve()}\0{hash(kwargs.get('token') or '')}"
     with _FLEETS_LOCK:
         fleet = _FLEETS.get(key)
         if fleet is None or fleet._stop.is_set():

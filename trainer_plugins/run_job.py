@@ -40,6 +40,7 @@ import aiohttp
 from tqdm import tqdm
 
 from prorl_server.datasets import DatasetError, load_dataset
+from prorl_server.membership import TOKEN_IN_ARGV, read_token_file
 from prorl_server.types import JobResult
 from prorl_server.stats import percentile
 from trainer_plugins.client import FleetRegistrar
@@ -68,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sample-retries", type=int, default=None,
                    help="re-submissions of a job a server gave no result for (default: 0 with one server, 2 with "
                         "several or a fleet)")
-    p.add_argument("--token", default=os.environ.get("PRORL_TOKEN") or None,
-                   help="bearer token of --server / the fleet (default: the PRORL_TOKEN environment variable, "
-                        "else DIR/token of the fleet)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the bearer token of --server / the fleet (mode 600; default: the PRORL_TOKEN "
+                        "environment variable, else DIR/token of the fleet); never a token on the command line")
+    # kept only to refuse it by name (else argparse would take "--token" as an abbreviation of --token-file)
+    p.add_argument("--token", dest="token_in_argv", help=argparse.SUPPRESS)
     p.add_argument("--backend", action="append", default=[], metavar="URL", help="LLM backend (repeatable)")
     p.add_argument("--sandbox-runtime", default=None,
                    help="runtime of the in-process server: bubblewrap (default where bwrap exists), local, singularity")
@@ -207,11 +210,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             embedded = await start_embedded_llm(args.model, args.max_model_len, out)
             stack.push_async_callback(embedded.stop_async)
             backends = [embedded.address]
+        token = read_token(args)
         fleet: Optional[Fleet] = None
-        if args.fleet_dir:
-            fleet = open_fleet(args.fleet_dir)
+        if args.fleet_dir:  # members must prove they hold the token we send them (trainer_plugins.fleet)
+            fleet = open_fleet(args.fleet_dir, token=token)
             stack.callback(fleet.close)
-        headers = {"Authorization": f"Bearer {args.token}"} if args.token and remote else {}
+        headers = {"Authorization": f"Bearer {token}"} if token and remote else {}
         if fleet is not None and not headers:
             headers = fleet.headers
         servers: Sequence[str]
@@ -326,9 +330,26 @@ async def _cancel(task: asyncio.Task) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+def read_token(args: argparse.Namespace) -> Optional[str]:
+    """The bearer token: ``--token-file`` (a regular file of mode 600), else ``$PRORL_TOKEN``, else None.
+
+    Raises:
+        ValueError: the token file others may read, or not a regular file. OSError: it cannot be read.
+    """
+    if getattr(args, "token_file", None):
+        return read_token_file(args.token_file)
+    return os.environ.get("PRORL_TOKEN") or None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.token_in_argv is not None:
+        parser.error(TOKEN_IN_ARGV)
+    try:
+        read_token(args)
+    except (OSError, ValueError) as e:
+        parser.error(f"--token-file: {e}")
     if args.server and args.fleet_dir:
         parser.error("--server and --fleet-dir are exclusive: a fleet's members are its servers")
     for url in (args.server or []) + list(args.backend or []):

@@ -47,10 +47,45 @@ def test_journal_off_and_on_unquoted_in_yaml_mean_what_they_say(tmp_path):
     assert journal_path(build_settings(str(y))) is None
 
 
-def test_token_from_environment_and_flag_overrides_it(monkeypatch):
+def test_token_from_environment_and_a_token_file_overrides_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
     assert settings_from_args([]).token == "from-env"
-    assert settings_from_args(["--token", "from-flag"]).token == "from-flag"
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    assert settings_from_args(["--token-file", str(f)]).token == "from-file"
+    cfg = tmp_path / "s.yaml"  # a config file's token_file is an earlier layer than the environment
+    cfg.write_text(f"token_file: {f}\n")
+    assert settings_from_args(["--config", str(cfg)]).token == "from-env"
+    monkeypatch.delenv("PRORL_TOKEN")
+    assert settings_from_args(["--config", str(cfg)]).token == "from-file"
+
+
+@pytest.mark.parametrize("argv", [["--token", "s3cret"], ["--token=s3cret"]])
+def test_a_token_on_the_command_line_is_refused_naming_both_alternatives(argv, capsys):
+    # issue #33: `prorl-server --token` put the management token in argv, readable by every local user
+    with pytest.raises(SystemExit) as e:
+        settings_from_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--token-file" in err and "PRORL_TOKEN" in err and "s3cret" not in err
+
+
+def test_a_token_file_others_may_read_or_that_is_not_a_regular_file_is_a_clear_usage_error(tmp_path, capsys):
+    readable = tmp_path / "readable"
+    readable.write_text("t")
+    readable.chmod(0o640)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # opened without blocking: a FIFO is refused, not waited on
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    empty.chmod(0o600)
+    for path, says in ((readable, "mode 0640"), (fifo, "not a regular file"), (tmp_path, "not a regular file"),
+                       (empty, "empty"), (tmp_path / "absent", "No such file")):
+        with pytest.raises(SystemExit) as e:
+            settings_from_args(["--token-file", str(path)])
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err, path
 
 
 def test_bad_setting_is_a_clear_error(tmp_path):
@@ -106,8 +141,11 @@ def test_event_loop_setting_picks_uvloop_when_installed(monkeypatch):
 
 def test_server_process_serves_and_exits_cleanly_on_sigterm(tmp_path):
     ready = tmp_path / "ready.json"
+    token = tmp_path / "token"
+    token.write_text("t0k")
+    token.chmod(0o600)
     proc = subprocess.Popen([sys.executable, "-m", "prorl_server", "--port", "0", "--ready-file", str(ready),
-                             "--token", "t0k", "--log-level", "warning"])
+                             "--token-file", str(token), "--log-level", "warning"])
     try:
         for _ in range(200):
             if ready.exists():
@@ -115,6 +153,7 @@ def test_server_process_serves_and_exits_cleanly_on_sigterm(tmp_path):
             time.sleep(0.05)
         info = json.loads(ready.read_text())
         assert info["pid"] == proc.pid and info["host"] == "127.0.0.1"
+        assert "t0k" not in " ".join(psutil.Process(proc.pid).cmdline())  # the secret is not in argv
         req = urllib.request.Request(info["url"] + "/process", method="POST", headers={
             "Authorization": "Bearer t0k", "Content-Type": "application/json"},
             data=json.dumps({"instance": {"data_source": "arithmetic", "expression": "6*7", "answer": 42}}).encode())

@@ -185,6 +185,7 @@ def test_a_briefly_unreadable_directory_keeps_the_last_good_view_and_no_lease_ru
 
     monkeypatch.setattr(os, "scandir", unreadable)
     monkeypatch.setattr(os, "stat", unreadable)
+    monkeypatch.setattr(os, "fstat", unreadable)  # the reader stats members/ through its open descriptor
     for _ in range(4):  # 0.8 s blind: twice the ttl
         time.sleep(0.2)
         fleet.refresh()
@@ -739,3 +740,136 @@ async def test_servers_show_lists_a_fleet_directorys_live_members(tmp_path, serv
         assert out[0] == a and out[-1].strip() == "ok"
     finally:
         await m.close()
+
+
+# ------------------------------------------------------------------------------------------ proof of membership
+
+
+async def forger_server(aiohttp_server) -> tuple[str, list]:
+    """A co-tenant's server: records every request that reaches it (path and Authorization header)."""
+    seen: list[tuple[str, str]] = []
+
+    async def anything(request):
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response({"error": {"type": "forged", "message": "a co-tenant's server"}}, status=500)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/"), seen
+
+
+def private_token(fleet_dir, token: str, mode: int = 0o600):
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    path = fleet_dir / "token"
+    path.write_text(token)
+    path.chmod(mode)
+    return path
+
+
+async def test_a_forged_record_never_gets_a_job_or_the_token_and_a_signed_member_does(
+        tmp_path, aiohttp_server, serve_handlers, varied, caplog):
+    # issue #33: the fleet directory trusted any parseable record; a co-tenant who could write it registered a
+    # server, received the fleet's bearer token with the next job, and returned reward 1.0
+    from prorl_server.membership import canonical_record_bytes, sign_fields
+
+    secret = "fleet-secret"
+    private_token(tmp_path, secret)
+    good = await serve_handlers(varied, token=secret)  # refuses any request without the fleet's token
+    forger, seen = await forger_server(aiohttp_server)
+    write_record(tmp_path, record("good", good, ttl_s=3600), token=secret)
+    d = members_dir(tmp_path)
+    write_record(tmp_path, record("unsigned", forger, ttl_s=3600))
+    bad = json.loads(record("badsig", forger, ttl_s=3600).model_dump_json())
+    (d / "badsig.json").write_text(json.dumps({**bad, "sig": "0" * 64}))
+    write_record(tmp_path, record("otherkey", forger, ttl_s=3600), token="the-forgers-own-key")
+    genuine = json.loads((d / "good.json").read_text())  # a genuine record, its address rewritten, signature kept
+    (d / "rewritten.json").write_text(json.dumps({**genuine, "member_id": "rewritten", "url": forger}))
+    (d / "good-copy.json").write_text(json.dumps({**genuine, "url": forger}))  # and one under another name
+    assert sign_fields(genuine, secret) == genuine["sig"] and canonical_record_bytes(genuine)
+    caplog.set_level("WARNING", logger="trainer_plugins.fleet")
+    fleet = Fleet(tmp_path, start=False, slurm=None)
+    for _ in range(3):
+        fleet.refresh()
+    assert list(fleet) == [good] and fleet.known_urls() == [good]
+    assert [r.member_id for r in fleet.records()] == ["good"]
+    skipped = [r.getMessage() for r in caplog.records if "not a proven member" in r.getMessage()]
+    assert len(skipped) == 5, skipped  # one line per forged file, however often the directory is read
+    assert fleet.headers == {"Authorization": f"Bearer {secret}"}
+    req = process_request({"data_source": "varied", "id": "x", "rewards": [1.0]})
+    async with JobSubmitter(headers=fleet.headers, fleet=fleet) as jobs:
+        outcomes = [await jobs.run(fleet, req, job_prefix=f"f{i}") for i in range(6)]
+    fleet.probe_liveness()
+    assert {o.server for o in outcomes} == {good} and all(o.result.reward == 1.0 for o in outcomes)
+    assert seen == []  # no job, no token, not even a probe reached the forger
+
+
+def test_without_a_token_only_records_of_this_user_in_a_directory_only_it_can_write_are_trusted(tmp_path):
+    write_record(tmp_path, record("mine", "http://127.0.0.1:1", ttl_s=3600))
+    d = members_dir(tmp_path)
+    write_record(tmp_path, record("theirs", "http://127.0.0.1:2", ttl_s=3600))
+    os.chown(d / "theirs.json", 4321, 4321)  # written by another local user
+    fleet = Fleet(tmp_path, start=False, slurm=None)
+    assert list(fleet) == ["http://127.0.0.1:1"] and fleet.headers == {}
+    d.chmod(0o775)  # a group-writable members/: anyone in the group could have put "mine" there
+    fleet.refresh()
+    assert list(fleet) == []
+    d.chmod(0o755)
+    os.chown(d, 4321, 4321)  # members/ of another user (or a members/ swapped in by one)
+    fleet.refresh()
+    assert list(fleet) == []
+    os.chown(d, os.geteuid(), os.getegid())
+    fleet.refresh()
+    assert list(fleet) == ["http://127.0.0.1:1"]
+    os.rename(d, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", d)  # a link in its place is not the directory that was checked
+    fleet.refresh()
+    assert list(fleet) == []
+
+
+def test_a_token_file_planted_by_another_user_or_readable_by_others_is_not_the_fleets_key(tmp_path):
+    write_record(tmp_path, record("mine", "http://127.0.0.1:1", ttl_s=3600))
+    write_record(tmp_path, record("forged", "http://127.0.0.1:2", ttl_s=3600), token="planted")
+    os.chown(members_dir(tmp_path) / "forged.json", 4321, 4321)
+    token = private_token(tmp_path, "planted")
+    os.chown(token, 4321, 4321)  # the co-tenant made DIR/token first, with a key they know
+    fleet = Fleet(tmp_path, start=False, slurm=None)
+    assert fleet.headers == {}  # their key is neither sent nor trusted: records are judged by owner
+    assert list(fleet) == ["http://127.0.0.1:1"]
+    os.chown(token, os.geteuid(), os.getegid())
+    token.chmod(0o644)  # ours, but any local user can read it
+    fleet.refresh()
+    assert fleet.headers == {} and list(fleet) == ["http://127.0.0.1:1"]
+    token.chmod(0o600)  # a good token from now on: the unsigned record is checked again, and refused
+    fleet.refresh()
+    assert fleet.headers == {"Authorization": "Bearer planted"} and list(fleet) == ["http://127.0.0.1:2"]
+
+
+async def test_a_member_signs_its_record_with_its_token_and_only_readers_with_that_token_route_to_it(tmp_path):
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=30, token="k1")
+    await m.start()
+    try:
+        assert json.loads(m.path.read_text())["sig"]
+        assert list(Fleet(tmp_path, start=False, slurm=None, token="k1")) == ["http://127.0.0.1:5"]
+        assert list(Fleet(tmp_path, start=False, slurm=None, token="k2")) == []
+    finally:
+        await m.close()
+
+
+def test_prorl_run_refuses_a_token_in_argv_and_takes_a_private_token_file(tmp_path, capsys, monkeypatch):
+    from trainer_plugins import run_job
+
+    monkeypatch.delenv("PRORL_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        run_job.main(["--token", "s3cret", "--server", "http://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--token-file" in err and "PRORL_TOKEN" in err
+    loose = private_token(tmp_path, "t", mode=0o644)
+    with pytest.raises(SystemExit):
+        run_job.main(["--token-file", str(loose), "--server", "http://127.0.0.1:1"])
+    assert "mode 0644" in capsys.readouterr().err
+    loose.chmod(0o600)
+    args = run_job.build_parser().parse_args(["--token-file", str(loose)])
+    assert run_job.read_token(args) == "t"
+    monkeypatch.setenv("PRORL_TOKEN", "from-env")
+    assert run_job.read_token(run_job.build_parser().parse_args([])) == "from-env"
