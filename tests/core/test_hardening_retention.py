@@ -145,3 +145,72 @@ async def test_a_delivered_result_frees_its_token_arrays(tokens_client):
     job = client.app[PIPELINE].get("w")
     assert job.trajectories == [] and job.messages == [] and job.extra == {}
     assert job.result.trajectories == [] and job.result.reward == 1.0
+
+
+# ------------------------------------------------------------------ the journal's size cap (#33 part 4)
+
+def _fill(j, sessions: int, jobs: int, session_bytes: int, job_bytes: int) -> None:
+    """``sessions`` job-less gateway sessions of one ``session_bytes`` exchange each (oldest), then ``jobs``
+    finished jobs, each with a result and two gateway exchanges of ``job_bytes`` in all."""
+    rng = random.Random(0)
+
+    def text(n: int) -> str:
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(n))
+
+    for i in range(sessions):
+        sid = f"sess_{i}"
+        j.gateway_session(sid, f"gateway:{sid}")
+        j.gateway_exchange(sid, 1, "h", {"messages": [{"role": "user", "content": text(session_bytes)}]}, b"{}")
+        j.gateway_session_ended(sid)
+        if i % 20 == 0:
+            assert j.flush()
+    for i in range(jobs):
+        jid = f"job_{i}"
+        j.job_submitted(jid, "h", b"{}")
+        for k in range(2):
+            j.gateway_exchange(jid, k + 1, "h", {"messages": [{"role": "user", "content": text(job_bytes // 2)}]},
+                               b"{}")
+        j.job_result(jid, b'{"reward": 1.0}')
+        if i % 10 == 0:
+            assert j.flush()
+    assert j.flush()
+
+
+def test_journal_retention_drops_the_oldest_gateway_sessions_and_keeps_the_file_near_its_cap(tmp_path,
+                                                                                           monkeypatch):
+    # red team (#33): gateway rows were never deleted, so past journal_max_bytes every finished job went and
+    # the file stayed at 161 MB against a 50 MB cap; and each pass ran a full VACUUM while commits waited
+    import os
+    import sqlite3
+
+    from prorl_server.journal import store
+
+    statements: list[str] = []
+    real_connect = store.connect
+
+    def traced(path, busy_timeout_s=30.0):
+        db = real_connect(path, busy_timeout_s)
+        db.set_trace_callback(statements.append)
+        return db
+
+    monkeypatch.setattr(store, "connect", traced)
+    cap = 2 << 20
+    path = tmp_path / "j.sqlite"
+    j = store.Journal(str(path), max_bytes=cap, retention_every_s=0.0, writer="thread")
+    j.start()
+    statements.clear()  # the writer's statements from now on (opening the journal ran its schema)
+    _fill(j, sessions=150, jobs=100, session_bytes=16_000, job_bytes=8_000)  # 2.4 MB, then 0.8 MB
+    assert j.gateway_exchanges("sess_0") == [] and j.completions("gateway:sess_0") == []
+    assert len(j.gateway_exchanges("job_99")) == 2 and j.result("job_99") is not None  # the newest stay
+    assert j.count_jobs() == 100  # the sessions were older: they went first, every finished job stays
+    kept_sessions = [i for i in range(150) if j.gateway_exchanges(f"sess_{i}")]
+    assert kept_sessions == list(range(150 - len(kept_sessions), 150))  # oldest first
+    j.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == len(kept_sessions)
+    db.close()
+    size = os.path.getsize(path)
+    print(f"journal {size / 2**20:.2f} MiB against a {cap / 2**20:.0f} MiB cap")
+    assert size < cap * 1.2
+    assert not any(s.strip().upper().startswith("VACUUM") for s in statements)
+    assert any("incremental_vacuum" in s for s in statements)

@@ -466,3 +466,35 @@ def test_the_preallocated_wal_does_not_count_against_the_size_cap(tmp_path):
         assert j.flush()  # each commit is followed by a retention pass
     assert j.count_jobs() == 20
     j.close()
+
+
+def test_a_journal_of_schema_2_is_upgraded_in_place_and_its_gateway_sessions_come_under_retention(tmp_path):
+    # a journal written by the previous version: no auto_vacuum, gateway requests stored as sent, no record of
+    # job-less sessions (so retention never deleted their rows)
+    path = tmp_path / "v2.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, handler TEXT, request BLOB, state TEXT NOT NULL,
+                           submitted REAL NOT NULL, updated REAL NOT NULL, result BLOB, filtered INTEGER);
+        CREATE TABLE completions (id INTEGER PRIMARY KEY, owner TEXT NOT NULL, seq INTEGER NOT NULL, backend TEXT,
+                                  prefix_len INTEGER NOT NULL, prompt_tail BLOB NOT NULL, token_ids BLOB NOT NULL,
+                                  logprobs BLOB NOT NULL, version_runs TEXT NOT NULL, finish_reason TEXT,
+                                  stop_reason TEXT, params TEXT, t REAL NOT NULL);
+        CREATE TABLE gateway (id INTEGER PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
+                              request_hash TEXT NOT NULL, request BLOB NOT NULL, response BLOB NOT NULL,
+                              t REAL NOT NULL);
+        INSERT INTO jobs VALUES ('job', 'h', '{}', 'done', 1.0, 1.0, '{}', 0);
+        INSERT INTO gateway VALUES (1, 'job', 1, 'h1', '{ "messages" : [] }', '{}', 1.0);
+        INSERT INTO gateway VALUES (2, 'sess_a', 1, 'h2', '{ "messages" : [1] }', '{}', 2.0);
+        PRAGMA user_version = 2;
+    """)
+    db.close()
+    j = Journal(str(path))
+    j.start()
+    assert j.gateway_exchanges("sess_a") == [(1, "h2", '{ "messages" : [1] }', "{}")]  # as stored
+    j.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # converted once (a small file)
+    assert db.execute("SELECT session_id, owner, ended FROM sessions").fetchall() == [("sess_a", "gateway:sess_a", 1)]
+    db.close()
