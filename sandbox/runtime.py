@@ -15,6 +15,7 @@ import abc
 import asyncio
 import base64
 import compileall
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -564,7 +565,8 @@ class SandboxRuntime(abc.ABC):
                 raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} did not start: {e}\n"
                                         f"launcher log (tail):\n{tail}") from None
             raise
-        if (ctx.bounds.workspace_bytes or ctx.bounds.cgroup) and (self._watcher is None or self._watcher.done()):
+        watched = ctx.bounds.workspace_bytes or ctx.bounds.cgroup or (self.isolated and self.min_free_bytes is not None)
+        if watched and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.ensure_future(self._watch())
         return handle
 
@@ -587,23 +589,31 @@ class SandboxRuntime(abc.ABC):
         """While sandboxes with bounds run: every ``watch_interval_s``, end each one whose cgroup saw an OOM
         kill or whose writable host directories pass its disk quota (measured in threads, all sandboxes at
         once, each measurement bounded by ``measure_max_entries``: no sandbox can slow the watch of itself or
-        of another), then end the largest sandbox on a file system below the free-space floor."""
-        while True:
-            handles = [h for h in self._handles.values()
-                       if h._closing is None and h._death is None and h._proc.returncode is None]
-            if not handles:
-                return
-            results = await asyncio.gather(*(self._check_bounds(h) for h in handles), return_exceptions=True)
-            for h, r in zip(handles, results):
-                if isinstance(r, Exception):  # a failed check must not end the watch of every sandbox
-                    log.error("checking the bounds of sandbox %s failed: %r", h.sandbox_id, r)
-            try:
-                await self._check_free_space()
-            except Exception:  # noqa: BLE001 - as above
-                log.exception("checking the free space of the sandboxes' file systems failed")
-            await asyncio.sleep(self.watch_interval_s)
+        of another), then end the largest sandbox on a file system below the free-space floor. Measurements run
+        in a small pool of their own, so that many sandboxes never crowd out the default executor that starts
+        and closes sandboxes."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                     thread_name_prefix="prorl-measure")
+        try:
+            while True:
+                handles = [h for h in self._handles.values()
+                           if h._closing is None and h._death is None and h._proc.returncode is None]
+                if not handles:
+                    return
+                results = await asyncio.gather(*(self._check_bounds(h, pool) for h in handles),
+                                               return_exceptions=True)
+                for h, r in zip(handles, results):
+                    if isinstance(r, Exception):  # a failed check must not end the watch of every sandbox
+                        log.error("checking the bounds of sandbox %s failed: %r", h.sandbox_id, r)
+                try:
+                    await self._check_free_space()
+                except Exception:  # noqa: BLE001 - as above
+                    log.exception("checking the free space of the sandboxes' file systems failed")
+                await asyncio.sleep(self.watch_interval_s)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _check_bounds(self, h: SandboxHandle) -> None:
+    async def _check_bounds(self, h: SandboxHandle, pool: Optional[concurrent.futures.Executor] = None) -> None:
         if h._closing is not None or h._death is not None:
             return
         if h._memory_exceeded():
@@ -621,7 +631,7 @@ class SandboxRuntime(abc.ABC):
                                                                                                      budget)
 
         try:
-            h._used = await asyncio.to_thread(measure)
+            h._used = await asyncio.get_running_loop().run_in_executor(pool, measure)
         except bounds.UnmeasurableError as e:
             if quota is not None and h._closing is None:
                 await h._end("disk_quota", f"the sandbox's workspace could not be measured against its disk quota "
