@@ -645,31 +645,34 @@ class SandboxRuntime(abc.ABC):
                                        "sandbox was killed")
 
     async def _check_free_space(self) -> None:
-        """End the largest sandbox (last measured) on each file system whose free space is below
-        ``min_free_bytes``, counting as free what sandboxes already ended still hold (their directories go
+        """End the largest sandbox (last measured) on each file system holding sandboxes' writable host
+        directories whose free space is below ``min_free_bytes``, counting as free what sandboxes already ended still hold (their directories go
         when they are closed). A sandbox within its quota is evicted (:class:`SandboxEvictedError`, the host's
         doing); one holding less than 1/64 of the floor is never the cause and is left alone."""
         floor = self.min_free_bytes
         if floor is None:
             return
-        by_fs: dict[int, list[SandboxHandle]] = {}
+        by_fs: dict[int, tuple[str, list[SandboxHandle]]] = {}  # st_dev -> (a path on it, its sandboxes)
         for h in list(self._handles.values()):
-            try:
-                by_fs.setdefault(os.stat(h.workspace).st_dev, []).append(h)
-            except OSError:
-                continue
-        for hs in by_fs.values():
+            for d in self._writable_host_dirs(h):
+                try:
+                    path, hs = by_fs.setdefault(os.stat(d).st_dev, (d, []))
+                except OSError:
+                    continue
+                if h not in hs:
+                    hs.append(h)
+        for path, hs in by_fs.values():
             live = [h for h in hs if h._closing is None and h._death is None and h._proc.returncode is None]
             if not live:
                 continue
-            free = await asyncio.to_thread(bounds.free_bytes, live[0].workspace)
+            free = await asyncio.to_thread(bounds.free_bytes, path)
             ending = sum(h._used for h in hs if h not in live)
             if free + ending >= floor:
                 continue
             victim = max(live, key=lambda h: h._used)
             if victim._used < floor // 64:
                 log.warning("the file system of %s has %d bytes free, below the floor of %d, and no sandbox on it "
-                            "holds enough to be the cause", victim.workspace, free, floor)
+                            "holds enough to be the cause", path, free, floor)
                 continue
             await victim._end(SandboxEvictedError.REASON,
                               f"the host's file system holding the sandbox's workspace fell below its free-space "
