@@ -21,7 +21,9 @@ Filtered kinds (``filter: true``):
 ``sandbox``
     the sandbox could not start, or died / stopped answering before the model acted: every
     :class:`sandbox.errors.SandboxError` that is not a :class:`~sandbox.errors.ToolError` (after the model acted
-    only :class:`~sandbox.errors.SandboxStartError`).
+    only :class:`~sandbox.errors.SandboxStartError`). The phase decides, not the exception's type: whatever is
+    raised while a sandbox is opened or prepared (``job.open_sandbox``, :func:`preparing_sandbox`), in any
+    stage and whoever acted before, is a start failure; a sandbox dying from what ran in it is the model's.
 ``llm_backend``
     no LLM backend could serve the job (:class:`~prorl_server.balancer.NoBackendError`,
     :class:`~prorl_server.llm.client.LLMError`).
@@ -74,8 +76,9 @@ in a stage or in its ``<stage>_exception`` callback (a scored kind there scores 
 """
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType
-from typing import Optional
+from typing import Iterator, Optional
 
 FAILURE_KINDS: "MappingProxyType[str, str]" = MappingProxyType({
     "sandbox": "the sandbox could not start, died, or stopped answering",
@@ -130,6 +133,30 @@ class InfrastructureError(Exception):
 class InvalidInstanceError(ValueError):
     """The instance is malformed (a missing or ill-typed field): ``failure_kind="invalid_instance"`` in any
     stage. A plain ``ValueError`` raised in ``init`` is read the same way."""
+
+
+@contextlib.contextmanager
+def preparing_sandbox(what: str = "a sandbox") -> Iterator[None]:
+    """Marks a step that opens or prepares a sandbox, or what it needs on the host (its directories, its
+    socket): whatever the step raises is a start failure, the system's whoever acted before, so it is
+    re-raised as :class:`~sandbox.errors.SandboxStartError` (``failure_kind="sandbox"``, filtered) from the
+    original. A full disk, a cgroup the host refuses or an exhausted uid range while eval's sandbox is prepared
+    would otherwise read as a host-side step failing on the model's artifact (``model_error``, 0.0 for a right
+    answer). :meth:`prorl_server.job.Job.open_sandbox` runs under it. Wrap only steps whose input the model did
+    not shape (never applying its patch or loading its file); cancellation and a ``SandboxStartError`` or
+    :class:`InfrastructureError` pass unchanged.
+
+    Raises:
+        sandbox.errors.SandboxStartError: the step raised any other ``Exception`` (its ``__cause__``).
+    """
+    from sandbox.errors import SandboxStartError
+
+    try:
+        yield
+    except (SandboxStartError, InfrastructureError):
+        raise
+    except Exception as e:
+        raise SandboxStartError(f"preparing {what} failed: {type(e).__name__}: {e}") from e
 
 
 def classify(exc: BaseException, stage: Optional[str] = None, model_acted: bool = False) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Optional, TypeVar
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
-from prorl_server.failures import is_filtered
+from prorl_server.failures import is_filtered, preparing_sandbox
 
 if TYPE_CHECKING:
     from prorl_server.balancer import Backend, BackendPool
@@ -354,12 +354,16 @@ class Job(Generic[S]):
         Raises:
             RuntimeError: the server has no sandbox runtime configured.
             JobEndedError: the job is being cancelled or is ending.
+            sandbox.errors.SandboxStartError: the sandbox could not be opened, whatever the runtime raised (a
+                full disk, a refused cgroup, no free uid lease: its ``__cause__``): a start failure, the
+                system's even after the model acted (:func:`prorl_server.failures.preparing_sandbox`).
         """
         opener = self.services.sandbox_opener
         if opener is None:
             raise RuntimeError("this server has no sandbox runtime configured")
         self._refuse_if_ending("a sandbox")
-        handle = await opener(spec, **kwargs)
+        with preparing_sandbox():
+            handle = await opener(spec, **kwargs)
         if self.ending:
             # It ended while the sandbox started: the pipeline's close may already have run; close it here.
             await handle.close()

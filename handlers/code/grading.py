@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from prorl_server.plugin import InfrastructureError, InvalidInstanceError
+from prorl_server.plugin import InfrastructureError, InvalidInstanceError, preparing_sandbox
 from handlers.code import plain
 from sandbox import bounded_json
 
@@ -216,7 +216,7 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str]:
     codec = (HERE / "plain.py").read_bytes()
     files = {(s_dir, "candidate.py"): (HERE / "candidate.py").read_bytes(),
              (s_dir, "plain.py"): codec,
-             (s_dir, SOLUTION_NAME): solution.encode("utf-8", errors="surrogateescape"),
+             (s_dir, SOLUTION_NAME): _solution_bytes(solution),
              (g_dir, "grader.py"): (HERE / "grader.py").read_bytes(), (g_dir, "plain.py"): codec}
     for (d, name), data in files.items():
         path = os.path.join(d, name)
@@ -224,6 +224,15 @@ def _prepare_dirs(solution: str) -> tuple[str, str, str]:
             f.write(data)
         os.chmod(path, 0o644)
     return root, s_dir, g_dir
+
+
+def _solution_bytes(solution: str) -> bytes:
+    """The solution file's bytes; never raises (its preparation is the system's, :func:`grade`): a text with a
+    lone surrogate is written as it is and fails to load in S, the solution's doing."""
+    try:
+        return solution.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError:
+        return solution.encode("utf-8", errors="surrogatepass")
 
 
 def _owner_prefix(pid: Optional[int] = None) -> str:
@@ -322,19 +331,24 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         GraderError: the grader sandbox's process failed (see the class).
         InvalidInstanceError: the instance's tests do not load, or pass the candidate an argument that is not
             plain data.
-        sandbox.SandboxError: a sandbox failed to start.
+        sandbox.SandboxStartError: preparing or starting a sandbox failed, whatever it raised (a full disk, a
+            refused cgroup, no free uid: its ``__cause__``); a start failure, never the solution's.
     """
     loop = asyncio.get_running_loop()
-    root, s_dir, g_dir = await _prepared_dirs(solution)
+    # Preparing the two sandboxes (directories, sockets, specs, starting them) is the system's whatever fails:
+    # a full disk or a refused cgroup here is a start failure, never the solution's 0.0.
+    with preparing_sandbox("the grading sandboxes"):
+        root, s_dir, g_dir = await _prepared_dirs(solution)
     s_listener = _Listener(os.path.join(s_dir, SOCKET_NAME))
     g_listener = _Listener(os.path.join(g_dir, SOCKET_NAME))
     handles: list[Any] = []
     tasks: list[asyncio.Task] = []
     try:
-        await s_listener.start()
-        await g_listener.start()
-        specs = await asyncio.to_thread(_specs, s_dir, g_dir)
-        s_handle, g_handle = await _open_both(open_sandbox, *specs)
+        with preparing_sandbox("the grading sandboxes"):
+            await s_listener.start()
+            await g_listener.start()
+            specs = await asyncio.to_thread(_specs, s_dir, g_dir)
+            s_handle, g_handle = await _open_both(open_sandbox, *specs)
         handles += [s_handle, g_handle]
         token = secrets.token_hex(16)
         g_path = _in_sandbox(g_handle, g_dir, GRADER_DIR)

@@ -1,7 +1,8 @@
 """The plugin API: what a task handler package imports from the server.
 
 - :class:`AgentHandler` (the three-stage handler base class, with its ``instance_model`` and
-  ``settings_model``) and the failure types a handler raises;
+  ``settings_model``) and the failure types a handler raises; :func:`preparing_sandbox` around a step that
+  prepares a sandbox (its failures are start failures, the system's);
 - :class:`HandlerRegistry` / :func:`register_handler` (handlers also register through the
   ``prorl_server.handlers`` entry-point group; datasets through ``prorl_server.datasets``, whose loaders
   raise :class:`DatasetError`);
@@ -13,8 +14,9 @@ from prorl_server.datasets import DatasetError
 from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, InfrastructureError,
                                          InstanceValidationError, InvalidInstanceError, NotRegradableError)
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, register_handler
+from prorl_server.failures import preparing_sandbox
 
 __all__ = ["AgentConfig", "AgentHandler", "DatasetError", "HandlerRegistry", "HandlerSettingsError",
            "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "NotRegradableError",
-           "UnknownHandlerError",
+           "UnknownHandlerError", "preparing_sandbox",
            "register_handler"]

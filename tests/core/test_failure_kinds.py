@@ -22,7 +22,7 @@ from prorl_server.balancer import NoBackendError
 from prorl_server.failures import FAILURE_KINDS, classify
 from prorl_server.llm.client import LLMRequestError, LLMUnavailableError
 from sandbox.errors import (EditorError, FileTransferError, ProtocolError, SandboxClosedError, SandboxDeadError,
-                            SandboxStartError, ToolError, ToolTimeout)
+                            SandboxError, SandboxStartError, ToolError, ToolTimeout)
 
 
 def _chained(outer, cause):
@@ -458,3 +458,80 @@ async def test_the_observations_of_one_turn_are_bounded_together():
     assert len(out) == 60
     assert sum(len(o["content"]) for o in out) < 65536 + 60 * 200, [len(o["content"]) for o in out][:5]
     assert "this turn's tool outputs passed 65536 characters" in out[1]["content"]
+
+
+# ------------------------------------------------------------------------ opening a sandbox after the model
+class EvalSandboxHandler(AgentHandler):
+    """A task whose eval opens a fresh sandbox to grade (as the ``code`` handler's grading and ``swe``'s eval
+    do) after the model's one turn: reward 1.0 for the answer ``42`` once the sandbox is open."""
+
+    name = "eval_sandbox"
+    needs_llm = True
+    needs_sandbox = True
+
+    async def run(self, job):
+        from prorl_server.plugin.toolkit import run_agent
+
+        result = await run_agent(job, [{"role": "user", "content": "Six times seven?"}], {},
+                                 AgentConfig(max_turns=1))
+        job.state["answer"] = result.messages[-1]["content"]
+
+    async def eval(self, job):
+        await job.open_sandbox()
+        job.reward = 1.0 if job.state["answer"].strip() == "42" else 0.0
+        job.resolved = job.reward == 1.0
+
+
+class FaultyRuntime:
+    """Fault injection: a TEST DOUBLE for a sandbox runtime (bubblewrap's ``start``) whose start raises what the
+    real one raises while preparing a sandbox: the host's disk full while it makes the sandbox's directories,
+    a cgroup the host refuses to create, a uid range with no free lease, an image that is not usable. With no
+    fault it starts a handle that only records its close."""
+
+    def __init__(self, fault) -> None:
+        self.fault = fault
+
+    async def start(self, spec=None, **kw):
+        if self.fault is not None:
+            raise self.fault
+
+        class Handle:
+            async def close(self):
+                pass
+        return Handle()
+
+    async def close_all(self):
+        pass
+
+    async def reap_orphans(self):
+        return 0
+
+
+PREPARE_FAULTS = {
+    "disk-full": OSError(28, "No space left on device", "/tmp/prorl-sandboxes/sb-1/workspace"),
+    "cgroup-refused": PermissionError(13, "Permission denied", "/sys/fs/cgroup/prorl/sb-1/memory.max"),
+    "uids-exhausted": SandboxStartError("no free sandbox uid in [100000, 165536): every name in the lease "
+                                        "directory is taken"),
+    "bad-image": SandboxError("bubblewrap image must be a rootfs directory, got '/img.sif'"),
+}
+
+
+@pytest.mark.parametrize("fault", [None, *PREPARE_FAULTS])
+async def test_a_sandbox_that_cannot_be_prepared_for_eval_is_the_systems_after_a_right_answer(
+        registry, aiohttp_client, scripted_policy, fault):
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    registry.register(EvalSandboxHandler)
+    backend = await scripted_policy(lambda prompt, turn: "42")
+    app = create_app(ServerSettings(backends=[backend], health_interval_s=3600), registry=registry,
+                     sandbox_runtime=FaultyRuntime(PREPARE_FAULTS.get(fault)))
+    client = await aiohttp_client(app)
+    body = await process(client, {"data_source": "eval_sandbox"}, sampling_params={"max_tokens": 16})
+    if fault is None:  # the right answer, graded
+        assert (body["reward"], body["failure_kind"], body["filter"]) == (1.0, None, False), body["error"]
+        return
+    # the model acted (its turn is kept in the record) and answered right: the sandbox that could not be
+    # prepared is the system's, a filtered start failure, never a 0.0 the model is trained on
+    assert body["trajectories"] and body["reward"] == 0.0
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("eval", "sandbox", True), body["error"]

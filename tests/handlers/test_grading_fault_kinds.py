@@ -178,3 +178,27 @@ async def test_a_huge_wrong_answer_quoted_by_humaneval_tests_is_scored_in_real_g
     assert (out.status, out.new_reward, out.failure_kind) == ("regraded", 0.0, None), out.reason
     assert out.result.filter is False and out.result.extra["eval"]["failed_test"].startswith("assert candidate(1)")
     assert not sandbox_procs()
+
+
+# ------------------------------------------------------------------------------ preparing the grading sandboxes
+@pytest.mark.parametrize("where", ["host-directories", "sandbox-start"])
+async def test_grading_sandboxes_that_cannot_be_prepared_are_a_start_failure_not_the_solutions(monkeypatch, where):
+    """Fault injection: the host's disk is full when the grading directories are made, or the runtime's start
+    (a TEST DOUBLE for bubblewrap's) is refused a cgroup. The right solution was never run: a filtered start
+    failure (``sandbox``) even though the model acted, never ``model_error``."""
+    from handlers.code import grading
+    from handlers.code.data import to_instance
+    from handlers.code.task import evaluate_solution
+
+    if where == "host-directories":
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device", "/tmp/prorl-code-1-2-x")
+        monkeypatch.setattr(grading.tempfile, "mkdtemp", disk_full)
+
+    async def open_sandbox(spec):
+        raise PermissionError(13, "Permission denied", "/sys/fs/cgroup/prorl/sb-1/cgroup.procs")
+
+    problem = humaneval_problems()["HumanEval/0"]
+    with pytest.raises(Exception) as e:
+        await evaluate_solution(open_sandbox, to_instance(problem), problem["prompt"] + problem["canonical_solution"])
+    assert classify(e.value, "eval", model_acted=True) == "sandbox", repr(e.value)
