@@ -140,3 +140,30 @@ async def test_root_sandbox_starts_when_a_co_tenant_planted_every_other_free_uid
         await rt.close_all()
     with open(os.path.join(short_tmp, "victim")) as f:
         assert f.read() == "precious"
+
+
+@pytest.mark.real
+async def test_loopback_sandbox_starts_when_a_co_tenant_planted_fifos_in_the_shared_address_dir(runtime_options):
+    """The loopback addresses' directory is shared by every user (1777): FIFOs and links at all but one address
+    of a small pool; the sandbox gets the one left, and with none left the start fails promptly and typed."""
+    import asyncio
+
+    from sandbox import SandboxSpec, make_runtime
+
+    lease_dir = runtime_options["loopback_dir"]
+    ensure_lease_dir(lease_dir)
+    pool = [f"127.200.0.{i}" for i in range(1, 7)]  # 127.200.0.0/29 without its first and last address
+    for i, addr in enumerate(pool[:-1]):
+        if i % 2:
+            os.symlink("/etc/hostname", os.path.join(lease_dir, addr))
+        else:
+            os.mkfifo(os.path.join(lease_dir, addr), 0o666)
+    rt = make_runtime("bubblewrap", loopback_network="127.200.0.0/29", **runtime_options)
+    try:
+        h = await asyncio.wait_for(rt.start(SandboxSpec(network="loopback")), 30)
+        assert h.address == pool[-1]
+        with pytest.raises(SandboxStartError, match="no free loopback address"):
+            await asyncio.wait_for(rt.start(SandboxSpec(network="loopback")), 30)
+        await h.close()
+    finally:
+        await rt.close_all()
