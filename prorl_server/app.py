@@ -77,10 +77,22 @@ async def submit_job(request: web.Request) -> web.Response:
     return json_response(SubmitResponse(job_id=job.job_id), status=202)
 
 
+def _expired(request: web.Request, job_id: Optional[str]) -> None:
+    """Raise 410 ``result_expired`` when the journal's retention deleted ``job_id``'s result: the job ran
+    and its result was answered; running it again would give one id two samples (a trainer client counts
+    the id as finished and does not resubmit it)."""
+    journal = request.app[PIPELINE].journal
+    if job_id and journal is not None and job_id not in request.app[PIPELINE].jobs and journal.expired(job_id):
+        raise ApiError(410, "result_expired", f"job {job_id!r} finished on this server and its result was "
+                       "answered; the journal's retention has since deleted it (journal_max_bytes / "
+                       "journal_max_age_s): it is not run again", "job_id")
+
+
 def _submit(request: web.Request, req: ProcessRequest):
     if request.app[FLEET].draining:  # a racing submit: the client takes it elsewhere (trainer_plugins.jobs)
         raise ApiError(503, "draining", "this server is draining: it finishes the jobs it holds and takes no "
                        "new one; submit elsewhere")
+    _expired(request, req.job_id)
     try:
         return request.app[PIPELINE].submit(req)
     except UnknownHandlerError as e:
@@ -103,6 +115,7 @@ async def get_job(request: web.Request) -> web.Response:
     job_id = request.match_info["job_id"]
     job = request.app[PIPELINE].get(job_id)
     if job is None:
+        _expired(request, job_id)
         if request.app[PIPELINE].interrupted(job_id):
             raise ApiError(404, "job_interrupted", f"job {job_id!r} was running on this server when it stopped "
                            "and never finished: resubmit it (its id is free)")

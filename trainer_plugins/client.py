@@ -71,7 +71,8 @@ from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
-                                  RolloutAuthError, filtered_result, open_session, process_request, uses_retry)
+                                  RolloutAuthError, filtered_result, never_rerun, open_session, process_request,
+                                  uses_retry)
 from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
 from trainer_plugins.servers import ServersFile, load_servers
 
@@ -732,7 +733,8 @@ class RolloutClient:
         self._failure_kinds[sample.result.failure_kind or sample.result.critical_error or "unspecified"] += 1
         servers = self._servers()
         counted = uses_retry(sample.result, sample.server, sample.failed_on)
-        if (not counted or sample.retries < self.max_sample_retries) and not self._closed and servers:
+        if (not counted or sample.retries < self.max_sample_retries) and not self._closed and servers \
+                and not never_rerun(sample.result):  # an expired id ran once: never a second sample of it
             self._wasted_s += sample.counted_s
             failed_on = sample.failed_on | {sample.server}
             server = self._jobs.retry_server(servers, self._group_id(group), failed_on, self.chooser)

@@ -17,6 +17,9 @@ the rollout server answers              outcome
                                         takes the server out of the rotation
 503 (no LLM backend yet, stopped,       offered again on the same server every 0.25 s for
 ``journal_unavailable``: a full disk)   ``unavailable_retry_s``, then a filtered ``rollout_server`` result
+410 ``result_expired`` (the job ran and  a filtered ``expired`` result, never re-submitted (:func:`never_rerun`):
+its result was answered; the server's   the sample was finished and delivered once; running it again would
+journal has since deleted it)           give one id two samples
 401 / 403                               :class:`RolloutAuthError` (the token is wrong: a configuration error)
 400 ``handler_unavailable``             :class:`HandlerUnavailableError` (the server cannot run the handler,
                                         e.g. no sandbox runtime: a configuration error), the server's message
@@ -85,6 +88,10 @@ ROLLOUT_SERVER = "rollout_server"
 #: ``failure_kind`` of a result made here because the server refused the job with 503 ``draining``: it is leaving
 #: (SIGTERM in a fleet, ``POST /drain``) and took no job; re-submitted elsewhere without using up a retry.
 DRAINING = "draining"
+#: ``failure_kind`` of a result made here because the server answered 410 ``result_expired``: the job finished
+#: and its result was answered before, and the server's journal has since deleted it. A finished sample, not to
+#: be trained on (again) nor re-submitted.
+EXPIRED = "expired"
 #: how many cancelled job ids a client remembers (each is a short string; the oldest is forgotten first)
 _TOMBSTONES = 65536
 #: Connections one client session opens at most, over all servers: 0 = no cap, the jobs in flight are bounded by
@@ -170,7 +177,7 @@ def process_request(instance: Mapping[str, Any], sampling_params: Optional[Mappi
                                           timeout_s=None if timeout_s is None else float(timeout_s))
 
 
-def filtered_result(job_id: str, failure_kind: str, error: str, critical_error: str = "run",
+def filtered_result(job_id: str, failure_kind: str, error: str, critical_error: Optional[str] = "run",
                     handler: str = "") -> JobResult:
     """A :class:`JobResult` for a job that produced nothing to train on (``filter: true``), made by the client
     when the server gave no result (``trajectory_id`` is the job id)."""
@@ -341,6 +348,9 @@ class JobSubmitter:
                 continue
             break
         message = _error_message(data)
+        if status == 410 and _error_type(data) == "result_expired":
+            return filtered_result(job_id, EXPIRED, f"rollout server {server}: {message}", critical_error=None,
+                                   handler=_handler(request))
         if status in (401, 403):
             raise RolloutAuthError(f"rollout server {server} refused our bearer token (HTTP {status}): {message}")
         if 400 <= status < 500 and _error_type(data) == "handler_unavailable":
@@ -528,7 +538,8 @@ class JobSubmitter:
             finally:
                 chooser.finished(server, request.group_id)
             counted = uses_retry(result, server, failed_on)
-            if not result.filter or (counted and retries >= max_sample_retries) or self.was_cancelled(job_id):
+            if not result.filter or (counted and retries >= max_sample_retries) or self.was_cancelled(job_id) \
+                    or never_rerun(result):
                 return JobOutcome(result=result, server=server, attempts=attempts)
             attempts.append(Attempt(job_id=job_id, server=server, failure_kind=result.failure_kind,
                                     error=result.error))
@@ -556,6 +567,11 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
+
+
+def never_rerun(result: JobResult) -> bool:
+    """True for a result whose job must not be submitted again: it finished once already (``expired``)."""
+    return result.failure_kind == EXPIRED
 
 
 def uses_retry(result: JobResult, server: str, failed_on: AbstractSet[str]) -> bool:

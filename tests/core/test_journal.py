@@ -130,6 +130,38 @@ async def test_a_finished_job_id_is_idempotent_and_found_after_memory_forgot_it(
     assert (await (await client.post("/cancel", json={"job_id": "once"})).json())["cancelled"] is False
 
 
+async def test_a_delivered_result_retention_deleted_is_answered_410_expired_and_never_run_again(
+        make_client, scripted, tmp_path):
+    # red team (#33): past journal_max_bytes retention deleted delivered results, and after a restart the same
+    # job id resubmitted ran again: one id, two samples
+    path = tmp_path / "server.sqlite"
+    client = await make_client(journal=str(path))
+    body = {"job_id": "once", "instance": {"data_source": "scripted", "reward": 0.75}}
+    assert (await (await client.post("/process", json=body)).json())["reward"] == 0.75
+    filtered = {"job_id": "f", "instance": {"data_source": "scripted", "fail_in": "init"}}
+    assert (await (await client.post("/process", json=filtered)).json())["filter"] is True
+    await client.close()
+
+    time.sleep(0.05)
+    j = Journal(str(path), max_age_s=0.01, retention_every_s=0.0)  # every finished result is too old now
+    j.start()
+    j.job_submitted("other", "h", b"{}")  # a commit, after which the writer applies retention
+    assert j.flush()
+    j.close()
+    j = Journal(str(path), readonly=True)
+    assert j.job("once") is None and j.expired("once") and not j.expired("f")
+    j.close()
+
+    client = await make_client(journal=str(path))  # a restarted server on the same journal
+    for r in (await client.post("/process", json=body), await client.post("/jobs", json=body),
+              await client.get("/jobs/once")):
+        assert r.status == 410
+        assert (await r.json())["error"]["type"] == "result_expired"
+    assert scripted.events.count(("once", "run")) == 1  # the handler did not run it again
+    # a filtered result leaves no tombstone: its id runs again, as before
+    assert (await (await client.post("/process", json=filtered)).json())["filter"] is True
+
+
 async def test_a_filtered_result_is_run_again_on_resubmission(make_client, tmp_path):
     client = await make_client(journal=str(tmp_path / "s.sqlite"))
     body = {"job_id": "f", "instance": {"data_source": "scripted", "fail_in": "init"}}

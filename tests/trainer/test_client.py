@@ -324,6 +324,37 @@ async def test_a_filtered_sample_is_regenerated_and_never_trained_on(start_dying
     assert m.as_dict()["failure_kinds"] == {"sandbox": 1}
 
 
+async def test_an_expired_sample_is_never_regenerated_and_its_group_is_dropped(aiohttp_server):
+    # 410 result_expired: the job ran and its result was answered once (a server's journal has since deleted
+    # it): a finished sample, not trained on again and never regenerated (a new job would be a second sample)
+    from aiohttp import web
+
+    from prorl_server.types import JobResult
+
+    seen = []
+
+    async def process(request):
+        body = await request.json()
+        seen.append(body["job_id"])
+        if body["instance"]["id"] == "p0":
+            return web.json_response({"error": {"type": "result_expired", "message": "deleted by retention"}},
+                                     status=410)
+        return web.json_response(JobResult(job_id=body["job_id"], trajectory_id=body["job_id"], handler="x",
+                                           reward=1.0).model_dump(mode="json"))
+
+    app = web.Application()
+    app.router.add_post("/process", process)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    data = [{"data_source": "x", "id": "p0"}, {"data_source": "x", "id": "p1"}]
+    async with RolloutClient([url], data, groups_per_step=1, n_samples=1, window=1, dynamic_sampling=False,
+                             max_staleness=None, max_epochs=1, max_sample_retries=2) as client:
+        batch = await asyncio.wait_for(client.next_batch(), 30)
+    assert [g.uid for g in batch.groups] == ["e0-i1"]
+    assert len(seen) == 2  # p0 once, p1 once: the expired sample was not regenerated
+    assert batch.metrics.failure_kinds == {"expired": 1} and batch.metrics.samples_regenerated == 0
+
+
 async def test_a_sample_that_stays_filtered_drops_its_group_and_the_step_goes_on(start_dying_server, dying):
     url = await start_dying_server()
     data = [dying_item(0, fail_first=10**6), dying_item(1, fail_first=0, rewards=(1,))]

@@ -11,7 +11,7 @@ from aiohttp import web
 from prorl_server.types import JobResult
 from trainer_plugins.admission import (DropStale, LeastInFlight, RendezvousByGroup, ServerChooser,
                                        StalenessPolicy, WaitForStale, as_server_chooser, as_staleness_policy)
-from trainer_plugins.jobs import ROLLOUT_SERVER, JobSubmitter, process_request
+from trainer_plugins.jobs import EXPIRED, ROLLOUT_SERVER, JobSubmitter, process_request
 from trainer_plugins.servers import server_for_group
 
 
@@ -63,6 +63,28 @@ async def test_a_body_that_is_no_job_result_is_a_filtered_rollout_server_result(
         r = await jobs.submit(str(server.make_url("")).rstrip("/"), process_request({"data_source": "x"},
                                                                                     job_id="j"))
     assert r.filter is True and r.failure_kind == ROLLOUT_SERVER and "no job result" in r.error
+
+
+async def test_an_expired_job_is_a_finished_sample_never_resubmitted(aiohttp_server):
+    # a server whose journal's retention deleted the job's delivered result answers 410 result_expired: the job
+    # ran once; running it again (or a new attempt of the sample) would give the trainer a second sample of it
+    calls = []
+
+    async def process(request):
+        calls.append((await request.json())["job_id"])
+        return web.json_response({"error": {"type": "result_expired", "message": "job was answered; retention "
+                                            "deleted its result", "field": "job_id"}}, status=410)
+
+    app = web.Application()
+    app.router.add_post("/process", process)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    async with JobSubmitter() as jobs:
+        r = await jobs.submit(url, process_request({"data_source": "x"}, job_id="j"))
+        assert r.filter is True and r.failure_kind == EXPIRED and r.critical_error is None
+        outcome = await jobs.run([url], process_request({"data_source": "x"}), max_sample_retries=3)
+    assert outcome.result.failure_kind == EXPIRED and outcome.attempts == []
+    assert len(calls) == 2  # one each: not retried, not re-submitted under a new id
 
 
 async def test_a_cancel_that_races_the_submission_still_cancels_the_job(serve_handlers, varied, job_state):
