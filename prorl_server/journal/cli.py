@@ -7,13 +7,16 @@
     prorl-journal export JOURNAL --format jsonl|verl|trl --out PATH [--handler NAME] [--since UNIX_S]
                                  [--rewards REGRADE.jsonl]
     prorl-journal stats JOURNAL [--json]
+    prorl-journal vacuum JOURNAL
 
 ``regrade`` grades every finished job again with the current handler code and no LLM backend
 (:mod:`prorl_server.journal.regrade`) and writes one JSON line per job (``job_id``, ``old_reward``, ``new_reward``,
 ``changed``, ``failure_kind``, ``status``, ...; to ``--out`` or stdout), then a summary on stderr. ``export``
 writes the finished results as trainer rows (:mod:`prorl_server.journal.export`; verl as Parquet when pyarrow is
 installed and ``--out`` does not end in ``.jsonl``, else JSON lines with the same columns). ``stats`` counts jobs
-by state and handler, completions and gateway exchanges, and the file's size. Progress bars (tqdm) go to stderr
+by state and handler, completions and gateway exchanges, tombstones, and the file's size. ``vacuum`` converts,
+with the server stopped, a journal created without ``auto_vacuum`` (before schema 3) and larger than
+:data:`~prorl_server.journal.store.CONVERT_MAX_BYTES`, so retention can shrink it. Progress bars (tqdm) go to stderr
 (``--quiet`` hides them).
 
 Exit status: 0 done; 1 ``regrade`` re-graded nothing although jobs matched (every one refused or failed: the
@@ -366,13 +369,15 @@ def journal_stats(journal: Journal) -> dict[str, Any]:
                               "FROM completions")[0]
         tables = {r[0] for r in q("SELECT name FROM sqlite_master WHERE type = 'table'")}
         gw = q("SELECT COUNT(*), COUNT(DISTINCT session_id) FROM gateway")[0] if "gateway" in tables else (0, 0)
+        expired = q("SELECT COUNT(*) FROM expired")[0][0] if "expired" in tables else 0
         oldest, newest = q("SELECT MIN(submitted), MAX(submitted) FROM jobs")[0]
     finally:
         db.close()
     return {"path": journal.path, "jobs": by_state, "jobs_total": sum(by_state.values()),
             "done_by_handler": by_handler,
             "completions": {"rows": n, "owners": owners, "generated_tokens": tokens},
-            "gateway": {"exchanges": gw[0], "sessions": gw[1]}, "oldest": oldest, "newest": newest,
+            "gateway": {"exchanges": gw[0], "sessions": gw[1]}, "expired": expired, "oldest": oldest,
+            "newest": newest,
             "size_bytes": journal.size_bytes()}
 
 
@@ -395,7 +400,31 @@ def _stats(args: argparse.Namespace) -> int:
     c, g = s["completions"], s["gateway"]
     print(f"completions: {c['rows']} of {c['owners']} owner(s), {c['generated_tokens']} generated tokens")
     print(f"gateway exchanges: {g['exchanges']} in {g['sessions']} session(s)")
+    print(f"expired (results retention deleted; their ids answer 410): {s['expired']}")
     print(f"submitted: {when(s['oldest'])} .. {when(s['newest'])}")
+    return 0
+
+
+def _vacuum(args: argparse.Namespace) -> int:
+    """Rewrite the journal once with ``auto_vacuum=INCREMENTAL`` (a full VACUUM: needs the file's size free
+    on disk, and no server writing it: the journal's lock is taken, or the command refused)."""
+    open_journal(args.journal).close()  # a journal (never a file created, or another database changed)
+    try:
+        journal = Journal(args.journal)  # the lock: refused while a server writes it; upgrades the schema
+    except JournalError as e:
+        raise CliError(str(e)) from None
+    try:
+        before = journal.size_bytes()
+        db = sqlite3.connect(journal.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            db.execute("VACUUM")
+        finally:
+            db.close()
+        print(f"journal {journal.path}: {before / 1e6:.1f} MB -> {journal.size_bytes() / 1e6:.1f} MB, "
+              "auto_vacuum=INCREMENTAL (retention now hands freed pages back)")
+    finally:
+        journal.close()
     return 0
 
 
@@ -445,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="jobs by state, completions, size on disk")
     common(s, since=False)
     s.add_argument("--json", action="store_true", help="print the counts as JSON")
+    v = sub.add_parser("vacuum", help="convert a journal of an older version so that retention can shrink it",
+                       description="Rewrite the journal once with auto_vacuum=INCREMENTAL (server stopped; needs "
+                       "the file's size free on disk). Journals this version creates, and older ones up to 256 "
+                       "MiB (converted when a server opens them), need no such step.")
+    common(v, since=False)
     return p
 
 
@@ -455,6 +489,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return asyncio.run(_regrade(args))
         if args.command == "export":
             return _export(args)
+        if args.command == "vacuum":
+            return _vacuum(args)
         return _stats(args)
     except CliError as e:
         print(f"prorl-journal: {e}", file=sys.stderr)

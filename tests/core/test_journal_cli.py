@@ -413,3 +413,32 @@ def test_the_console_script_exits_2_on_a_missing_journal(tmp_path):
         p = subprocess.run([*cmd, "stats", str(tmp_path / "missing.sqlite")], capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 2 and "no journal at" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+
+
+def test_vacuum_converts_a_large_journal_of_an_older_version_so_retention_can_shrink_it(tmp_path, monkeypatch,
+                                                                                      capsys):
+    # a journal created before auto_vacuum (schema 2 files, converted at open only when small): retention frees
+    # its pages but the file never shrinks until it is converted once, with the server stopped
+    import sqlite3
+
+    from prorl_server.journal import store
+
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(store.SCHEMA)
+    db.execute(f"PRAGMA user_version = {store.SCHEMA_VERSION}")
+    db.commit()
+    db.close()
+    monkeypatch.setattr(store, "CONVERT_MAX_BYTES", 0)  # as if it were larger than what an open converts
+    j = store.Journal(str(path))
+    j.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+    db.close()
+    assert main(["vacuum", str(path)]) == 0
+    assert "auto_vacuum=INCREMENTAL" in capsys.readouterr().out
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+    db.close()
+    assert main(["vacuum", str(tmp_path / "missing.sqlite")]) == 2  # never creates a journal
+    assert not (tmp_path / "missing.sqlite").exists()
