@@ -353,3 +353,25 @@ async def test_slurm_confirms_a_dead_member_before_its_lease_runs_out(slurm_clus
         asking.close()
         lease_only.close()
         cluster.run("scancel", job, check=False)
+
+
+def test_a_fleet_token_planted_by_another_user_stops_the_launcher_before_any_server_starts(slurm_cluster, tmp_path):
+    # issue #33: the launcher took whatever DIR/token held (`ln` fails when the file exists): a co-tenant who made
+    # it first knew the key every server then signed its record and checked its requests with
+    import os
+
+    fleet_dir = tmp_path / "fleet"
+    fleet_dir.mkdir()
+    planted = fleet_dir / "token"
+    planted.write_text("the-co-tenants-key")
+    planted.chmod(0o600)
+    os.chown(planted, 4321, 4321)
+    job = submit(slurm_cluster, tmp_path / "a", fleet_dir)
+    try:
+        assert slurm_cluster.wait_job_done(job, 60) in {"FAILED", ""}
+        out = (tmp_path / "a" / f"job-{job}.out").read_text()
+        assert "belongs to uid 4321" in out and "cannot use" in out, out
+        assert not members_dir(fleet_dir).exists()  # no server started, none signed with the planted key
+    finally:  # a launcher that took the planted token runs on: release it before the cluster goes
+        slurm_cluster.run("scancel", job, check=False)
+        slurm_cluster.wait_job_done(job, 60)
