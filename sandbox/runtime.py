@@ -145,6 +145,9 @@ class LaunchContext:
     run_as: Optional[tuple[int, int]] = None
     view: Optional[PythonView] = None
     bounds: SandboxBounds = SandboxBounds()
+    #: Descriptors ``build_command`` opened for the launcher (e.g. bwrap's ``--seccomp`` program): passed to it
+    #: at their numbers and closed in the server once it is started.
+    launch_fds: list[int] = dataclasses.field(default_factory=list)
 
     def server_argv(self) -> list[str]:
         return [self.python, "-S", "-m", "sandbox.exec_server",
@@ -514,19 +517,21 @@ class SandboxRuntime(abc.ABC):
         ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
         proc = None
         try:
-            argv = self.build_command(spec, ctx)
-            if ctx.bounds.cgroup:
-                # The launcher enters the sandbox's cgroup before it runs anything, so every process of the
-                # sandbox is born inside it (the exec keeps its pid and create time).
-                argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', ctx.bounds.cgroup, *argv]
-            logf = open(os.path.join(ctx.run_dir, LOG_NAME), "wb")
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                    env={**self.launcher_env(ctx), LAUNCHER_MARKER_VAR: sandbox_id},
-                    pass_fds=tuple(lease.fd for lease in leases))
+                argv = self.build_command(spec, ctx)
+                if ctx.bounds.cgroup:
+                    # The launcher enters the sandbox's cgroup before it runs anything, so every process of the
+                    # sandbox is born inside it (the exec keeps its pid and create time).
+                    argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', ctx.bounds.cgroup, *argv]
+                with open(os.path.join(ctx.run_dir, LOG_NAME), "wb") as logf:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                        env={**self.launcher_env(ctx), LAUNCHER_MARKER_VAR: sandbox_id},
+                        pass_fds=(*(lease.fd for lease in leases), *ctx.launch_fds))
             finally:
-                logf.close()
+                for fd in ctx.launch_fds:  # the launcher has its copies
+                    os.close(fd)
+                ctx.launch_fds.clear()
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
                       "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
                       "address": ctx.address, "cgroup": ctx.bounds.cgroup,

@@ -145,6 +145,55 @@ async def test_fallocate_far_past_the_quota_is_killed_within_a_watch_interval_ev
 
 
 @pytest.mark.real
+async def test_fallocate_is_refused_in_a_sandbox_so_the_disk_fills_at_most_at_write_speed(sandbox):
+    """fallocate(2) reserves any amount of disk in milliseconds, faster than any measurement; refused
+    (EOPNOTSUPP) by the sandbox's seccomp filter, glibc's posix_fallocate falls back to writing."""
+    r = await sandbox.bash("fallocate -l 1M f; echo rc=$?; python3 -c \"import os\nfd = os.open('g', "
+                           "os.O_CREAT | os.O_WRONLY)\nos.posix_fallocate(fd, 0, 1 << 20)\n"
+                           "print('blocks', os.fstat(fd).st_blocks)\"", timeout_s=30)
+    assert "Operation not supported" in r.output and "rc=1" in r.output, r.output
+    assert "blocks 2048" in r.output, r.output
+
+
+def _run_bpf(prog: bytes, arch: int, nr: int) -> int:
+    """What a classic-BPF seccomp program returns for a call (only the instructions the filter uses)."""
+    import struct
+
+    ins = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = ins[pc]
+        if code == 0x20:
+            acc = {0: nr, 4: arch}[k]
+        elif code == 0x54:
+            acc &= k
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
+
+
+def test_the_seccomp_filter_refuses_fallocate_in_every_abi_of_the_machine_and_nothing_else():
+    from sandbox.bubblewrap import no_fallocate_filter
+
+    allow, refuse = 0x7FFF0000, 0x00050000 | 95
+    x86 = no_fallocate_filter("x86_64")
+    assert _run_bpf(x86, 0xC000003E, 285) == refuse  # x86_64 fallocate
+    assert _run_bpf(x86, 0xC000003E, 0x40000000 | 285) == refuse  # the x32 ABI's
+    assert _run_bpf(x86, 0x40000003, 324) == refuse  # i386's (int 0x80)
+    for nr in (0, 1, 2, 59, 286, 324):
+        assert _run_bpf(x86, 0xC000003E, nr) == allow
+    assert _run_bpf(x86, 0x40000003, 285) == allow  # i386's 285 is another call
+    arm = no_fallocate_filter("aarch64")
+    assert _run_bpf(arm, 0xC00000B7, 47) == refuse and _run_bpf(arm, 0x40000028, 352) == refuse
+    assert _run_bpf(arm, 0xC00000B7, 48) == allow
+    assert no_fallocate_filter("riscv64") is None
+
+
+@pytest.mark.real
 async def test_hundreds_of_processes_holding_descriptors_cannot_keep_an_over_quota_workspace_alive(
         runtime_options, procs):
     """400 processes sharing 1,000 descriptors made one measurement of open-but-unlinked files cost 8-13 s
