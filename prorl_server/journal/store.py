@@ -1183,7 +1183,7 @@ class _Store:
         if db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
             while db.execute("PRAGMA freelist_count").fetchone()[0] > 0:
                 before = db.execute("PRAGMA page_count").fetchone()[0]
-                db.execute("PRAGMA incremental_vacuum(1024)").fetchall()  # a row a page: step through them all
+                db.execute("PRAGMA incremental_vacuum(256)").fetchall()  # a row a page: step through them all
                 self.retention_counters["pages_freed"] += before - db.execute("PRAGMA page_count").fetchone()[0]
                 if time.monotonic() > deadline:
                     return True
@@ -1199,7 +1199,7 @@ class _Store:
         free = db.execute("PRAGMA freelist_count").fetchone()[0]
         return page * (pages - free)
 
-    def _delete_oldest(self, db: sqlite3.Connection, before: Optional[float], limit: int = 200) -> int:
+    def _delete_oldest(self, db: sqlite3.Connection, before: Optional[float], limit: int = 50) -> int:
         """Delete the ``limit`` oldest ended units (finished jobs, ended job-less gateway sessions) last updated
         before ``before`` (None: any), with their completions and gateway rows, in one transaction; a job with
         an unfiltered result leaves a tombstone. Returns how many were deleted."""
