@@ -404,6 +404,14 @@ def test_descriptors_of_a_process_tree_are_read_within_a_budget(tmp_path):
             open_deleted_bytes(os.getpid(), [str(tmp_path)], budget=MeasureBudget(n_fds // 2))
 
 
+def test_the_runtime_says_at_start_how_the_disk_quota_is_enforced(runtime_options, caplog):
+    caplog.set_level(logging.INFO, logger="sandbox.runtime")
+    rt = make_runtime("bubblewrap", measure_max_entries=5000, min_free_bytes=1 << 30, **runtime_options)
+    said = [r.message for r in caplog.records if r.message.startswith("sandbox disk:")]
+    assert said == [f"sandbox disk: {rt.disk_enforcement}"], said
+    assert "measured" in said[0] and "5000 entries" in said[0] and "1073741824 bytes free" in said[0]
+
+
 def test_bounds_resolve_from_spec_then_runtime_and_rlimit_follows_the_quota(runtime_options):
     rt = make_runtime("bubblewrap", tmpfs_bytes=64 << 20, workspace_bytes=1 << 30, sandbox_memory_bytes=None,
                       **runtime_options)
