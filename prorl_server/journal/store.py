@@ -1173,8 +1173,12 @@ class _Store:
         if self.max_bytes is not None:
             while self.live_bytes(db) > self.max_bytes:
                 if not self._delete_oldest(db, None):
+                    # only running jobs are left: tombstones (~100 bytes each) go only once they alone hold an
+                    # eighth of the cap, else an over-full journal of running jobs would wipe them all, and with
+                    # them the guarantee that a delivered id never runs twice
+                    excess = db.execute("SELECT COUNT(*) FROM expired").fetchone()[0] - self.max_bytes // 800
                     n = db.execute("DELETE FROM expired WHERE job_id IN (SELECT job_id FROM expired ORDER BY t "
-                                   "LIMIT 1000)").rowcount
+                                   "LIMIT ?)", (min(1000, excess),)).rowcount if excess > 0 else 0
                     self.retention_counters["tombstones"] += max(0, n)
                     if n <= 0:
                         break

@@ -530,3 +530,19 @@ def test_a_journal_of_schema_2_is_upgraded_in_place_and_its_gateway_sessions_com
     assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # converted once (a small file)
     assert db.execute("SELECT session_id, owner, ended FROM sessions").fetchall() == [("sess_a", "gateway:sess_a", 1)]
     db.close()
+
+
+def test_a_journal_over_its_cap_with_running_jobs_only_keeps_its_tombstones(tmp_path):
+    # the running job cannot be deleted; deleting the tombstones would free nothing worth it and let the
+    # delivered id run again
+    j = journal(tmp_path, max_bytes=1 << 20, retention_every_s=0.0)
+    j.job_submitted("delivered", "h", b"{}")
+    j.job_result("delivered", b'{"reward": 1.0}')
+    assert j.flush()
+    j.job_submitted("running", "h", b"x" * (2 << 20))
+    assert j.flush()
+    j.job_state("running", "run")  # a commit after which retention runs with the big job in
+    assert j.flush()
+    assert j.job("delivered") is None and j.expired("delivered")
+    assert j.job("running") is not None
+    j.close()
