@@ -254,18 +254,21 @@ def _describe(instance: Mapping[str, Any], limit: int = 200) -> str:
 
 
 def resolve_servers(servers: Union[str, os.PathLike, ServersFile, Sequence[str]],
-                    local_node: Optional[str] = None) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+                    local_node: Optional[str] = None,
+                    token: Optional[str] = None) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Rollout servers from URLs, a :class:`ServersFile` or the path of ``servers.json``: ``(urls in same-node
     first order, headers with the bearer token, {url: llm_backends})``. Reading a path blocks (small file).
     A fleet directory (:func:`trainer_plugins.fleet.is_fleet_dir`) or a :class:`~trainer_plugins.fleet.Fleet`
     gives the fleet itself as the URLs: a live sequence of its routable members (the token from ``DIR/token``).
+    ``token``: the bearer token the caller will send; a fleet opened here admits only members whose records are
+    signed with it (:mod:`trainer_plugins.fleet`, "Proof of membership").
 
     Raises:
         ValueError: no server. FileNotFoundError / ServersFileError: servers.json is missing or malformed.
     """
     if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")) \
             and is_fleet_dir(servers):
-        servers = open_fleet(servers, local_node=local_node)
+        servers = open_fleet(servers, local_node=local_node, token=token)
     if isinstance(servers, Fleet):  # a live view: the caller follows the fleet as it changes
         return servers, servers.headers, {}  # type: ignore[return-value]
     if isinstance(servers, (str, os.PathLike)) and not str(servers).startswith(("http://", "https://")):
@@ -472,7 +475,7 @@ class RolloutClient:
         self.max_connections = max_connections
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
-        self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node)
+        self.urls, file_headers, self.server_backends = resolve_servers(servers, local_node, token)
         self.fleet: Optional[Fleet] = self.urls if isinstance(self.urls, Fleet) else None
         self.end_fleet = end_fleet
         #: with a fleet: registers the backends of the last update_weights with members that join later

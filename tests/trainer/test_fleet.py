@@ -856,6 +856,22 @@ async def test_a_member_signs_its_record_with_its_token_and_only_readers_with_th
         await m.close()
 
 
+async def test_a_rollout_client_given_a_token_admits_only_members_that_signed_with_it(tmp_path):
+    # a group-writable members/ (a project directory) and no DIR/token: the client's own token is the proof
+    from trainer_plugins.client import RolloutClient
+
+    write_record(tmp_path, record("signed", "http://127.0.0.1:1", ttl_s=3600), token="k")
+    write_record(tmp_path, record("other", "http://127.0.0.1:2", ttl_s=3600), token="not-k")
+    members_dir(tmp_path).chmod(0o775)
+    client = RolloutClient(str(tmp_path), [], groups_per_step=1, max_staleness=None, token="k")
+    try:
+        assert client.fleet is not None and client.fleet.urls() == ["http://127.0.0.1:1"]
+        assert client.headers["Authorization"] == "Bearer k"
+    finally:
+        await client.close()
+        client.fleet.close()
+
+
 def test_prorl_run_refuses_a_token_in_argv_and_takes_a_private_token_file(tmp_path, capsys, monkeypatch):
     from trainer_plugins import run_job
 
