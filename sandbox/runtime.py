@@ -487,7 +487,9 @@ class SandboxRuntime(abc.ABC):
         dict of its fields (e.g. from a config file), or ``None`` for the defaults; ``fields`` override single
         fields (``start(image=..., network="loopback")``). Raises ``TypeError``/``ValueError`` for a bad spec,
         :class:`SandboxStartError` (with the launcher's log tail) if the sandbox exits or does not answer
-        within ``start_timeout_s``. Cancelling the caller is safe at any point: the start finishes in the
+        within ``start_timeout_s``, and for every ``OSError`` of preparing or launching it (a full disk, a
+        refused cgroup, a lease directory it cannot use, a failed fork: the host's, never the sandbox's
+        doing; the ``OSError`` is its ``__cause__``). Cancelling the caller is safe at any point: the start finishes in the
         background and the sandbox is closed at once (``close_all`` waits for that too)."""
         if spec is None:
             spec = SandboxSpec(**fields)
@@ -514,7 +516,11 @@ class SandboxRuntime(abc.ABC):
         await self.prepare_launch(spec)
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
-        ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
+        try:
+            ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
+        except OSError as e:
+            raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} could not be prepared: "
+                                    f"{type(e).__name__}: {e}") from e
         proc = None
         try:
             try:
@@ -528,6 +534,9 @@ class SandboxRuntime(abc.ABC):
                         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                         env={**self.launcher_env(ctx), LAUNCHER_MARKER_VAR: sandbox_id},
                         pass_fds=(*(lease.fd for lease in leases), *ctx.launch_fds))
+            except OSError as e:
+                raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} could not be launched: "
+                                        f"{type(e).__name__}: {e}") from e
             finally:
                 for fd in ctx.launch_fds:  # the launcher has its copies
                     os.close(fd)

@@ -1,7 +1,8 @@
 """Lease directories are shared node state that another local user can write (issue #33, part 6): a name
 planted there (a FIFO, a symbolic link, a directory, another user's file) is skipped, never a failed or hung
-sandbox start; a root server leases sandbox uids from a directory only it can write. Unit tests of
-:mod:`sandbox.leases` (fast tier) and real bubblewrap starts (real tier)."""
+sandbox start; a root server leases sandbox uids from a directory only it can write; what fails on the host
+while a sandbox is prepared is a typed start error. Unit tests of :mod:`sandbox.leases` (fast tier) and real
+bubblewrap starts (real tier)."""
 from __future__ import annotations
 
 import os
@@ -167,3 +168,20 @@ async def test_loopback_sandbox_starts_when_a_co_tenant_planted_fifos_in_the_sha
         await h.close()
     finally:
         await rt.close_all()
+
+
+async def test_an_os_error_while_preparing_a_sandbox_is_a_typed_start_error(runtime_options, short_tmp):
+    """What fails on the host while a sandbox is prepared (here its workspace cannot be created; a full disk,
+    a refused cgroup, an unusable lease directory alike) is a SandboxStartError with the OSError as its cause:
+    the host's doing, never the sandbox's. Nothing is launched."""
+    from sandbox import make_runtime
+
+    blocker = os.path.join(short_tmp, "not-a-dir")
+    with open(blocker, "w") as f:
+        f.write("x")
+    rt = make_runtime("bubblewrap", **{**runtime_options, "workspace_root": os.path.join(blocker, "ws")})
+    with pytest.raises(SandboxStartError, match="could not be prepared") as e:
+        await rt.start()
+    assert isinstance(e.value.__cause__, OSError)
+    assert rt.handles == [] and rt.store.records() == []
+    await rt.close_all()
