@@ -512,9 +512,9 @@ class Journal:
     def _committed(self, n: int, stats: dict[str, Any], latencies: Sequence[float]) -> None:
         """The writer reports: rows up to ``n`` are committed; ``stats`` its counters and last error."""
         self._last_error = stats.get("last_error")
-        for k in ("rows", "commits", "write_errors"):
-            if k in stats:
-                self.counters[k] = stats[k]
+        for k, v in stats.items():  # rows, commits, write_errors, retention_* (what retention deleted)
+            if k != "last_error":
+                self.counters[k] = v
         if latencies:
             lat = self.latencies
             lat.extend(latencies)
@@ -830,8 +830,12 @@ class Journal:
         without a job), in the order they were recorded. ``request`` is the body as compact JSON with its
         whole ``messages`` (rebuilt from the previous request's), or, in a row of schema 2, as sent."""
         with self._reader_lock:
-            rows = self._read().execute("SELECT seq, request_hash, request, response, prefix_messages FROM gateway "
-                                        "WHERE session_id = ? ORDER BY id", (owner,)).fetchall()
+            try:
+                rows = self._read().execute("SELECT seq, request_hash, request, response, prefix_messages FROM "
+                                            "gateway WHERE session_id = ? ORDER BY id", (owner,)).fetchall()
+            except sqlite3.OperationalError:  # a schema-2 journal read as it is: every request as sent
+                rows = self._read().execute("SELECT seq, request_hash, request, response, NULL FROM gateway "
+                                            "WHERE session_id = ? ORDER BY id", (owner,)).fetchall()
         out = []
         prev: list[Any] = []
         for seq, h, request, response, prefix in rows:
@@ -964,7 +968,8 @@ class _Store:
         self.retention_counters = {"jobs": 0, "sessions": 0, "tombstones": 0, "pages_freed": 0}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "last_error": self.last_error}
+        return {**self.counters, **{f"retention_{k}": v for k, v in self.retention_counters.items()},
+                "last_error": self.last_error}
 
     def open(self) -> None:
         if self.prealloc_wal:

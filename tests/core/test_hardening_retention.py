@@ -205,6 +205,8 @@ def test_journal_retention_drops_the_oldest_gateway_sessions_and_keeps_the_file_
     assert j.count_jobs() == 100  # the sessions were older: they went first, every finished job stays
     kept_sessions = [i for i in range(150) if j.gateway_exchanges(f"sess_{i}")]
     assert kept_sessions == list(range(150 - len(kept_sessions), 150))  # oldest first
+    # the writer reports what retention did (as of its last report: a step may follow it)
+    assert 0 < j.counters["retention_sessions"] <= 150 - len(kept_sessions) and j.counters["retention_jobs"] == 0
     j.close()
     db = sqlite3.connect(path)
     assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == len(kept_sessions)
