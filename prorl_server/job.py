@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Optional, TypeVar
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
+from prorl_server.cpu_pool import ANSWER_CPU_BUDGET_S
 from prorl_server.failures import is_filtered, preparing_sandbox
 
 if TYPE_CHECKING:
@@ -37,8 +38,10 @@ class JobServices:
     ``pool``: the LLM backend pool (``job.backend()``: sticky per job, released when the job ends).
     ``backend_wait_s``: seconds a job waits for a backend to be registered. ``sandbox_opener``: starts a
     sandbox (``job.open_sandbox()``). ``llm``: the shared LLM client and the served model's tokenizer
-    (``job.llm``). ``cpu_pool``: the process pool of ``job.run_cpu``. ``gateway``: the OpenAI-compatible
-    gateway whose sessions a handler binds to its job (``cli_agent``).
+    (``job.llm``). ``cpu_pool``: the process pool of ``job.run_cpu``. ``cpu_budget_s``: CPU seconds all of a
+    job's ``run_cpu`` calls may use together (one answer's scoring; None: unbounded), default
+    :data:`prorl_server.cpu_pool.ANSWER_CPU_BUDGET_S`. ``gateway``: the OpenAI-compatible gateway whose
+    sessions a handler binds to its job (``cli_agent``).
     """
 
     pool: Optional["BackendPool"] = None
@@ -47,6 +50,7 @@ class JobServices:
     llm: Optional["LLMContext"] = None
     cpu_pool: Optional["CpuPool"] = None
     gateway: Optional["Gateway"] = None
+    cpu_budget_s: Optional[float] = ANSWER_CPU_BUDGET_S
 
 
 class PausableTimer:
@@ -179,8 +183,10 @@ class Job(Generic[S]):
         self.finishing = False  # set once the pipeline starts ending the job
         #: the running stage's deadline (an ``asyncio.Timeout``; None without a budget or between stages)
         self.deadline: Optional[asyncio.Timeout] = None
-        self._held_remaining: Optional[float] = None  # seconds the deadline had left when a swap held it
-        self._held_at: Optional[float] = None  # time.monotonic() when a swap started holding it
+        self._held_remaining: Optional[float] = None  # seconds the deadline had left when a hold started
+        self._held_at: Optional[float] = None  # time.monotonic() when the first of the current holds started
+        self._holds: set[object] = set()  # what holds the deadline now: "swap", a run_cpu call waiting
+        self._cpu_share: Any = None  # the job's prorl_server.cpu_pool.CpuShare, made by its first run_cpu
         self.retained_bytes = 0  # estimated size of the result while the pipeline retains it (result_bytes)
 
         self._backend_address: Optional[str] = None
@@ -285,10 +291,12 @@ class Job(Generic[S]):
         failure the model's actions can cause is a scored result (:mod:`prorl_server.failures`)."""
         return self.turns_generated > 0
 
-    def hold_deadline(self) -> None:
-        """A weight swap holds the job (its LLM calls wait in the server or are frozen in the engine): its
-        running stage's deadline (:attr:`deadline`, the pipeline's ``asyncio.Timeout``) stops until
-        :meth:`release_deadline`."""
+    def hold_deadline(self, reason: object = "swap") -> None:
+        """Something outside the job holds it: a weight swap (its LLM calls wait in the server or are frozen
+        in the engine; ``reason="swap"``, idempotent), or a shared resource it waits for (a CPU-pool worker:
+        ``run_cpu`` passes a key of its own per call). Its running stage's deadline (:attr:`deadline`, the
+        pipeline's ``asyncio.Timeout``) stops until :meth:`release_deadline` of the last of its holds."""
+        self._holds.add(reason)
         deadline = self.deadline
         if self._held_at is None:
             self._held_at = time.monotonic()
@@ -302,10 +310,12 @@ class Job(Generic[S]):
         self.deadline = None
         self._held_remaining = None
 
-    def release_deadline(self) -> None:
-        """The swap ended: the time since :meth:`hold_deadline` is not charged to the job's timeout (the running
-        stage's deadline restarts with what it had left; later stages get the counted time back)."""
-        if self._held_at is None:
+    def release_deadline(self, reason: object = "swap") -> None:
+        """The hold ``reason`` ended; once no hold is left, the time since the first :meth:`hold_deadline` is
+        not charged to the job's timeout (the running stage's deadline restarts with what it had left; later
+        stages get the counted time back). Releasing a hold that is not held does nothing."""
+        self._holds.discard(reason)
+        if self._holds or self._held_at is None:
             return
         if self.timer.running:
             self.timer.credit(time.monotonic() - self._held_at)
@@ -326,20 +336,35 @@ class Job(Generic[S]):
         """``fn(*args)`` in the server's CPU process pool, off the event loop (CPU-bound scoring goes here).
 
         ``fn`` and ``args`` are pickled: ``fn`` must be importable by module and name. It runs in a worker's
-        main thread, so ``signal.alarm``-based timeouts inside it work.
+        main thread, so ``signal.alarm``-based timeouts inside it work. The pool is shared fairly: the job's
+        calls wait in its own queue, served in turn with other jobs'. Time waiting for a worker is the
+        system's: the job's deadline is held meanwhile (as a stage queue wait is not counted). All of the job's
+        calls together may use ``services.cpu_budget_s`` CPU seconds (one answer's scoring).
 
         Args:
             timeout_s: wall-clock limit in the worker, seconds (time waiting for a free worker not counted).
 
         Raises:
-            prorl_server.cpu_pool.CpuTimeoutError: ``fn`` ran past ``timeout_s`` (its worker was replaced).
+            prorl_server.cpu_pool.CpuTimeoutError: ``fn`` ran past ``timeout_s`` or the job's CPU budget (its
+                worker was replaced), or the budget was already spent: the answer's doing, score it 0.0.
             prorl_server.cpu_pool.WorkerCrashedError: the worker died (an infrastructure fault, ``harness``).
             RuntimeError: this server has no CPU pool.
             Exception: whatever ``fn`` raised.
         """
-        if self.services.cpu_pool is None:
+        pool = self.services.cpu_pool
+        if pool is None:
             raise RuntimeError("this server has no CPU pool")
-        return await self.services.cpu_pool.run(fn, *args, timeout_s=timeout_s)
+        if self._cpu_share is None:
+            from prorl_server.cpu_pool import CpuShare
+
+            self._cpu_share = CpuShare(owner=self.job_id, budget_s=self.services.cpu_budget_s)
+        waiting = object()  # this call's own hold: calls of one job may wait side by side
+        self.hold_deadline(waiting)
+        try:
+            return await pool.run(fn, *args, timeout_s=timeout_s, share=self._cpu_share,
+                                  on_start=lambda: self.release_deadline(waiting))
+        finally:
+            self.release_deadline(waiting)
 
     def add_closer(self, closer: Closer, scope: str = "run") -> None:
         """Register an async cleanup. ``scope="run"``: runs when the run stage ends (the run

@@ -21,9 +21,11 @@ from handlers.math.scoring import score
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.app import CPU_POOL, create_app
 from prorl_server.config import ServerSettings
-from prorl_server.cpu_pool import CpuPool, CpuTimeoutError, WorkerCrashedError
+from prorl_server.cpu_pool import CpuPool, CpuShare, CpuTimeoutError, WorkerCrashedError
 from prorl_server.failures import classify
+from prorl_server.llm.agent_loop import AgentConfig
 from prorl_server.loop_monitor import LoopLagMonitor
+from prorl_server.plugin.handler import AgentHandler
 
 
 def gone(pid: int) -> bool:
@@ -164,10 +166,10 @@ async def test_a_crashed_scoring_worker_fails_eval_as_a_harness_fault(aiohttp_cl
     pool = app[CPU_POOL]
     real_run = pool.run
 
-    async def crash_once(fn, *args, timeout_s):
+    async def crash_once(fn, *args, timeout_s, **kwargs):
         # Fault injection: the worker dies (as under the OOM killer) while scoring this answer.
         monkeypatch.setattr(pool, "run", real_run)
-        return await real_run(os._exit, 9, timeout_s=timeout_s)
+        return await real_run(os._exit, 9, timeout_s=timeout_s, **kwargs)
 
     monkeypatch.setattr(pool, "run", crash_once)
     body = {"instance": {"data_source": "math_answer", "question": "1+1?", "answer": "2", "response": "\\boxed{2}"}}
@@ -209,3 +211,101 @@ def test_workers_exit_when_the_server_process_is_killed():
     pids = [int(p) for p in out.stdout.split()]
     assert out.returncode == -9 and len(pids) == 2
     assert all(gone(p) for p in pids)
+
+
+# ------------------------------------------------------------------------------ a shared pool, fairly shared
+async def test_the_pool_serves_jobs_round_robin_so_one_jobs_calls_cannot_starve_another():
+    """Job A queues four calls on a one-worker pool, then job B one: B's call runs second (per-job FIFO,
+    round-robin across jobs), not fifth behind all of A's."""
+    pool = CpuPool(1)
+    finished: list[str] = []
+
+    async def call(share, name, seconds):
+        await pool.run(time.sleep, seconds, timeout_s=60, share=share)
+        finished.append(name)
+
+    try:
+        await pool.run(os.getpid, timeout_s=60)  # the worker is up
+        a, b = CpuShare(owner="A"), CpuShare(owner="B")
+        calls = [asyncio.create_task(call(a, f"A{i}", 0.3)) for i in range(4)]
+        await asyncio.sleep(0.1)  # A's first call runs, three wait
+        calls.append(asyncio.create_task(call(b, "B", 0)))
+        await asyncio.wait_for(asyncio.gather(*calls), 60)
+        assert finished[:2] == ["A0", "B"], finished
+    finally:
+        await pool.close()
+
+
+async def test_one_answers_scoring_has_a_cpu_budget_and_waiting_or_sleeping_is_not_charged_to_it():
+    from prorl_server.job import Job, JobServices
+
+    pool = CpuPool(1)
+    try:
+        job = Job(job_id="j", instance={}, sampling_params={}, handler=None, handler_name="h", timeout_s=None,
+                  services=JobServices(cpu_pool=pool, cpu_budget_s=1.0))
+        # wall-clock time in the worker that uses no CPU (a loaded node, a sleep) is not the answer's spending
+        assert await job.run_cpu(time.sleep, 1.5, timeout_s=60) is None
+        # an answer that keeps a worker's CPU busy is cut at its budget, far before the handler's limit of 60 s
+        with pytest.raises(CpuTimeoutError, match="CPU budget of 1 s"):
+            await asyncio.wait_for(job.run_cpu(sum, range(10 ** 11), timeout_s=60), 30)
+        with pytest.raises(CpuTimeoutError, match="CPU budget"):  # spent: no worker is taken at all
+            await job.run_cpu(os.getpid, timeout_s=60)
+        other = Job(job_id="k", instance={}, sampling_params={}, handler=None, handler_name="h", timeout_s=None,
+                    services=JobServices(cpu_pool=pool, cpu_budget_s=1.0))
+        assert await other.run_cpu(os.getpid, timeout_s=60) != os.getpid()  # another job's budget is its own
+    finally:
+        await pool.close()
+
+
+class TwoStepHandler(AgentHandler):
+    """One model turn (the scripted policy answers ``42``), then eval scores in the CPU pool: ``"heavy": n``
+    sends n calls that hold a worker for ``hold_s`` each (``time.sleep``: stands in for scoring that is slow
+    for the pool, not for the answer, e.g. another job's power towers in math-verify); otherwise one cheap
+    call checks the answer (``operator.mul(6, 7)``) and scores 1.0 when it matches."""
+
+    name = "two_step"
+    needs_llm = True
+
+    async def run(self, job):
+        from prorl_server.plugin.toolkit import run_agent
+
+        result = await run_agent(job, [{"role": "user", "content": "Six times seven?"}], {},
+                                 AgentConfig(max_turns=1))
+        job.state["answer"] = result.messages[-1]["content"].strip()
+
+    async def eval(self, job):
+        import operator
+
+        if job.instance.get("heavy"):
+            await asyncio.gather(*(job.run_cpu(time.sleep, job.instance["hold_s"], timeout_s=60)
+                                   for _ in range(job.instance["heavy"])))
+            return
+        expected = await job.run_cpu(operator.mul, 6, 7, timeout_s=60)
+        job.reward = 1.0 if job.state["answer"] == str(expected) else 0.0
+        job.resolved = job.reward == 1.0
+
+
+async def test_a_right_answer_waiting_behind_another_jobs_scoring_is_resolved_within_its_deadline(
+        aiohttp_client, scripted_policy):
+    """Job A sends four slow scoring calls to a one-worker pool; job B's right answer, with a 2 s deadline,
+    needs the same worker. B's wait for it is the system's (not charged to its deadline) and it is served
+    next, not behind all of A's calls: B is scored 1.0 while A is still scoring."""
+    registry = HandlerRegistry()
+    registry.register(TwoStepHandler)
+    backend = await scripted_policy(lambda prompt, turn: "42")
+    app = create_app(ServerSettings(cpu_workers=1, backends=[backend], health_interval_s=3600), registry=registry)
+    client = await aiohttp_client(app)
+    sampling = {"max_tokens": 16}
+    r = await client.post("/jobs", json={"instance": {"data_source": "two_step", "heavy": 4, "hold_s": 2.5},
+                                         "sampling_params": sampling})
+    a_id = (await r.json())["job_id"]
+    for _ in range(3000):  # until A scores
+        if (await (await client.get(f"/jobs/{a_id}")).json())["state"] == "eval":
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)  # A's first call holds the worker, three wait
+    b = await (await client.post("/process", json={"instance": {"data_source": "two_step"},
+                                                    "sampling_params": sampling, "timeout_s": 2.0})).json()
+    assert (b["reward"], b["resolved"], b["failure_kind"]) == (1.0, True, None), b["error"]
+    assert b["timing"]["counted_s"] < 2.0
+    assert (await (await client.get(f"/jobs/{a_id}")).json())["state"] != "done"  # B did not wait for all of A

@@ -410,9 +410,9 @@ class _RecordingPool:
     def __init__(self, pool) -> None:
         self.pool, self.calls = pool, []
 
-    async def run(self, fn, *args, timeout_s):
+    async def run(self, fn, *args, timeout_s, **kwargs):
         self.calls.append(fn.__name__)
-        return await self.pool.run(fn, *args, timeout_s=timeout_s)
+        return await self.pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
 async def test_a_report_shaped_by_the_tested_code_is_parsed_off_the_event_loop(bwrap_runtime, base_repo, tmp_path):
