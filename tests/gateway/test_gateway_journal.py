@@ -109,3 +109,24 @@ async def test_whitespace_padded_and_repeated_bodies_cannot_grow_the_journal_pas
         await client.close()
     finally:
         await runner.cleanup()
+
+
+async def test_an_anthropic_messages_exchange_is_journalled_compact_too(gateway_server, tiny_model_dir, tmp_path):
+    fake, runner, address = await start_fake_vllm(step_s=0.001)
+    path = tmp_path / "j.sqlite"
+    try:
+        client, app = await gateway_server([address], tokenizer=str(tiny_model_dir), journal=str(path))
+        sid, url = await _session_url(client)
+        body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi."}]}
+        sent = json.dumps(body, indent=8).encode()
+        r = await client.post(url.replace("/chat/completions", "/messages"), data=sent,
+                              headers={"Content-Type": "application/json"})
+        assert r.status == 200, await r.text()
+        answer = await r.read()
+        assert app[PIPELINE].journal.flush()
+        j = Journal(str(path), readonly=True)
+        assert j.gateway_exchanges(sid) == [(1, hashlib.sha256(sent).hexdigest(), compact(body), answer)]
+        j.close()
+        await client.close()
+    finally:
+        await runner.cleanup()
