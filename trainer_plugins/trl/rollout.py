@@ -63,6 +63,13 @@ Sampling: every job is sent TRL's ``temperature`` (TRL divides the trainer's log
 sample at the same temperature for the importance ratio to be 1), ``top_p`` / ``top_k`` when set, and
 ``max_tokens`` (per model turn; default ``max_completion_length``).
 
+Persistent faults stop training (issue #32): every prompt group of a call is shown to a
+:class:`trainer_plugins.breaker.FaultBreaker` (kept across calls), and a call raises
+:class:`trainer_plugins.breaker.PersistentFaultError`, naming the ``failure_kind``, the count and the last error,
+once ``breaker_consecutive_groups`` (8) groups in a row were filtered for one kind, or more than
+``breaker_max_share`` (90%) of the last ``breaker_window`` (64) rows. A row TRL cannot learn from trains nothing,
+so without it a dead backend or a handler that refuses every row would spin silently.
+
 Per call, :attr:`ProRLRollout.history` gets a :class:`RolloutStats` (rewards, versions, filtered rows,
 discarded tokens, the first-batch importance ratio when ``measure_ratio`` is on).
 """
@@ -80,6 +87,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from trainer_plugins.admission import ServerChooser, as_server_chooser
+from trainer_plugins.breaker import FaultBreaker, Sample
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import JobOutcome, JobSubmitter, process_request
 from trainer_plugins.servers import ServersFile
@@ -203,6 +211,8 @@ class ProRLRollout:
             the default; ``"rendezvous"``).
         prefetch: how many steps' jobs run ahead while the trainer trains (module docstring, "Asynchronous
             rollouts"; True: 1); 0 / False: each call runs and returns its own prompts (on-policy).
+        breaker_consecutive_groups, breaker_window, breaker_max_share: when a persistent fault stops training
+            (module docstring; :class:`trainer_plugins.breaker.FaultBreaker`; 0 turns a rule off).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -212,7 +222,10 @@ class ProRLRollout:
                  token: Optional[str] = None, local_node: Optional[str] = None, measure_ratio: bool = False,
                  unavailable_retry_s: float = 120.0, run_id: Optional[str] = None,
                  server_chooser: Union[str, ServerChooser] = "least_in_flight",
-                 prefetch: Union[bool, int] = False) -> None:
+                 prefetch: Union[bool, int] = False, breaker_consecutive_groups: int = 8,
+                 breaker_window: int = 64, breaker_max_share: float = 0.9) -> None:
+        self.breaker = FaultBreaker(breaker_consecutive_groups, breaker_window, breaker_max_share,
+                                    what="training (ProRLRollout)")
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
         if token:
             headers = {**headers, "Authorization": f"Bearer {token}"}
@@ -352,6 +365,7 @@ class ProRLRollout:
         else:
             outcomes = self._start(prompts, instances, sp, n, step).future.result()
             lag = 0
+        self._record_faults(outcomes, n)  # a persistent fault raises here, before TRL trains on nothing
         rows = self._rows(prompts, outcomes, trainer, step)
         self._calls += 1
         stats = rows.pop("_stats")
@@ -363,6 +377,24 @@ class ProRLRollout:
         log.info("rollout step %d: %d rows, mean reward %s, versions %s, %d filtered, %.1f s", step, len(prompts),
                  stats.mean_reward, stats.versions, stats.filtered_rows, stats.wall_s)
         return rows
+
+    def _record_faults(self, outcomes: Sequence[JobOutcome], n: int) -> None:
+        """Show each prompt group of a call (``n`` rows in a row, TRL's ``RepeatSampler``) to :attr:`breaker`.
+
+        Raises:
+            trainer_plugins.breaker.PersistentFaultError: see the module docstring.
+        """
+        for start in range(0, len(outcomes), max(1, n)):
+            group = []
+            for oc in outcomes[start:start + max(1, n)]:
+                r = oc.result
+                if oc.filtered:
+                    group.append(Sample(r.failure_kind or "unspecified", r.error))
+                elif not any(t.prompt_ids for t in r.trajectories):
+                    group.append(Sample("no_trajectory", f"job {r.job_id} returned no trajectory"))
+                else:
+                    group.append(Sample())
+            self.breaker.record_group(group)
 
     def _sampling_params(self, trainer: Any) -> dict[str, Any]:
         sp = dict(self.sampling_params)

@@ -13,10 +13,24 @@ It also stops training on a configuration fault: verl's V1 worker catches every 
 agent loop stores a row marked ``extra_fields.prorl.fatal`` (the fault's message) instead of raising, and this
 buffer raises :class:`ConfigurationFault` with that message in the trainer process when it reads the row.
 
+Persistent faults stop training too (issue #32). A filtered group is evicted and refilled, which is right for a
+fault that passes and a spin for one that does not, so every complete group is also shown to a
+:class:`trainer_plugins.breaker.FaultBreaker`: ``breaker_consecutive_groups`` (default 8) groups in a row
+filtered for one ``failure_kind``, or more than ``breaker_max_share`` (0.9) of the last ``breaker_window``
+(64) samples, raise :class:`trainer_plugins.breaker.PersistentFaultError` naming the kind, the count and the last
+error. And DAPO's cap, which verl's V1 trainer ignores (``algorithm.filter_groups.max_num_gen_batches``: it only
+logs that it does), is enforced here: when ``max_num_gen_batches * train_batch_size`` groups have been
+dropped by DAPO's filter (every sample's metric equal) since the last training step, training stops with
+:class:`DapoFilterExhausted`, naming the metric and the values the groups had (verl's legacy DAPO trainer stops
+the same way; training on what is there instead would train groups whose advantages are all 0, i.e. nothing).
+``max_num_gen_batches: 0`` waits forever, as in verl.
+
 Set in ``config/prorl_base.yaml``::
 
     trainer.v1.sampler.custom_sampler: {path: pkg://trainer_plugins.verl.replay_buffer, name: ProRLReplayBuffer}
-    trainer.v1.sampler.sampler_kwargs: {filter_groups_enable: ..., filter_groups_metric: ...}
+    trainer.v1.sampler.sampler_kwargs: {filter_groups_enable: ..., filter_groups_metric: ...,
+                                        filter_groups_max_num_gen_batches: ..., train_batch_size: ...,
+                                        breaker_consecutive_groups: 8, breaker_window: 64, breaker_max_share: 0.9}
 
 verl hands a custom sampler no ``filter_groups_metric`` (``PPOTrainer._build_replay_buffer``), so DAPO's
 ``algorithm.filter_groups`` reaches it through ``sampler_kwargs``; everything else (staleness ``drop``/``wait``,
@@ -26,11 +40,13 @@ then keep zero loss but stay in their group).
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any
+from collections import Counter, defaultdict
+from typing import Any, Optional
 
 import transfer_queue as tq
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+from trainer_plugins.breaker import FaultBreaker, PersistentFaultError, Sample
 
 FILTERED_METRIC = "prorl_filtered/evicted_samples"
 #: samples cut to the rollout lengths (masked or filtered, per the agent loop's ``truncation`` setting)
@@ -54,6 +70,24 @@ def fatal_of(extra_fields: Any) -> Any:
     fields = getattr(extra_fields, "data", extra_fields)
     prorl = fields.get("prorl") if isinstance(fields, dict) else None
     return prorl.get("fatal") if isinstance(prorl, dict) else None
+
+
+class DapoFilterExhausted(RuntimeError):
+    """DAPO's group filter dropped ``max_num_gen_batches`` batches' worth of groups since the last
+    training step (every sample of each had the same metric): the message names the metric and its values."""
+
+
+def sample_of(extra_fields: Any) -> Sample:
+    """The :class:`trainer_plugins.breaker.Sample` of a stored trajectory: its ``failure_kind`` when it is a
+    filtered row (``"truncated"`` for a sample filtered for its length), None when it can be trained on."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    if not (isinstance(prorl, dict) and prorl.get("filter")):
+        return Sample()
+    kind = prorl.get("failure_kind") or ("truncated" if prorl.get("truncated") else "filtered")
+    error = prorl.get("error") or (f"cut to the rollout lengths: {prorl.get('truncated')}"
+                                   if prorl.get("truncated") else None)
+    return Sample(str(kind), None if error is None else str(error))
 
 
 def is_filtered(extra_fields: Any) -> bool:
@@ -85,6 +119,15 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         if sampler_kwargs.get("filter_groups_enable") and "filter_groups_metric" not in kwargs:
             kwargs["filter_groups_metric"] = str(sampler_kwargs.get("filter_groups_metric") or "acc")
         super().__init__(sampler_kwargs=sampler_kwargs, **kwargs)
+        self.breaker = FaultBreaker(consecutive=int(sampler_kwargs.get("breaker_consecutive_groups", 8)),
+                                    window=int(sampler_kwargs.get("breaker_window", 64)),
+                                    max_share=float(sampler_kwargs.get("breaker_max_share", 0.9)),
+                                    what="training (ProRLReplayBuffer)")
+        self.max_num_gen_batches = int(sampler_kwargs.get("filter_groups_max_num_gen_batches") or 0)
+        self.train_batch_size: Optional[int] = (int(sampler_kwargs["train_batch_size"])
+                                                if sampler_kwargs.get("train_batch_size") else None)
+        self._dapo_dropped: Counter = Counter()  # metric value -> DAPO-dropped groups since the last step
+        self._batch_size: Optional[int] = None  # groups the sample in progress needs
         # partition -> {uid: holds a filtered row}; complete groups do not change, so each is read once
         self._filtered_cache: dict[str, dict[str, bool]] = defaultdict(dict)
         self._last_filtered: set[str] = set()  # of the last _terminal_eviction_reasons, for its metric
@@ -105,6 +148,7 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             cache[uid] = False
         if keys:
             data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+            groups: dict[str, list[Sample]] = defaultdict(list)
             for key, fields in zip(keys, data["extra_fields"], strict=True):
                 fatal = fatal_of(fields)
                 if fatal:  # a configuration fault in an agent loop worker: stop training with its message
@@ -112,13 +156,20 @@ class ProRLReplayBuffer(ReplayBufferAsync):
                                              f"{fatal}")
                 if is_filtered(fields):
                     cache[key.split("_")[0]] = True
-                if truncation_of(fields) and key.endswith("_0"):  # one count per sample (its first segment)
-                    self._truncated += 1
+                if key.endswith("_0"):  # one count per sample (its first segment; a filtered sample has one)
+                    groups[key.split("_")[0]].append(sample_of(fields))
+                    if truncation_of(fields):
+                        self._truncated += 1
+            for samples in groups.values():  # each complete group once: a persistent fault stops training
+                self.breaker.record_group(samples)
         return {uid for uid, filtered in cache.items() if filtered}
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        if partition_id != "val":
+            self._batch_size = int(batch_size)
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
         if partition_id != "val":
+            self._dapo_dropped.clear()  # a step's batch was found: DAPO's cap counts per step
             metrics = dict(metrics or {})
             metrics[f"{self._metrics_prefix(partition_id)}/{TRUNCATED_METRIC}"] = self._truncated
             self._truncated = 0
@@ -131,6 +182,8 @@ class ProRLReplayBuffer(ReplayBufferAsync):
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons):
         filtered = self._last_filtered & eviction_reasons[2]
+        self._count_dapo_drops(partition_id, eviction_reasons[1] - self._last_filtered,
+                               len(self._sampleable_terminal_keys(partition_id, eviction_reasons)))
         evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
             global_steps, partition_id, eviction_reasons)
         if filtered & evicted:
@@ -138,3 +191,27 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             for uid in filtered & evicted:
                 self._filtered_cache[partition_id].pop(uid, None)
         return evicted, stale_count, dapo_count, metrics
+
+    def _count_dapo_drops(self, partition_id: str, uids: set[str], sampleable: int) -> None:
+        """Count the groups DAPO's filter drops now (their metric value, read before verl clears them); at
+        ``max_num_gen_batches * train_batch_size`` groups since the last step while fewer than a batch
+        (``sampleable`` groups) can be trained, raise :class:`DapoFilterExhausted`."""
+        if not uids or partition_id == "val":
+            return
+        cache = self._dapo_classification_cache[partition_id]
+        self._dapo_dropped.update(cache.get(uid) for uid in uids)
+        dropped = sum(self._dapo_dropped.values())
+        need = self._batch_size or self.train_batch_size or 0
+        cap = self.max_num_gen_batches * (self.train_batch_size or need)
+        if self.max_num_gen_batches > 0 and cap and dropped >= cap and sampleable < need:
+            metric = self.filter_groups_metric
+            values = ", ".join(f"{v!r}: {n}" for v, n in self._dapo_dropped.most_common())
+            raise DapoFilterExhausted(
+                f"training stops: DAPO's group filter (algorithm.filter_groups, metric {metric!r}) dropped {dropped} "
+                f"prompt groups since the last training step: max_num_gen_batches="
+                f"{self.max_num_gen_batches} batches of train_batch_size={self.train_batch_size}: every sample of "
+                f"each group had the same {metric!r} (groups per value: {{{values}}}), so no group has a learning "
+                "signal. The tasks are too hard (all 0) or too easy (all 1) for this policy, or the metric never "
+                "varies: use other data, raise rollout.n, check the reward, or set "
+                "algorithm.filter_groups.max_num_gen_batches=0 to wait without a cap")
+
