@@ -24,10 +24,11 @@ well. What a sandbox can make a measurement cost is bounded too: one measurement
 default :data:`MAX_MEASURED_ENTRIES`, ~0.4 s here); a sandbox past that, or holding a path the kernel will
 not resolve (longer than ``PATH_MAX``), cannot be measured and counts as over its quota
 (:class:`UnmeasurableError`). The budget counts entries, not seconds: a slow, loaded host must never make an
-honest sandbox look too costly. A sandbox may still overshoot by what it writes in one interval (a
-``posix_fallocate`` takes milliseconds), so the host also watches the free space of the file systems that
-hold the workspaces (:func:`free_bytes`): below the runtime's floor it ends the largest sandbox there before
-the disk fills.
+honest sandbox look too costly. A sandbox may still overshoot by what it writes in one interval (bubblewrap
+refuses ``fallocate(2)`` with a seccomp filter, :func:`sandbox.bubblewrap.no_fallocate_filter`, so that is at
+most write speed, not a reservation of any size in milliseconds), so the host also watches the free space of
+the file systems that hold the workspaces (:func:`free_bytes`): below the runtime's floor it ends the largest
+sandbox there before the disk fills.
 """
 from __future__ import annotations
 
