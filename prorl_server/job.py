@@ -374,7 +374,8 @@ class Job(Generic[S]):
 
     async def open_sandbox(self, spec: Any = None, **kwargs: Any) -> Any:
         """Start a sandbox from the server's configured runtime; it is closed for the handler when the run
-        stage ends (if opened in init/run) or when the job ends (if opened in eval).
+        stage ends (if opened in init/run) or when the job ends (if opened in eval). The start is the system's:
+        the job's deadline is held while it runs (bounded by the runtime's ``start_timeout_s``).
 
         Raises:
             RuntimeError: the server has no sandbox runtime configured.
@@ -387,8 +388,13 @@ class Job(Generic[S]):
         if opener is None:
             raise RuntimeError("this server has no sandbox runtime configured")
         self._refuse_if_ending("a sandbox")
-        with preparing_sandbox():
-            handle = await opener(spec, **kwargs)
+        opening = object()  # a start waits for the node (a uid lease, a loaded host): the system's time
+        self.hold_deadline(opening)
+        try:
+            with preparing_sandbox():
+                handle = await opener(spec, **kwargs)
+        finally:
+            self.release_deadline(opening)
         if self.ending:
             # It ended while the sandbox started: the pipeline's close may already have run; close it here.
             await handle.close()

@@ -535,3 +535,31 @@ async def test_a_sandbox_that_cannot_be_prepared_for_eval_is_the_systems_after_a
     # prepared is the system's, a filtered start failure, never a 0.0 the model is trained on
     assert body["trajectories"] and body["reward"] == 0.0
     assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("eval", "sandbox", True), body["error"]
+
+
+class SlowRuntime(FaultyRuntime):
+    """A TEST DOUBLE for a runtime whose start takes ``delay_s`` (a loaded node, a wait for a uid lease or a
+    loopback address): the sandbox opens, late."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(None)
+        self.delay_s = delay_s
+
+    async def start(self, spec=None, **kw):
+        await asyncio.sleep(self.delay_s)
+        return await super().start(spec, **kw)
+
+
+async def test_time_spent_opening_eval_sandbox_is_not_charged_to_the_jobs_deadline(
+        registry, aiohttp_client, scripted_policy):
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    registry.register(EvalSandboxHandler)
+    backend = await scripted_policy(lambda prompt, turn: "42")
+    app = create_app(ServerSettings(backends=[backend], health_interval_s=3600), registry=registry,
+                     sandbox_runtime=SlowRuntime(2.5))
+    client = await aiohttp_client(app)
+    body = await process(client, {"data_source": "eval_sandbox"}, sampling_params={"max_tokens": 16}, timeout_s=2.0)
+    assert (body["reward"], body["failure_kind"], body["filter"]) == (1.0, None, False), body["error"]
+    assert body["timing"]["counted_s"] < 2.0
