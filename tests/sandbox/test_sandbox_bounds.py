@@ -137,7 +137,8 @@ async def test_fallocate_far_past_the_quota_is_killed_within_a_watch_interval_ev
                 "time.sleep(60)\"")
         elapsed, err = await _seconds_until_dead(h, grab)
         assert err.reason == "disk_quota", err
-        assert elapsed < 2.0, f"20x the quota stayed reserved for {elapsed:.2f} s"
+        # (measured 0.53-0.62 s; the old watcher 4.3 s; slack for a loaded CI machine)
+        assert elapsed < 3.0, f"20x the quota stayed reserved for {elapsed:.2f} s"
     finally:
         await h.close()
         await rt.close_all()
@@ -214,8 +215,9 @@ async def test_hundreds_of_processes_holding_descriptors_cannot_keep_an_over_quo
         assert err.reason == "disk_quota", err
         with open(os.path.join(h.workspace, "ready_at")) as f:
             ready_at = float(f.read())
-        # Dead at most ~2 s after the quota was passed (here: before, for being too costly to measure).
-        assert dead_at - ready_at < 3 + 2, f"alive {dead_at - ready_at:.1f} s after the crowd was ready"
+        # Dead within a few intervals of the crowd being ready (measured 1.4-3.8 s; the old watcher left it alive
+        # past the test's 120 s): too costly to measure counts as over the quota.
+        assert dead_at - ready_at < 10, f"alive {dead_at - ready_at:.1f} s after the crowd was ready"
     finally:
         await h.close()
         await rt.close_all()
