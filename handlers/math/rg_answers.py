@@ -34,8 +34,11 @@ wall-clock limit (:mod:`prorl_server.cpu_pool`), and an exception it raises scor
 """
 from __future__ import annotations
 
+import json
+import math
 import re
-from typing import Optional
+from fractions import Fraction
+from typing import Any, Callable, Optional
 
 #: Functions and constants a ``calculus`` answer may name (sympy names; each computes symbolically).
 CALCULUS_NAMES = frozenset({
@@ -146,3 +149,218 @@ def grammar_error(source_dataset: str, answer: str, variable: Optional[str] = No
     if grammar in ("polynomial", "calculus") and _CHAINED_POWER.search(answer):
         return "a chained exponent (a ** b ** c): a tower of powers is not an answer to these tasks"
     return None
+
+
+# --- Soundness: what a scorer's full credit must also pass -----------------------------------------------------
+#
+# Safety (above) keeps an answer from running code in a scorer; soundness keeps a wrong answer from earning its
+# full credit. Several scorers pay answers that are not right (found by tests/handlers/test_scorer_soundness.py,
+# reasoning-gym 0.1.25): ``game_of_life_halting`` compares ``bool(answer)`` with the truthiness of the gold
+# string (any non-empty answer), ``complex_arithmetic`` gives ``exp(-distance)`` = 1.0 for ``nan``,
+# ``coin_flip``'s prefix credit gives 1.0 to ``0``, ``puzzle24`` checks four numbers in range and the value 24
+# but not that they are the puzzle's, ``word_sorting``'s positional credit is 1.0 for the sorted list plus junk,
+# ``spell_backward`` and ``letter_jumble`` sum per-character credit to 1.0000001, and many read the answer's
+# first match of a pattern, ignoring what follows (``8 junk``, a grid plus a line, a move list plus a move).
+# So a full credit counts only if the answer also passes its task's check here: the answer's own form read
+# strictly (what the task's prompt asks for, whole), and for the tasks above the fact the scorer missed.
+
+REL_TOL = 1e-6
+"""Relative tolerance of a numeric comparison (``math.isclose``); a gold of 0 takes :data:`ZERO_ABS_TOL`."""
+ZERO_ABS_TOL = 1e-12
+"""Absolute tolerance against a gold of exactly 0 (a relative one would ask for exactly 0)."""
+
+_NUM = r"[-+]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][-+]?[0-9]{1,3})?"
+_NONFINITE = re.compile(r"(?i)(?<![a-z])(?:nan|inf|infinity)(?![a-z])")
+_BOOLEAN = re.compile(r"(?i)\s*(true|false)\s*")
+_FRACTION = re.compile(r"\s*\$?\s*(?:\\d?frac\s*\{\s*[0-9]{1,40}\s*\}\s*\{\s*[0-9]{1,40}\s*\}"
+                       r"|[0-9]{1,40}\s*/\s*[0-9]{1,40})\s*\$?\s*")
+_NUMBER = re.compile(rf"\s*{_NUM}\s*")
+_NUMBER_OR_FRACTION = re.compile(rf"\s*(?:{_NUM}|[0-9]{{1,40}}\s*/\s*[0-9]{{1,40}})\s*")
+_NUMBER_LIST = re.compile(rf"\s*{_NUM}(?:\s*,\s*{_NUM})*\s*")
+_POINT = re.compile(rf"\s*\(?\s*{_NUM}\s*,\s*{_NUM}\s*\)?\s*")
+_ANGLE = re.compile(rf"\s*{_NUM}\s*(?:°|\^\\circ|\^{{\\circ}})?\s*")
+_ASSIGNMENTS = re.compile(r"\s*[A-Z]\s*=\s*[0-9](?:\s*,\s*[A-Z]\s*=\s*[0-9])*\s*")
+_KNIGHTS = re.compile(r"\s*[A-Z][a-z]+ is an? [a-z]+(?:\s*(?:,\s*and|,|and)\s+[A-Z][a-z]+ is an? [a-z]+)*\s*\.?\s*")
+_MOVES = re.compile(r"\s*[UDLR]+\s*")
+_BUTTONS = re.compile(r"\s*[A-C](?:\s*(?:→|->|,)\s*[A-C])*\s*")
+
+
+def _isclose(answer: float, gold: float) -> bool:
+    return math.isclose(answer, gold, rel_tol=REL_TOL, abs_tol=ZERO_ABS_TOL if gold == 0 else 0.0)
+
+
+def _value(text: str) -> Optional[float]:
+    """A decimal or ``a/b`` (commas as thousands separators dropped), finite, or None."""
+    try:
+        v = float(Fraction(text.replace(",", "").strip()))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _form(pattern: re.Pattern, what: str) -> Callable[[str, dict], Optional[str]]:
+    def check(answer: str, entry: dict) -> Optional[str]:
+        return None if pattern.fullmatch(answer) else f"the answer is not {what}"
+    return check
+
+
+def _lines(text: str) -> list[list[str]]:
+    return [line.split() for line in text.strip().splitlines() if line.strip()]
+
+
+def _same_grid(answer: str, entry: dict) -> Optional[str]:
+    """A grid of numbers with the gold's rows and columns, nothing else."""
+    a, g = _lines(answer), _lines(str(entry["answer"]))
+    if [len(r) for r in a] != [len(r) for r in g] or not all(re.fullmatch(r"-?[0-9]{1,40}", c) for r in a for c in r):
+        return "the answer is not a grid of numbers of the gold's size"
+    return None
+
+
+def _same_skeleton(answer: str, entry: dict) -> Optional[str]:
+    """The gold's form with other digits: ``68 days, 04:12`` for ``3 days, 11:05`` (white space collapsed)."""
+    def skeleton(s: str) -> str:
+        return re.sub(r"[0-9]+", "0", " ".join(s.split()))
+    return None if skeleton(answer) == skeleton(str(entry["answer"])) else "the answer is not in the gold's form"
+
+
+def _same_word_count(answer: str, entry: dict) -> Optional[str]:
+    return (None if len(answer.split()) == len(str(entry["answer"]).split())
+            else "the answer has another number of words than asked")
+
+
+def _json_grid_of_gold_shape(answer: str, entry: dict) -> Optional[str]:
+    try:
+        a, g = json.loads(answer), json.loads(str(entry["answer"]))
+    except ValueError:
+        return "the answer is not JSON"
+
+    def shape(x: Any) -> Any:
+        return [shape(e) for e in x] if isinstance(x, list) else type(x).__name__
+    return None if shape(a) == shape(g) else "the answer's grid is not the gold's size"
+
+
+def _halting(answer: str, entry: dict) -> Optional[str]:
+    m = _BOOLEAN.fullmatch(answer)
+    if m is None:
+        return "the answer is not True or False"
+    return None if m.group(1).lower() == str(entry["answer"]).strip().lower() else "wrong"
+
+
+_COMPLEX = re.compile(rf"\s*(?:{_NUM}(?:\s*[-+]\s*(?:[0-9.]{{1,40}}\s*\*?\s*)?[ij])?|[-+]?(?:{_NUM}\s*\*?\s*)?[ij])\s*")
+
+
+def _complex(answer: str, entry: dict) -> Optional[str]:
+    if _NONFINITE.search(answer) or re.search(r"[eE]\+?[0-9]{3}", answer):
+        return "a non-finite number"
+    return None if _COMPLEX.fullmatch(answer) else "the answer is not one complex number a + bi"
+
+
+def _coin_flip(answer: str, entry: dict) -> Optional[str]:
+    if not _NUMBER_OR_FRACTION.fullmatch(answer.replace(",", "")):
+        return "the answer is not one number or fraction"
+    a, g = _value(answer), _value(str(entry["answer"]))
+    if a is None or g is None or not _isclose(a, g):
+        return f"the answer is not within a relative {REL_TOL:g} of the gold"
+    return None
+
+
+def _puzzle24(answer: str, entry: dict) -> Optional[str]:
+    used = sorted(int(n) for n in re.findall(r"[0-9]+", answer))
+    return None if used == sorted(int(n) for n in entry["metadata"]["numbers"]) else \
+        "the answer does not use exactly the puzzle's four numbers"
+
+
+def _word_sorting(answer: str, entry: dict) -> Optional[str]:
+    return None if [w.strip() for w in re.split(r",\s*", answer.strip())] == entry["metadata"]["sorted_words"] \
+        else "the answer is not exactly the sorted list"
+
+
+def _exact_text(answer: str, entry: dict) -> Optional[str]:
+    """Case-insensitive equality with the gold (tasks with one right answer, scored by per-character credit)."""
+    return None if answer.strip().lower() == str(entry["answer"]).strip().lower() else "not the answer"
+
+
+def _geometry(answer: str, entry: dict) -> Optional[str]:
+    kind = (entry.get("metadata") or {}).get("task_type")
+    pattern = _POINT if kind == "orthocenter" else _ANGLE
+    return None if pattern.fullmatch(answer) else "the answer is not one number (or one point)"
+
+
+def _assignments(answer: str, entry: dict) -> Optional[str]:
+    if not _ASSIGNMENTS.fullmatch(answer):
+        return "the answer is not a list of LETTER=DIGIT"
+    letters = re.findall(r"[A-Z]", answer)
+    return None if len(letters) == len(set(letters)) else "a letter is assigned twice"
+
+
+def _polynomial_roots(answer: str, entry: dict) -> Optional[str]:
+    if not _NUMBER_LIST.fullmatch(answer):
+        return "the answer is not a comma-separated list of numbers"
+    count = len([x for x in str(entry["answer"]).split(",") if x.strip()])
+    return None if len(answer.split(",")) == count else "the answer has another number of roots than the gold"
+
+
+def _partitions(answer: str, entry: dict) -> Optional[str]:
+    try:
+        value = json.loads(answer)
+        parts = [tuple(p) for p in value]
+    except (ValueError, TypeError):
+        return "the answer is not a JSON list of partitions"
+    return None if len(parts) == len(set(parts)) else "a partition is listed twice"
+
+
+def _jugs(answer: str, entry: dict) -> Optional[str]:
+    """Stops when the target is reached: no shorter prefix of the moves already solves the puzzle."""
+    from reasoning_gym.algorithmic.jugs import verify_solution
+
+    try:
+        moves = json.loads(answer)
+        if not isinstance(moves, list):
+            return "the answer is not a JSON list of moves"
+        for n in range(len(moves)):
+            if verify_solution(entry["metadata"]["puzzle"], moves[:n])[0]:
+                return "moves after the puzzle is solved"
+    except Exception:  # its verifier choked on the answer: the scorer will say so too
+        return "the answer is not a list of moves"
+    return None
+
+
+SOUNDNESS_CHECKS: dict[str, Callable[[str, dict], Optional[str]]] = {
+    "game_of_life_halting": _halting,
+    "complex_arithmetic": _complex,
+    "coin_flip": _coin_flip,
+    "puzzle24": _puzzle24,
+    "word_sorting": _word_sorting,
+    "spell_backward": _exact_text,
+    "letter_jumble": _exact_text,
+    "advanced_geometry": _geometry,
+    "cryptarithm": _assignments,
+    "fraction_simplification": _form(_FRACTION, "one fraction"),
+    "game_of_life": _json_grid_of_gold_shape,
+    "gsm_symbolic": _form(_NUMBER, "one number"),
+    "jugs": _jugs,
+    "kakurasu": _same_grid,
+    "survo": _same_grid,
+    "knights_knaves": _form(_KNIGHTS, "a list of 'NAME is a ROLE'"),
+    "palindrome_partitioning": _partitions,
+    "polynomial_equations": _polynomial_roots,
+    "quantum_lock": _form(_BUTTONS, "a sequence of buttons A-C"),
+    "sokoban": _form(_MOVES, "a string of moves U, D, L, R"),
+    "time_intervals": _same_skeleton,
+}
+"""Tasks whose scorer gave full credit to a wrong answer in the soundness battery, and the check a full credit
+must also pass (``check(answer, entry)`` -> why it fails, or None). Cost: each is a regular-expression scan or
+a parse of at most ``MAX_ANSWER_CHARS`` characters (``jugs``: one replay per prefix, quadratic in at most a
+few hundred moves); all run in the CPU pool with the scorer."""
+
+
+def soundness_error(source_dataset: str, answer: str, entry: dict) -> Optional[str]:
+    """Why a full credit from ``source_dataset``'s scorer for ``answer`` does not count, or None if it does.
+
+    An answer with ``nan``/``inf`` where the gold has digits and none (a non-finite number that comparisons
+    read as equal or close) never counts."""
+    gold = str(entry.get("answer"))
+    if re.search(r"[0-9]", gold) and not _NONFINITE.search(gold) and _NONFINITE.search(answer):
+        return "a non-finite number (nan, inf) where the gold answer is finite"
+    check = SOUNDNESS_CHECKS.get(source_dataset)
+    return None if check is None else check(answer, entry)

@@ -15,7 +15,8 @@ The rules an answer must pass (the policy is an adversary; see README.md here, "
 3. Shapes must agree: a set, tuple, interval or matrix answer only matches a gold of a compatible shape,
    and a number only a number (``\\boxed{1, 2, 3}``, ``\\boxed{[1, 3]}``, ``\\boxed{\\{2\\}}`` never match
    gold ``2``); ``x = v`` is read as ``v``.
-4. Equality is math-verify's strict symbolic one: a free variable the gold does not have never matches
+4. Equality is math-verify's strict symbolic one, and numbers must also agree within a relative
+   :data:`REL_TOL` (math-verify alone compares floats at 6 absolute decimals): a free variable the gold does not have never matches
    unless it cancels (``\\boxed{x}`` never matches a number; ``\\sin^2 x + \\cos^2 x`` matches ``1``).
 5. Parsing and each comparison run under math-verify's own time limits (``signal.alarm``: the caller must
    be a process's main thread, as a pool worker is); an answer that makes them time out scores 0.0 with
@@ -25,10 +26,13 @@ The rules an answer must pass (the policy is an adversary; see README.md here, "
    kept in ``info["scorer_score"]``), and for a numeric gold a boxed set/tuple/interval scores 0.0.
    Several of those scorers evaluate the answer as Python (``eval``, sympy's ``parse_expr``): an answer
    reaches a scorer only if it matches the task's answer grammar (:mod:`handlers.math.rg_answers`, a language
-   in which nothing can be called or imported), and a scorer that raises on it scores 0.0.
+   in which nothing can be called or imported), and a scorer that raises on it scores 0.0. Its full credit
+   counts only if the answer also passes the task's soundness check (``rg_answers.soundness_error``: several
+   scorers pay wrong answers, such as ``nan`` or a constant).
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Optional
 
@@ -40,9 +44,14 @@ MAX_ANSWER_CHARS = 2000
 PARSE_TIMEOUT_S = 5
 """math-verify's limit for parsing one expression, whole seconds (``signal.alarm``)."""
 VERIFY_TIMEOUT_S = 5
+REL_TOL = 1e-6
+"""Numbers match within this relative tolerance (and math-verify's own equality), never at absolute decimals."""
+ZERO_ABS_TOL = 1e-12
+"""Against a gold of exactly 0, a number matches within this absolute tolerance."""
 """math-verify's limit for one gold/answer comparison, whole seconds (``signal.alarm``)."""
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_PLAIN_NUMBER = re.compile(r"\s*-?[0-9]{1,40}(?:\.[0-9]{1,40})?\s*")
 
 
 def _closing_brace(text: str, i: int) -> Optional[int]:
@@ -131,6 +140,37 @@ def _free_symbols(x: Any) -> set:
     return set(getattr(x, "free_symbols", ()) or ())
 
 
+def _numbers_close(gold: Any, pred: Any) -> bool:
+    """Whether the numbers of two values math-verify found equal are also within a relative
+    :data:`REL_TOL` (rule 4): math-verify compares floats at 6 absolute decimals, so ``4e-7`` equals a gold of
+    ``1e-7``. Elements of tuples, matrices and intervals are compared in order, of sets each with its closest;
+    what is not a number (an expression with variables, text) is left to math-verify."""
+    from sympy import Basic, FiniteSet, Interval, MatrixBase, N, Number, Tuple
+    from sympy.core.relational import Equality
+
+    if isinstance(gold, Equality) and not isinstance(gold.lhs, Number):
+        gold = gold.rhs
+    if isinstance(pred, Equality) and not isinstance(pred.lhs, Number):
+        pred = pred.rhs
+    if isinstance(gold, (Tuple, MatrixBase)) and isinstance(pred, (Tuple, MatrixBase)):
+        g, p = list(gold) if isinstance(gold, Tuple) else list(gold), list(pred)
+        return len(g) != len(p) or all(_numbers_close(a, b) for a, b in zip(g, p))
+    if isinstance(gold, Interval) and isinstance(pred, Interval):
+        return _numbers_close(gold.start, pred.start) and _numbers_close(gold.end, pred.end)
+    if isinstance(gold, FiniteSet) and isinstance(pred, FiniteSet):
+        return (all(any(_numbers_close(a, b) for a in gold) for b in pred)
+                and all(any(_numbers_close(a, b) for b in pred) for a in gold))
+    if not (isinstance(gold, Basic) and isinstance(pred, Basic) and gold.is_number and pred.is_number):
+        return True
+    try:
+        g, p = complex(N(gold, 30)), complex(N(pred, 30))
+    except (TypeError, ValueError, OverflowError):
+        return True  # beyond a float's range: math-verify's exact comparison stands
+    if not (math.isfinite(abs(g)) and math.isfinite(abs(p))):
+        return g == p
+    return abs(g - p) <= (ZERO_ABS_TOL if g == 0 else REL_TOL * max(abs(g), abs(p)))
+
+
 def _parse_answer(answer: str, timeout_s: int) -> list:
     """math-verify's parse of the box's content as one expression: ``[sympy_value, text]`` or ``[text]``.
 
@@ -179,7 +219,10 @@ def _compare(gold: list, pred: list, timeout_s: int) -> tuple[bool, Optional[str
                 continue
             try:
                 if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
-                    return True, None
+                    if _numbers_close(g, p):
+                        return True, None
+                    reason = reason or f"a number further than a relative {REL_TOL:g} from the gold's"
+                    continue
             except TimeoutException:
                 reason = f"math-verify timed out comparing the answer ({timeout_s} s)"
                 continue
@@ -238,13 +281,16 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
             return 0.0, info
     try:
         gold = _parse_gold(str(instance["answer"]), parse_timeout_s)
-        pred = _parse_answer(answer, parse_timeout_s)
+        gold_shapes = {_shape(g) for g in gold} - {"text"}
+        # A reasoning-gym answer is parsed only to refuse a set/tuple for a numeric gold: a plain number is
+        # one, and against any other gold the parse (the costliest step) decides nothing.
+        pred = ([] if entry is not None and (gold_shapes != {"number"} or _PLAIN_NUMBER.fullmatch(answer))
+                else _parse_answer(answer, parse_timeout_s))
     except TimeoutException:
         info["reason"] = f"math-verify timed out parsing ({parse_timeout_s} s)"
         return 0.0, info
 
     if entry is not None:
-        gold_shapes = {_shape(g) for g in gold} - {"text"}
         pred_shapes = {_shape(p) for p in pred} - {"text"}
         if gold_shapes == {"number"} and pred_shapes and pred_shapes != {"number"}:
             info["reason"] = f"the answer is a {pred_shapes.pop()}, the gold answer a number"
@@ -260,6 +306,14 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
         info["scorer_score"] = raw
         if raw < 1.0 and raw > 0.0:
             info["reason"] = "partial credit from the reasoning-gym scorer counts as 0.0"
+        if raw >= 1.0:
+            # Its full credit is not proof (rule 7): the task's own check must agree (rg_answers.SOUNDNESS_CHECKS).
+            from handlers.math.rg_answers import soundness_error
+
+            unsound = soundness_error(task, answer, entry)
+            if unsound is not None:
+                info["reason"] = f"the scorer's full credit does not count: {unsound}"
+                return 0.0, info
         return (1.0 if raw >= 1.0 else 0.0), info
 
     ok, reason = _compare(gold, pred, verify_timeout_s)
