@@ -330,11 +330,16 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
     Raises:
         GraderError: the grader sandbox's process failed (see the class).
         InvalidInstanceError: the instance's tests do not load, or pass the candidate an argument that is not
-            plain data.
+            plain data, or its prompt and tests are too large for the grader's message bound.
         sandbox.SandboxStartError: preparing or starting a sandbox failed, whatever it raised (a full disk, a
             refused cgroup, no free uid: its ``__cause__``); a start failure, never the solution's.
     """
     loop = asyncio.get_running_loop()
+    try:  # the grader accepts no larger message (CodeInstance's bounds keep a submitted instance under it)
+        job_line = plain.dumps_line({"job": {"prompt": instance["prompt"], "tests": instance["tests"],
+                                             "entry_point": instance["entry_point"]}})
+    except plain.PlainDataError as e:
+        raise InvalidInstanceError(f"the instance's prompt and tests cannot be sent to the grader: {e}") from None
     # Preparing the two sandboxes (directories, sockets, specs, starting them) is the system's whatever fails:
     # a full disk or a refused cgroup here is a start failure, never the solution's 0.0.
     with preparing_sandbox("the grading sandboxes"):
@@ -373,8 +378,7 @@ async def grade(open_sandbox: Callable[[Any], Awaitable[Any]], instance: dict[st
         for t in tasks:
             t.add_done_callback(_consume)
         grader = await accepting
-        await _to_grader(grader, {"job": {"prompt": instance["prompt"], "tests": instance["tests"],
-                                          "entry_point": instance["entry_point"]}})
+        await _to_grader(grader, job_line)
         candidate = await connecting
         deadline = loop.time() + limits.timeout_s
         try:

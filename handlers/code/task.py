@@ -25,6 +25,10 @@ SOLUTION = "solution.py"
 DEFAULT_MAX_TURNS = 8
 DEFAULT_EVAL_TIMEOUT_S = 20.0
 DEFAULT_CALL_TIMEOUT_S = 10.0
+#: Longest ``prompt`` and ``tests``, characters each (HumanEval's longest are under 3,000): the grader gets both
+#: in one message of at most ``plain.MAX_MESSAGE_BYTES`` (2 MiB), ASCII JSON, where one character can take
+#: 12 bytes (an escaped surrogate pair), so twice this much always fits.
+MAX_SOURCE_CHARS = 64 * 1024
 
 
 def _not_blank(value: str) -> str:
@@ -41,9 +45,10 @@ class CodeInstance(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    prompt: NonBlank = Field(description="the function's signature and docstring, written to solution.py")
-    tests: NonBlank = Field(description="Python source defining check(candidate)")
-    entry_point: NonBlank = Field(description="the function's name")
+    prompt: NonBlank = Field(max_length=MAX_SOURCE_CHARS,
+                             description="the function's signature and docstring, written to solution.py")
+    tests: NonBlank = Field(max_length=MAX_SOURCE_CHARS, description="Python source defining check(candidate)")
+    entry_point: NonBlank = Field(max_length=256, description="the function's name")
     max_turns: Optional[int] = Field(default=None, ge=1, description="agent turns (default: the handler's "
                                      "max_turns setting)")
     eval_timeout_s: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False,

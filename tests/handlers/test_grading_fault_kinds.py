@@ -202,3 +202,24 @@ async def test_grading_sandboxes_that_cannot_be_prepared_are_a_start_failure_not
     with pytest.raises(Exception) as e:
         await evaluate_solution(open_sandbox, to_instance(problem), problem["prompt"] + problem["canonical_solution"])
     assert classify(e.value, "eval", model_acted=True) == "sandbox", repr(e.value)
+
+
+async def test_tests_too_large_for_the_graders_message_are_refused_at_submit_and_invalid_at_grading():
+    """The grader receives the prompt and tests in one bounded message: an inline instance whose tests cannot
+    fit is refused when submitted (naming the field), and one that reaches grading anyway is invalid, never a
+    failure of the model's answer."""
+    from handlers.code import CodeHandler
+    from handlers.code.task import evaluate_solution
+    from prorl_server.plugin.handler import InstanceValidationError
+
+    huge = {"data_source": "code", "entry_point": "f", "prompt": "def f():\n    pass\n",
+            "tests": "def check(candidate):\n    assert candidate() == " + repr("x" * (9 << 20)) + "\n"}
+    with pytest.raises(InstanceValidationError, match="tests"):
+        CodeHandler().prepare_instance(dict(huge))
+
+    async def open_sandbox(spec):  # never reached
+        raise AssertionError("a sandbox was opened for an instance the grader cannot receive")
+
+    with pytest.raises(Exception) as e:
+        await evaluate_solution(open_sandbox, huge, "def f():\n    return 1\n")
+    assert classify(e.value, "eval", model_acted=True) == "invalid_instance", repr(e.value)
