@@ -3,7 +3,8 @@
 A fleet directory (``--fleet-dir DIR``, on the shared file system the Slurm launcher already uses) holds::
 
     DIR/members/<member_id>.json   one record per live server process (this module writes and renews it)
-    DIR/END                        the end sentinel: the trainer is done, every member exits (``write_end``)
+    DIR/END                        the end sentinel: the trainer is done, every member exits (``write_end``;
+                                   signed like a record, see ``end_is_proven``)
     DIR/token                      the fleet's bearer token (mode 0600; written by the launcher)
 
 A record (:class:`MemberRecord`, JSON, format version 1) says where the member is (``url``, ``node``, Slurm
@@ -179,17 +180,60 @@ def end_marker(fleet_dir: str | os.PathLike) -> Optional[tuple[int, int]]:
     return st.st_ino, st.st_mtime_ns
 
 
-def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended") -> Path:
+#: Domain separation of the end sentinel's signature (a record's signature is not an END's, nor the reverse).
+END_SIGNATURE_CONTEXT = b"prorl-fleet-end-v1\n"
+
+
+def fleet_token(fleet_dir: str | os.PathLike) -> Optional[str]:
+    """The fleet's token as a trainer finds it: ``DIR/token`` when it is this user's and private
+    (:func:`read_token_file` with ``require_owner``), else ``$PRORL_TOKEN``, else None. Blocking; raises nothing."""
+    try:
+        return read_token_file(Path(fleet_dir) / TOKEN_FILE, require_owner=True)
+    except (OSError, ValueError):
+        return os.environ.get("PRORL_TOKEN") or None
+
+
+def _end_signature(fields: dict, token: str) -> str:
+    body = {k: v for k, v in fields.items() if k != "sig"}
+    data = END_SIGNATURE_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(token.encode(), data, hashlib.sha256).hexdigest()
+
+
+def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended", token: Optional[str] = None) -> Path:
     """Write the end sentinel ``DIR/END`` (atomically): every member of the fleet exits, and the launcher
-    releases the allocation. Blocking."""
+    releases the allocation. It is signed with ``token`` (default: :func:`fleet_token`), so members holding the
+    token ignore an END another local user wrote (:func:`end_is_proven`). Blocking."""
     d = Path(fleet_dir)
     d.mkdir(parents=True, exist_ok=True)
+    token = token or fleet_token(d)
+    fields: dict = {"reason": reason, "at": time.time(), "pid": os.getpid(), "node": node_name()}
+    if token:
+        fields["sig"] = _end_signature(fields, token)
     fd, tmp = tempfile.mkstemp(prefix=".END.", dir=d)
     with os.fdopen(fd, "w") as f:
-        json.dump({"reason": reason, "at": time.time(), "pid": os.getpid(), "node": node_name()}, f)
+        json.dump(fields, f)
     path = d / END_SENTINEL
     os.replace(tmp, path)
     return path
+
+
+def end_is_proven(fleet_dir: str | os.PathLike, token: Optional[str]) -> tuple[bool, str]:
+    """Whether ``DIR/END`` was written by a holder of ``token`` (its ``sig``) or, with no token, by this uid
+    (owner read on the open file). Returns ``(proven, why not)``. Blocking; raises nothing."""
+    try:
+        data = read_small_file(Path(fleet_dir) / END_SENTINEL, owner=None if token else os.geteuid())
+        fields = json.loads(data)
+        if not isinstance(fields, dict):
+            return False, "not a JSON object"
+        if token:
+            sig = fields.get("sig")
+            if not isinstance(sig, str):
+                return False, "unsigned (the fleet has a token)"
+            if not hmac.compare_digest(sig.encode("ascii", "replace"), _end_signature(fields, token).encode()):
+                return False, "signature does not match the fleet token"
+        return True, ""
+    except (OSError, ValueError, RecursionError) as e:  # UnverifiedRecordError (another uid's) included
+        return False, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 #: The largest record (or token file) a reader takes, bytes: a record is about 1 KB.
@@ -310,7 +354,8 @@ class Membership:
         fleet_dir: the fleet directory. url/host/port: where clients reach this process.
         ttl_s: lease length, seconds (renewed every ``ttl_s / 3``). capacity: jobs it runs at once.
         status: ``() -> (backends in rotation, weight_version, jobs in flight)``, read at every renewal.
-        on_end: called once when an end sentinel appears that was not there when this member started.
+        on_end: called once when an end sentinel appears that was not there when this member started and that
+            proves its writer (:func:`end_is_proven`: signed with ``token``, or, without one, this uid's).
         token: the fleet's bearer token (the server's own): every record is signed with it, so readers holding
             it can tell this record from a forged one. None: unsigned (readers then trust only their own uid).
     """
@@ -332,6 +377,7 @@ class Membership:
         self._status = status
         self._on_end = on_end
         self._end_at_start: Optional[tuple[int, int]] = None
+        self._end_refused: Optional[tuple[int, int]] = None  # an END seen and not proven (logged once)
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self._closed = False
@@ -412,6 +458,13 @@ class Membership:
             last_end_check = time.monotonic()
             marker = await asyncio.to_thread(end_marker, self.fleet_dir)
             if marker is not None and marker != self._end_at_start and self._on_end is not None:
+                if marker == self._end_refused:
+                    continue
+                proven, why = await asyncio.to_thread(end_is_proven, self.fleet_dir, self._token)
+                if not proven:  # a co-tenant's END would stop the fleet: only the trainer's counts
+                    self._end_refused = marker
+                    log.warning("fleet: ignoring the end sentinel %s: %s", self.fleet_dir / END_SENTINEL, why)
+                    continue
                 log.warning("fleet: end sentinel %s: the trainer ended; this member exits",
                             self.fleet_dir / END_SENTINEL)
                 on_end, self._on_end = self._on_end, None

@@ -412,11 +412,23 @@ for node in "${NODES[@]}"; do
 done
 remaining=$((deadline - SECONDS)); [ "$remaining" -lt 5 ] && remaining=5
 NODE_CSV=$(IFS=,; echo "${NODES[*]}")
+END_CHECKED= END_PROVEN=1
 fleet_ended() {  # the trainer wrote the fleet's end sentinel since this job started
     [ -n "$FLEET_DIR" ] || return 1
     local now
     now=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
-    [ -n "$now" ] && [ "$now" != "$END_AT_START" ]
+    { [ -n "$now" ] && [ "$now" != "$END_AT_START" ]; } || return 1
+    [ "$now" = "$END_CHECKED" ] && return "$END_PROVEN"
+    END_CHECKED=$now
+    # signed with the fleet token (PRORL_TOKEN, in the environment): an END another local user wrote would
+    # release the allocation under a running trainer (the servers ignore it too)
+    if "$PY" -c 'import os, sys
+from prorl_server.membership import end_is_proven
+ok, why = end_is_proven(sys.argv[1], os.environ.get("PRORL_TOKEN"))
+sys.exit(0 if ok else why)' "$FLEET_DIR"; then END_PROVEN=0; else
+        END_PROVEN=1; log "ignoring $FLEET_DIR/END: it does not carry the fleet token's signature"
+    fi
+    return "$END_PROVEN"
 }
 "$PY" -m trainer_plugins.servers compose --run-dir "$RUN_DIR" --nodes "$NODE_CSV" --job-id "$JOB_ID" \
     --out "$SERVERS_FILE" --timeout "$remaining" >/dev/null &

@@ -261,7 +261,7 @@ class Fleet(collections.abc.Sequence):
 
     def end(self, reason: str = "the trainer ended") -> Path:
         """Write the end sentinel: every member exits, the launcher releases the allocation (within 30 s)."""
-        path = write_end(self.fleet_dir, reason)
+        path = write_end(self.fleet_dir, reason, self.token())  # signed: members ignore an END they cannot verify
         self.ended = True
         return path
 

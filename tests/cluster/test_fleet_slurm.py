@@ -375,3 +375,33 @@ def test_a_fleet_token_planted_by_another_user_stops_the_launcher_before_any_ser
     finally:  # a launcher that took the planted token runs on: release it before the cluster goes
         slurm_cluster.run("scancel", job, check=False)
         slurm_cluster.wait_job_done(job, 60)
+
+
+async def test_an_end_sentinel_another_user_wrote_neither_stops_the_servers_nor_releases_the_allocation(
+        slurm_cluster, tmp_path):
+    # issue #33: DIR/END was believed whoever wrote it: a co-tenant who could write the directory ended the fleet
+    import json
+    import os
+
+    cluster = slurm_cluster
+    fleet_dir = tmp_path / "fleet"
+    job = submit(cluster, tmp_path / "a", fleet_dir)
+    fleet = Fleet(fleet_dir)
+    try:
+        await _wait(lambda: len(fleet) == 1, 120, "the job's server in the fleet", cluster, [job])
+        forged = fleet_dir / ".END.forged"
+        forged.write_text(json.dumps({"reason": "a co-tenant", "at": time.time()}))
+        os.chown(forged, 4321, 4321)
+        os.replace(forged, fleet_dir / "END")
+        await asyncio.sleep(4)  # servers look every second, the launcher every second
+        assert cluster.job_state(job) == "RUNNING" and len(fleet) == 1
+        async with JobSubmitter(fleet.headers, fleet=fleet) as jobs:
+            assert (await jobs.run(fleet, process_request(ARITHMETIC), job_prefix="after")).result.reward == 1.0
+        fleet.end("test: the trainer ended")  # signed with the fleet's token: this one ends it
+        await _wait(lambda: cluster.job_state(job) in {"", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"}, 30,
+                    "the allocation released after the trainer's end sentinel", cluster, [job])
+        out = (tmp_path / "a" / f"job-{job}.out").read_text(errors="replace")
+        assert "ignoring" in out and "the trainer ended" in out, out
+    finally:
+        fleet.close()
+        cluster.run("scancel", job, check=False)

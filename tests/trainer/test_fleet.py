@@ -872,6 +872,31 @@ async def test_a_rollout_client_given_a_token_admits_only_members_that_signed_wi
         client.fleet.close()
 
 
+async def test_an_end_sentinel_a_co_tenant_wrote_is_ignored_and_the_trainers_signed_one_ends_the_member(tmp_path):
+    # a co-tenant who can write the directory wrote DIR/END: every member exited and the launcher released the
+    # allocation under a running trainer
+    from prorl_server.membership import end_is_proven
+
+    ended = asyncio.Event()
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, on_end=ended.set,
+                   token="k")
+    await m.start()
+    try:
+        (tmp_path / END_SENTINEL).write_text(json.dumps({"reason": "forged", "at": time.time()}))  # unsigned
+        await asyncio.sleep(1.3)
+        write_end(tmp_path, "signed with another key", token="not-k")
+        await asyncio.sleep(1.3)
+        assert not ended.is_set()
+        Fleet(tmp_path, start=False, slurm=None, token="k").end("the trainer ended")
+        await asyncio.wait_for(ended.wait(), 3)
+    finally:
+        await m.close()
+    write_end(tmp_path, "no token anywhere")  # without a token: this uid's END counts, another uid's does not
+    assert end_is_proven(tmp_path, None) == (True, "")
+    os.chown(tmp_path / END_SENTINEL, 4321, 4321)
+    assert end_is_proven(tmp_path, None)[0] is False
+
+
 def test_prorl_run_refuses_a_token_in_argv_and_takes_a_private_token_file(tmp_path, capsys, monkeypatch):
     from trainer_plugins import run_job
 
