@@ -46,7 +46,8 @@ from handlers.swe.harness import (FAILED, PASSED, ReportError, harness_paths, pa
 from handlers.swe.patch_check import MAX_PATCH_BYTES, WAIVABLE, PatchCheck, check_patch, config_files
 from handlers.swe.run_tests import TIMEOUT_EXIT
 from prorl_server.cpu_pool import CpuTimeoutError
-from prorl_server.plugin import AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError, NotRegradableError
+from prorl_server.plugin import (AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError,
+                                 NotRegradableError, preparing_sandbox)
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
 from sandbox import Limits, SandboxSpec, ToolError
 
@@ -208,16 +209,19 @@ class SweHandler(AgentHandler):
     async def eval(self, job) -> None:
         inst = job.instance
         patch = job.state.patch
-        handle = await job.open_sandbox(_spec(inst))
         info: dict[str, Any] = {"patch_bytes": len(patch.encode("utf-8", "surrogateescape")),
                                 "patch_error": job.state.patch_error}
-        base = await _checkout(handle, inst)
-        # The grader's own directory: in the workspace but outside the repository, its name random and chosen
-        # here, created before any code of the patch can run.
-        grader = f"{GRADER_DIR_PREFIX}{secrets.token_hex(12)}"
-        await handle.upload(f"{grader}/{RUNNER_NAME}", _RUNNER_SOURCE)
-        base_files = parse_nul_list(await _git_output(handle, f"git ls-tree -r -z --name-only --full-tree {base}",
-                                                      grader, "base-files"))
+        # Until the patch is uploaded nothing of the model's is in this fresh sandbox: whatever fails preparing
+        # it (the sandbox dying, the copy) is the system's, a start failure even though the model acted.
+        with preparing_sandbox("the grading sandbox"):
+            handle = await job.open_sandbox(_spec(inst))
+            base = await _checkout(handle, inst)
+            # The grader's own directory: in the workspace but outside the repository, its name random and chosen
+            # here, created before any code of the patch can run.
+            grader = f"{GRADER_DIR_PREFIX}{secrets.token_hex(12)}"
+            await handle.upload(f"{grader}/{RUNNER_NAME}", _RUNNER_SOURCE)
+            base_files = parse_nul_list(await _git_output(
+                handle, f"git ls-tree -r -z --name-only --full-tree {base}", grader, "base-files"))
         named = {file_of_test(t) for t in (*inst.get("FAIL_TO_PASS", []), *inst.get("PASS_TO_PASS", []))}
         named.update(inst.get("test_files") or {})
         if inst.get("test_patch"):

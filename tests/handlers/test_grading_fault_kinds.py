@@ -223,3 +223,29 @@ async def test_tests_too_large_for_the_graders_message_are_refused_at_submit_and
     with pytest.raises(Exception) as e:
         await evaluate_solution(open_sandbox, huge, "def f():\n    return 1\n")
     assert classify(e.value, "eval", model_acted=True) == "invalid_instance", repr(e.value)
+
+
+class DeadOnArrival:
+    """A TEST DOUBLE for a fresh eval sandbox killed from outside before anything of the model's was put in it:
+    every call raises ``SandboxDeadError``."""
+
+    async def bash(self, command: str, timeout_s: float = 30.0):
+        raise SandboxDeadError("sandbox sb-2 died (exit status -9)")
+
+    async def upload(self, path: str, data: bytes):
+        raise SandboxDeadError("sandbox sb-2 died (exit status -9)")
+
+
+async def test_a_swe_eval_sandbox_dying_before_the_patch_is_put_in_is_a_start_failure():
+    from types import SimpleNamespace
+
+    from handlers.swe.handler import SweHandler, SweState
+
+    async def open_sandbox(spec):
+        return DeadOnArrival()
+
+    job = SimpleNamespace(instance={"repo_path": "/repo", "FAIL_TO_PASS": ["t.py::test"], "PASS_TO_PASS": []},
+                          state=SweState(patch="diff --git a/x b/x\n"), open_sandbox=open_sandbox, extra={})
+    with pytest.raises(Exception) as e:
+        await SweHandler().eval(job)
+    assert classify(e.value, "eval", model_acted=True) == "sandbox", repr(e.value)
