@@ -133,10 +133,11 @@ class MathHandler(AgentHandler):
         try:
             reward, info = await job.run_cpu(score, job.instance, job.state.final_answer,
                                              timeout_s=self.score_timeout_s)
-        except CpuTimeoutError:
-            # The answer made the scorer run past its limit: the answer's doing, so a 0.0, not a failure.
-            reward, info = 0.0, {"reason": f"scoring ran past {self.score_timeout_s:g} s (an answer too costly "
-                                 "to verify); the scoring worker was replaced"}
+        except CpuTimeoutError as e:
+            # The answer made the scorer run past its limit or its job's CPU budget (job.run_cpu): the answer's
+            # doing, so a 0.0, not a failure.
+            reward, info = 0.0, {"reason": f"scoring ran past {self.score_timeout_s:g} s or the answer's CPU budget "
+                                           f"(an answer too costly to verify): {e}"}
         except WorkerCrashedError as e:
             # The worker died scoring this answer: what the answer caused is scored, never re-rolled.
             job.extra["eval"] = {"reason": f"the scoring worker died on the answer: {e}"}
