@@ -198,9 +198,12 @@ def _walk(exc: BaseException, seen: set[int]):
 
 
 def _any_start_error(exc: BaseException, seen: set[int]) -> bool:
-    from sandbox.errors import SandboxStartError
+    """Whether a sandbox fault in ``exc`` is the system's whoever acted before: the sandbox could not be
+    started or prepared, or the host evicted it within its bounds for the node's sake (the free-space floor:
+    :class:`~sandbox.errors.SandboxEvictedError`, which only the host raises)."""
+    from sandbox.errors import SandboxEvictedError, SandboxStartError
 
-    return any(isinstance(e, SandboxStartError) for e in _walk(exc, seen))
+    return any(isinstance(e, (SandboxStartError, SandboxEvictedError)) for e in _walk(exc, seen))
 
 
 def _any_timeout(exc: BaseException, seen: set[int]) -> bool:

@@ -22,7 +22,7 @@ from prorl_server.balancer import NoBackendError
 from prorl_server.failures import FAILURE_KINDS, classify
 from prorl_server.llm.client import LLMRequestError, LLMUnavailableError
 from sandbox.errors import (EditorError, FileTransferError, ProtocolError, SandboxClosedError, SandboxDeadError,
-                            SandboxError, SandboxStartError, ToolError, ToolTimeout)
+                            SandboxError, SandboxEvictedError, SandboxStartError, ToolError, ToolTimeout)
 
 
 def _chained(outer, cause):
@@ -34,6 +34,8 @@ def _chained(outer, cause):
 
 FAULTS = {
     "SandboxDeadError": lambda: SandboxDeadError("sandbox sb-1: its processes are gone"),
+    "SandboxEvictedError": lambda: SandboxEvictedError("sandbox sb-1: ended for the host's free space",
+                                                       reason="host_disk"),
     "SandboxClosedError": lambda: SandboxClosedError("call on a closed sandbox"),
     "SandboxStartError": lambda: SandboxStartError("sandbox did not become ready: bwrap: No permissions"),
     "ProtocolError": lambda: ProtocolError("sandbox sb-1: invalid response"),
@@ -237,7 +239,9 @@ def probe_then_finish(prompt, turn):
     ("SandboxDeadError", "model_crashed_sandbox", False), ("ProtocolError", "model_crashed_sandbox", False),
     ("ToolTimeout", "model_stalled_sandbox", False), ("RuntimeError", None, False),
     # faults the handler or the infrastructure declares stay filtered
-    ("harness", "harness", True), ("SandboxStartError", "sandbox", True)])
+    ("harness", "harness", True), ("SandboxStartError", "sandbox", True),
+    # the host evicted the sandbox within its bounds for the node's free disk: the system's, after the model too
+    ("SandboxEvictedError", "sandbox", True)])
 async def test_agent_loop_tool_errors_are_observations_and_model_caused_faults_are_scored(
         registry, make_client, scripted_policy, fault, kind, filtered):
     registry.register(ToolAgentHandler)
