@@ -21,7 +21,8 @@ Filtered kinds (``filter: true``):
 ``sandbox``
     the sandbox could not start, or died / stopped answering before the model acted: every
     :class:`sandbox.errors.SandboxError` that is not a :class:`~sandbox.errors.ToolError` (after the model acted
-    only :class:`~sandbox.errors.SandboxStartError`). The phase decides, not the exception's type: whatever is
+    only :class:`~sandbox.errors.SandboxStartError`, and :class:`~sandbox.errors.SandboxEvictedError`: the host
+    ended it within its bounds for the node's free disk). The phase decides, not the exception's type: whatever is
     raised while a sandbox is opened or prepared (``job.open_sandbox``, :func:`preparing_sandbox`), in any
     stage and whoever acted before, is a start failure; a sandbox dying from what ran in it is the model's.
 ``llm_backend``
