@@ -32,6 +32,7 @@ The rules an answer must pass (the policy is an adversary; see README.md here, "
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Optional
@@ -191,7 +192,11 @@ def _parse_answer(answer: str, timeout_s: int) -> list:
         return []
 
 
+@functools.lru_cache(maxsize=256)
 def _parse_gold(gold: str, timeout_s: int) -> list:
+    """math-verify's parse of the gold answer, or ``[gold]`` (compared as text). Cached: a worker scores a
+    group's n answers against one gold, and a long gold (a grid) costs 0.1 s to parse. A timeout is not cached;
+    the list is shared, never to be changed."""
     from math_verify import parse
     from math_verify.errors import TimeoutException
 
@@ -201,6 +206,15 @@ def _parse_gold(gold: str, timeout_s: int) -> list:
         raise
     except Exception:  # not math: compared as text
         return [gold]
+
+
+@functools.lru_cache(maxsize=None)
+def _score_fn(task: str):
+    """reasoning-gym's ``score_answer`` of ``task``, built once per worker: building it constructs the task's
+    dataset with its default configuration (``group_anagrams`` loads a word list: 0.26 s a call)."""
+    from reasoning_gym import get_score_answer_fn
+
+    return get_score_answer_fn(task)
 
 
 def _compare(gold: list, pred: list, timeout_s: int) -> tuple[bool, Optional[str]]:
@@ -295,9 +309,7 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
         if gold_shapes == {"number"} and pred_shapes and pred_shapes != {"number"}:
             info["reason"] = f"the answer is a {pred_shapes.pop()}, the gold answer a number"
             return 0.0, info
-        from reasoning_gym import get_score_answer_fn
-
-        fn = get_score_answer_fn(task)
+        fn = _score_fn(task)
         try:
             raw = float(fn(answer, entry))
         except Exception as e:  # the scorer choked on the answer (RecursionError, MemoryError...): the answer's 0.0

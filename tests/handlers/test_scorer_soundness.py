@@ -30,13 +30,13 @@ from typing import Callable, Optional
 import pytest
 
 from handlers.math.data import load_reasoning_gym
-from handlers.math.rg_answers import SERVED_TASKS
+from handlers.math.rg_answers import SERVED_TASKS, SOUNDNESS_CHECKS
 from handlers.math.scoring import score
 
 INSTANCES = int(os.environ.get("PRORL_SOUNDNESS_INSTANCES", "3"))
 """Instances per task (reasoning-gym seeds each instance separately); the script run takes 8 for a new task."""
-SLOW_TASKS = {"knight_swap": 2, "arc_agi": 1, "rearc": 1}
-"""Tasks whose generator or scoring is slow (knight_swap: 0.65 s an instance; arc_agi: 0.6 s a score)."""
+SLOW_TASKS = {"knight_swap": 2}
+"""Tasks whose generator is slow (knight_swap: 0.65 s an instance), with their own count."""
 
 CONSTANTS = ["0", "1", "-1", "24", "yes", "no", "Yes", "True", "False", "true", "None", "no idea", "unknown",
              "nan", "NaN", "inf", "-inf", "Infinity", "1e999", "0.0", "0 + 0i", "nan + nani"]
@@ -228,6 +228,27 @@ def test_no_wrong_answer_gets_full_credit_on_a_reasoning_gym_task(task):
     print("\n" + HEADER + "\n" + format_row(task, row))
     assert row["asked"] > 0
     assert not row["full"], format_row(task, row)
+    if task in SOUNDNESS_CHECKS:  # a check that refused the gold too would be sound and useless
+        assert row["honest"] == row["instances"], format_row(task, row)
+
+
+HONEST_VARIANTS = {
+    "puzzle24": lambda e: [e["answer"].replace(" ", ""), "(" + e["answer"] + ")"],
+    "coin_flip": lambda e: ["{numerator}/{denominator}".format(**e["rg_entry"]["metadata"]["rational"])],
+    "complex_arithmetic": lambda e: [e["answer"].replace(" ", "")],
+    "game_of_life": lambda e: [json.dumps(json.loads(e["answer"]))],
+    "game_of_life_halting": lambda e: [e["answer"].lower(), " " + e["answer"].upper()],
+    "word_sorting": lambda e: [e["answer"].replace(", ", ",")],
+    "knights_knaves": lambda e: [" and ".join(reversed(e["answer"].rstrip(".").split(", and ")))],
+}
+
+
+@pytest.mark.parametrize("task", sorted(HONEST_VARIANTS))
+def test_the_checks_keep_honest_answers_in_other_forms(task):
+    for inst in instances(task):
+        for answer in HONEST_VARIANTS[task](inst):
+            reward, info = score(inst, "\\boxed{" + answer + "}")
+            assert reward == 1.0, (answer, info)
 
 
 def test_no_wrong_answer_gets_full_credit_on_an_inline_gold():
