@@ -140,15 +140,16 @@ def make_patch(base: Path, tmp: Path, edits: dict) -> str:
     return _git(work, "diff", "--cached", "--binary", "HEAD").stdout.decode("utf-8", "surrogateescape")
 
 
-async def grade(runtime, inst: dict, patch: str) -> tuple[float, dict]:
-    """The handler's eval stage on a real Job, in real bubblewrap sandboxes: (reward, extra["eval"])."""
+async def grade(runtime, inst: dict, patch: str, cpu_pool=None) -> tuple[float, dict]:
+    """The handler's eval stage on a real Job, in real bubblewrap sandboxes (with ``cpu_pool`` as the server's
+    CPU pool, else none): (reward, extra["eval"])."""
     from handlers.swe import SweHandler
     from prorl_server.job import Job
     from prorl_server.types import JobState
 
     handler = SweHandler()
     job = Job(job_id=None, instance=inst, sampling_params={}, handler=handler, handler_name="swe", timeout_s=None,
-              sandbox_opener=runtime.start)
+              sandbox_opener=runtime.start, cpu_pool=cpu_pool)
     job.status = JobState.eval
     job.state.patch = patch
     try:
@@ -418,27 +419,17 @@ class _RecordingPool:
 async def test_a_report_shaped_by_the_tested_code_is_parsed_off_the_event_loop(bwrap_runtime, base_repo, tmp_path):
     """A wrong fix whose failure message is 8 MB makes an 8 MB JUnit report: it is parsed in a CPU-pool worker
     (on the event loop it stalled every job of the server 0.36 s) and the verdict is still the tests': 0.0."""
-    from handlers.swe import SweHandler
     from prorl_server.cpu_pool import CpuPool
-    from prorl_server.job import Job
-    from prorl_server.types import JobState
 
     huge = BUGGY.replace("return sum(xs) / (len(xs) + 1)",
                          "if len(xs) == 3:\n        raise ValueError('x' * (8 << 20))\n    return sum(xs) / len(xs)")
     patch = make_patch(base_repo, tmp_path, {"stats/__init__.py": huge})
     pool = CpuPool(1)
     recording = _RecordingPool(pool)
-    handler = SweHandler()
-    job = Job(job_id=None, instance=instance(base_repo, check=False), sampling_params={}, handler=handler,
-              handler_name="swe", timeout_s=None, sandbox_opener=bwrap_runtime.start, cpu_pool=recording)
-    job.status = JobState.eval
-    job.state.patch = patch
     try:
-        await handler.eval(job)
+        reward, ev = await grade(bwrap_runtime, instance(base_repo, check=False), patch, cpu_pool=recording)
     finally:
-        await job.close_resources()
         await pool.close()
-    ev = job.extra["eval"]
     assert "report_verdict" in recording.calls
     assert ev["report_error"] is None
-    assert ev["FAIL_TO_PASS"] == {F2P: "FAILED"} and job.reward == 0.0 and not job.resolved
+    assert ev["FAIL_TO_PASS"] == {F2P: "FAILED"} and reward == 0.0
