@@ -43,7 +43,7 @@ from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_m
 from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
 from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse,
                                 JobResult, JobStatusResponse, OkResponse, ProcessRequest, StatusResponse,
-                                SubmitResponse)
+                                SubmitResponse, TokenizerResponse)
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,33 @@ async def status(request: web.Request) -> web.Response:
         backends=[b.info() for b in request.app[POOL].backends], handlers=request.app[REGISTRY].names()))
 
 
+async def tokenizer(request: web.Request) -> web.Response:
+    """The fingerprint of the tokenizer and chat template jobs use (query ``backend``: for jobs on that backend;
+    default: the ``tokenizer`` setting's, else the first healthy backend's), loaded if it is not yet: a trainer
+    compares it with its policy's before training on the server's token ids (issue #32)."""
+    from prorl_server.llm.client import LLMUnavailableError
+    from prorl_server.llm.context import TokenizerUnavailableError
+    pool, llm = request.app[POOL], request.app[COMPONENTS].llm
+    address = request.query.get("backend")
+    backend = None
+    if address is not None:
+        backend = pool.get(address)
+        if backend is None:
+            raise ApiError(404, "unknown_backend", f"no backend {address!r} is registered", "backend")
+    elif llm.tokenizer_name is None:
+        backend = next((b for b in pool.backends if b.healthy), None)
+        if backend is None:
+            raise ApiError(503, "no_backend", "no LLM backend is registered: the tokenizer is the served model's")
+    try:
+        name, fingerprint = await llm.tokenizer_info(backend)
+    except TokenizerUnavailableError as e:
+        raise ApiError(503, "tokenizer_unavailable", str(e)) from None
+    except LLMUnavailableError as e:
+        raise ApiError(502, "backend_unavailable", str(e)) from None
+    return json_response(TokenizerResponse(name=name, backend=None if llm.tokenizer_name else backend.address,
+                                           fingerprint=fingerprint))
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -214,6 +241,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/drain", drain, "Take no new job, finish the jobs held, then exit (fleet draining)", None,
           OkResponse),
     Route("GET", "/status", status, "Queues, active jobs and backends", None, StatusResponse),
+    Route("GET", "/tokenizer", tokenizer, "Fingerprint of the tokenizer and chat template jobs use (?backend=)",
+          None, TokenizerResponse, errors=(502, 503)),
     Route("GET", "/health", health, "Liveness (no auth)", auth="none"),
     Route("GET", "/metrics", metrics, "Prometheus metrics (text format)"),
     Route("GET", "/openapi.json", openapi, "This API's OpenAPI 3.1 schema"),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import aiohttp
 
 from prorl_server.llm.client import LLMClient, LLMUnavailableError
+from prorl_server.types import TokenizerFingerprint
 
 if TYPE_CHECKING:
     from prorl_server.balancer import Backend, BackendPool
@@ -42,6 +43,7 @@ class LLMContext:
         self.client = LLMClient(pool=pool, request_timeout_s=request_timeout_s)
         self.tokenizer_name = tokenizer
         self._tokenizers: dict[str, Any] = {}
+        self._fingerprints: dict[str, TokenizerFingerprint] = {}  # name -> of the tokenizer loaded from it
         self._loading: dict[str, asyncio.Future] = {}
         self._roots: dict[str, str] = {}
 
@@ -61,15 +63,33 @@ class LLMContext:
             return tok
         fut = self._loading.get(name)
         if fut is None:  # importing transformers takes seconds: in the thread too, not on the event loop
-            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, name,
+            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(_load_and_fingerprint, name,
                                                                                  local_only))
         try:
-            tok = await asyncio.shield(fut)
+            tok, fingerprint = await asyncio.shield(fut)
         except BaseException:
             self._loading.pop(name, None)
             raise
         self._tokenizers[name] = tok
+        self._fingerprints[name] = fingerprint
         return tok
+
+    async def tokenizer_info(self, backend: Optional["Backend"]) -> tuple[str, TokenizerFingerprint]:
+        """``(name, fingerprint)`` of the tokenizer jobs on ``backend`` use (loaded if it is not yet; the
+        fingerprint is computed once, when it loads: :meth:`prorl_server.types.TokenizerFingerprint.of`).
+        ``backend`` may be None when the ``tokenizer`` setting names it.
+
+        Raises:
+            ValueError: no ``tokenizer`` setting and no ``backend``.
+            LLMUnavailableError, TokenizerUnavailableError: as :meth:`tokenizer`.
+        """
+        if self.tokenizer_name is None and backend is None:
+            raise ValueError("no tokenizer setting and no backend: the tokenizer is the served model's")
+        name = self.tokenizer_name if self.tokenizer_name is not None else \
+            await self._served_model_path(backend.address)
+        if name not in self._fingerprints:
+            await self.tokenizer(backend)
+        return name, self._fingerprints[name]
 
     async def _served_model_path(self, address: str) -> str:
         """The ``root`` of the first model at ``{address}/v1/models`` (vLLM: the ``--model`` path), else its
@@ -128,6 +148,12 @@ def _load_tokenizer(name: str, local_only: bool = False) -> Any:
     """
     with _collector_paused():
         return _load(name, local_only)
+
+
+def _load_and_fingerprint(name: str, local_only: bool = False) -> tuple[Any, TokenizerFingerprint]:
+    """:func:`_load_tokenizer` and the loaded tokenizer's fingerprint (``GET /tokenizer``), in one thread."""
+    tok = _load_tokenizer(name, local_only)
+    return tok, TokenizerFingerprint.of(tok)
 
 
 def _load(name: str, local_only: bool) -> Any:

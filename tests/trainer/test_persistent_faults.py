@@ -11,6 +11,9 @@ evicted, refilled, 0 steps and 1,440 warnings in 6 minutes. Here:
    DAPO's group filter stops training after ``max_num_gen_batches`` batches' worth of groups with no mixed
    reward (verl's V1 trainer ignores that setting: 2,672 jobs, 0 steps, no log line), naming the metric and
    its constant value;
+3. each rollout server tells the fingerprint of its tokenizer and chat template (``GET /tokenizer``), and the
+   verl relay and the TRL rollout refuse a server whose tokenizer is not the policy's (another vocabulary, or
+   the same vocabulary with another chat template: base vs instruct), with both fingerprints in the message.
 
 Real: the rollout server (the project's app on loopback), its LLM client, verl's real
 ``FullyAsyncLLMServerClient`` and balancer, the plugin's relay and agent loop as verl instantiates them. Stand-ins
@@ -276,3 +279,77 @@ async def test_a_handler_that_fails_every_row_stops_trl_training_with_its_kind_a
     assert "failure_kind='sandbox'" in message and "8 prompt groups in a row" in message, message
     assert "injected: the sandbox of job" in message  # the last error, as the server gave it
     assert calls == 2  # the second call's groups reached 8
+
+
+# ------------------------------------------------------------------------------------------ 3. tokenizer handshake
+@pytest.fixture(scope="module")
+def other_tokenizers(tiny_model_dir, tmp_path_factory):
+    """Tokenizer directories that load but are not the policy's (the tiny model's): ``template``: the same
+    vocabulary with a base model's chat template (no roles, no generation prompt); ``vocab``: one token added."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(root / "template")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<not_in_the_policy>"])
+    tok.save_pretrained(root / "vocab")
+    return {"template": str(root / "template"), "vocab": str(root / "vocab")}
+
+
+async def test_the_server_tells_the_fingerprint_of_the_tokenizer_its_jobs_use(rollout_server, tokenizer,
+                                                                            tiny_model_dir, other_tokenizers):
+    import aiohttp
+
+    from prorl_server.types import TokenizerFingerprint
+
+    same, other = await rollout_server(tokenizer=str(tiny_model_dir)), await rollout_server(
+        tokenizer=other_tokenizers["template"])
+    async with aiohttp.ClientSession() as s:
+        answers = []
+        for url in (same, other):
+            async with s.get(f"{url}/tokenizer") as r:
+                assert r.status == 200, await r.text()
+                answers.append(await r.json())
+        async with s.get(f"{same}/tokenizer", params={"backend": "http://127.0.0.1:9"}) as r:
+            assert r.status == 404 and "unknown_backend" in await r.text()
+    policy = TokenizerFingerprint.of(tokenizer)
+    assert TokenizerFingerprint.model_validate(answers[0]["fingerprint"]) == policy
+    theirs = TokenizerFingerprint.model_validate(answers[1]["fingerprint"])
+    assert policy.differences(theirs) == ["chat template"]  # same vocabulary, other template
+    assert answers[1]["name"] == other_tokenizers["template"]
+
+
+@pytest.mark.parametrize("other,differs", [("template", "chat template"), ("vocab", "vocabulary")])
+async def test_the_relay_refuses_a_rollout_server_whose_tokenizer_is_not_the_policys(
+        other, differs, cfg, tokenizer, rollout_server, other_tokenizers, monkeypatch):
+    url = await rollout_server(tokenizer=other_tokenizers[other])
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = reg.make_loop(cfg, tokenizer, reg.verl_client(cfg, reg.ScriptedReplica(global_steps=1)))
+    out = await loop.run(reg.SP, **reg.row())
+    fatal = out[-1].extra_fields["prorl"].get("fatal")
+    # before: the jobs ran and were trained on, tokenized and rendered by a tokenizer that is not the policy's
+    assert fatal, f"trained with a tokenizer that is not the policy's: {out[-1].extra_fields['prorl']}"
+    assert f"the {differs} differ" in fatal and "RelayError" in fatal and url in fatal, fatal
+    assert "Policy: vocab 4096 tokens" in fatal and f"Server: vocab {4097 if other == 'vocab' else 4096} tokens" in fatal
+    assert "--tokenizer" in fatal  # the fix
+
+
+async def test_the_trl_rollout_refuses_a_rollout_server_whose_chat_template_is_not_the_policys(
+        start_llm_server, tokenizer, other_tokenizers):
+    import asyncio
+
+    from trainer_plugins.trl import ProRLRollout
+
+    trl_tests = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location(
+        "_trl_rollout_helpers", Path(__file__).with_name("test_trl_rollout.py")))
+    spec.loader.exec_module(trl_tests)
+    url = await start_llm_server(tokenizer=other_tokenizers["template"])
+    rollout = ProRLRollout([url], [trl_tests.fixed_instance("a")], max_sample_retries=0)
+    try:
+        with pytest.raises(_err("trainer_plugins.tokenizer_check", "TokenizerMismatchError"),
+                           match=r"the chat template differ.*Policy: vocab 4096.*Server: vocab 4096"):
+            await asyncio.to_thread(rollout, ["say a", "say a"], trl_tests.make_trainer(2, tokenizer=tokenizer))
+    finally:
+        rollout.close()

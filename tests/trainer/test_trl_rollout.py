@@ -173,7 +173,7 @@ async def test_temperature_and_max_tokens_follow_the_trainer(start_llm_server, f
 # ------------------------------------------------------------------ a rollout server that dies mid-step
 class DyingServer:
     """Stands in for a rollout server process killed while it runs jobs: it accepts connections and reads the
-    requests, then, once told to die, resets every connection (what the kernel does to a killed process's
+    ``/process`` requests (anything else is answered 404), then, once told to die, resets every connection (what the kernel does to a killed process's
     sockets) and refuses new ones. ``arrived`` counts the requests it read."""
 
     def __init__(self) -> None:
@@ -183,7 +183,12 @@ class DyingServer:
 
     async def start(self) -> str:
         async def handle(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"POST /process"):  # GET /tokenizer: answered as a server without it
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                writer.close()
+                return
             self.arrived += 1
             await self.die.wait()
             writer.transport.abort()

@@ -70,6 +70,11 @@ once ``breaker_consecutive_groups`` (8) groups in a row were filtered for one ki
 ``breaker_max_share`` (90%) of the last ``breaker_window`` (64) rows. A row TRL cannot learn from trains nothing,
 so without it a dead backend or a handler that refuses every row would spin silently.
 
+Tokenizer handshake: before its jobs run, a call compares each rollout server's tokenizer and chat template
+(``GET /tokenizer``) with the trainer's ``processing_class`` (:mod:`trainer_plugins.tokenizer_check`), once per
+server (a server with no LLM backend yet is checked at a later call), and raises
+:class:`trainer_plugins.tokenizer_check.TokenizerMismatchError` with both fingerprints on a mismatch.
+
 Per call, :attr:`ProRLRollout.history` gets a :class:`RolloutStats` (rewards, versions, filtered rows,
 discarded tokens, the first-batch importance ratio when ``measure_ratio`` is on).
 """
@@ -88,6 +93,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from trainer_plugins.admission import ServerChooser, as_server_chooser
 from trainer_plugins.breaker import FaultBreaker, Sample
+from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import JobOutcome, JobSubmitter, process_request
 from trainer_plugins.servers import ServersFile
@@ -263,6 +269,8 @@ class ProRLRollout:
         self.prefetch = int(prefetch)
         self._pending: "deque[_Batch]" = deque()
         self._batches = 0
+        self._tokenizer_checked: set[str] = set()  # servers whose tokenizer matched the policy's
+        self._policy_fingerprint: Any = None
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -349,6 +357,7 @@ class ProRLRollout:
         n = int(getattr(trainer, "num_generations", 1) or 1) if trainer is not None else 1
         step = int(getattr(getattr(trainer, "state", None), "global_step", self._calls) or 0)
         instances = [self.instance_for(p) for p in prompts]  # every prompt is checked before any job runs
+        self.loop.run(self.check_tokenizers(trainer))
         sp = self._sampling_params(trainer)
         if trainer is not None:
             enable_importance_sampling(trainer)
@@ -377,6 +386,33 @@ class ProRLRollout:
         log.info("rollout step %d: %d rows, mean reward %s, versions %s, %d filtered, %.1f s", step, len(prompts),
                  stats.mean_reward, stats.versions, stats.filtered_rows, stats.wall_s)
         return rows
+
+    async def check_tokenizers(self, trainer: Any) -> None:
+        """Compare each rollout server's tokenizer with the trainer's ``processing_class`` (module docstring,
+        "Tokenizer handshake"); a server not checked yet (no backend, unreachable) is checked at the next call.
+        Nothing is checked when the trainer has no tokenizer with a vocabulary.
+
+        Raises:
+            trainer_plugins.tokenizer_check.TokenizerMismatchError: a server's tokenizer is not the policy's.
+            trainer_plugins.jobs.ConfigurationError: a server cannot load its tokenizer.
+        """
+        tok = getattr(trainer, "processing_class", None)
+        if not hasattr(getattr(tok, "tokenizer", tok), "get_vocab"):
+            return
+        if self._policy_fingerprint is None:
+            from prorl_server.types import TokenizerFingerprint
+
+            self._policy_fingerprint = await asyncio.to_thread(TokenizerFingerprint.of, tok)
+        session = self._submitter().session
+        for url in self.urls:
+            if url in self._tokenizer_checked:
+                continue
+            try:
+                await check_tokenizer(session, url, self._policy_fingerprint, timeout_s=30.0)
+            except NotYet as e:
+                log.info("%s; checked at the next call", e)
+                continue
+            self._tokenizer_checked.add(url)
 
     def _record_faults(self, outcomes: Sequence[JobOutcome], n: int) -> None:
         """Show each prompt group of a call (``n`` rows in a row, TRL's ``RepeatSampler``) to :attr:`breaker`.

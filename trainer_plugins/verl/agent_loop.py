@@ -434,6 +434,8 @@ class ProRLAgentLoop(AgentLoopBase):
         urls, headers = await self._servers()
         if self.managed:  # registers the trainer's replicas (through the relay) before the first job
             self.relay = await relay_for_loop(self, urls, headers)
+            if self.relay.refused:  # a rollout server that joined later failed the tokenizer handshake
+                raise RelayError(self.relay.refused)
         request = process_request(self.build_instance(kwargs), self.sampling_params_for_server(sampling_params),
                                   group_id=self.group_id(kwargs), timeout_s=self.job_timeout_s)
         try:

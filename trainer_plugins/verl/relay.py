@@ -67,8 +67,11 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prorl_server.types import TokenizerFingerprint
 from trainer_plugins.client import FleetRegistrar, register_backends
 from trainer_plugins.fleet import Fleet
+from trainer_plugins.jobs import ConfigurationError
+from trainer_plugins.tokenizer_check import NotYet, TokenizerMismatchError, check_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +237,16 @@ class Relay:
         host: bind and advertise address (default: the node's IP, see :func:`_node_ip`); port: 0 = free port.
         heartbeat_s: seconds between re-registrations (None: only at start and on a new version).
         probe_timeout_s: seconds a rollout server and this relay get to answer at registration.
+        check_tokenizer: compare each rollout server's tokenizer for this relay (``GET /tokenizer``) with
+            ``tokenizer``'s, at its first registration (:mod:`trainer_plugins.tokenizer_check`); a mismatch is a
+            :class:`RelayError` at start, and :attr:`refused` for a server that joins later.
     """
 
     def __init__(self, server_manager: Any, *, servers: Sequence[str], headers: Optional[dict[str, str]] = None,
                  model: str, max_model_len: int, default_max_tokens: int, tokenizer: Any = None,
                  stop_token_ids: Sequence[int] = (), host: Optional[str] = None, port: int = 0,
-                 heartbeat_s: Optional[float] = 30.0, probe_timeout_s: float = 30.0) -> None:
+                 heartbeat_s: Optional[float] = 30.0, probe_timeout_s: float = 30.0,
+                 check_tokenizer: bool = True) -> None:
         if not servers and not isinstance(servers, Fleet):  # a fleet may have no member yet: they join
             raise ValueError("the relay needs at least one rollout server")
         self.server_manager = server_manager
@@ -264,6 +271,12 @@ class Relay:
         self.sticky = StickyKeys()
         #: a fault no retry can fix seen while serving (a turn with no version); the agent loop stops on it
         self.fatal: Optional[str] = None
+        #: a rollout server refused by the tokenizer handshake (one that joined a fleet later); the agent loop
+        #: stops on it
+        self.refused: Optional[str] = None
+        self.check_tokenizer = check_tokenizer and tokenizer is not None and hasattr(tokenizer, "get_vocab")
+        self.policy_fingerprint: Optional[TokenizerFingerprint] = None
+        self._checked: set[str] = set()  # rollout servers whose tokenizer matched (or predate the check)
         self._registered: dict[str, int] = {}  # rollout server -> version it has for us
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
@@ -299,6 +312,8 @@ class Relay:
         self.port = self._runner.addresses[0][1]  # the free port the OS picked when port=0
         self._session = aiohttp.ClientSession(headers=self.headers)
         try:
+            if self.check_tokenizer and self.policy_fingerprint is None:
+                self.policy_fingerprint = await asyncio.to_thread(TokenizerFingerprint.of, self.tokenizer)
             if self.version is None:
                 await self.probe_version()
             await self.register()
@@ -381,6 +396,16 @@ class Relay:
                                     probe_timeout_s=self.probe_timeout_s)
         except RuntimeError as e:  # BackendUnreachableError too
             raise RelayError(f"relay {self.address} could not register with {server}: {e}") from None
+        if self.policy_fingerprint is not None and server not in self._checked:
+            try:
+                await check_tokenizer(self._session, server, self.policy_fingerprint, backend=self.address,
+                                      timeout_s=max(self.probe_timeout_s, 120.0))
+            except TokenizerMismatchError as e:
+                self.refused = str(e)  # a fleet joiner: the registrar only logs; the agent loop stops on this
+                raise RelayError(str(e)) from None
+            except (ConfigurationError, NotYet) as e:  # NotYet: the server stopped answering since it registered us
+                raise RelayError(str(e)) from None
+            self._checked.add(server)
         self._registered[server] = version
         self.stats["registrations"] += 1
 
