@@ -76,13 +76,14 @@ def test_tokenizer_flag_sets_the_setting(tmp_path):
 
 
 def test_prorl_run_token_falls_back_to_prorl_token(monkeypatch):
-    from trainer_plugins.run_job import build_parser
+    """The token comes from --token-file, else PRORL_TOKEN, else none (never from argv: see
+    tests/trainer/test_fleet.py for the refusal)."""
+    from trainer_plugins.run_job import build_parser, read_token
 
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
-    assert build_parser().parse_args(["--dataset", "arithmetic"]).token == "from-env"
-    assert build_parser().parse_args(["--dataset", "arithmetic", "--token", "flag"]).token == "flag"
+    assert read_token(build_parser().parse_args(["--dataset", "arithmetic"])) == "from-env"
     monkeypatch.delenv("PRORL_TOKEN")
-    assert build_parser().parse_args(["--dataset", "arithmetic"]).token is None
+    assert read_token(build_parser().parse_args(["--dataset", "arithmetic"])) is None
 
 
 async def test_a_missing_tokenizer_is_a_configuration_fault_a_trainer_stops_on(models_endpoint, monkeypatch,
