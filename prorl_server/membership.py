@@ -35,11 +35,14 @@ All file I/O runs in a thread (``asyncio.to_thread``), never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import tempfile
@@ -153,22 +156,108 @@ def members_dir(fleet_dir: str | os.PathLike) -> Path:
     return Path(fleet_dir) / MEMBERS
 
 
+class FleetDirError(OSError):
+    """The fleet directory or ``members/`` is not safe to use: another local user could rename or replace what
+    this process writes there (see :func:`secure_fleet_dir`), or ``members/`` is not this user's directory."""
+
+
+def _sticky(path: Path, st: os.stat_result) -> None:
+    """Add the sticky bit to a directory this uid owns (the permission bits otherwise kept: a group-writable
+    project directory stays group-writable): in a sticky directory only a file's owner (or the directory's)
+    may rename or delete it, so a co-tenant who can write the directory cannot rename the trainer's END,
+    a member's record, or ``members/`` itself."""
+    if not st.st_mode & stat.S_ISVTX:
+        os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
+
+
+def secure_fleet_dir(fleet_dir: str | os.PathLike) -> Path:
+    """Create the fleet directory if needed and make it safe to share (issue #33), returning it.
+
+    A directory this uid owns gets the sticky bit (mode 1770/1775/1755 style: its group write, if any, is
+    kept). One owned by another user that other users may write and that lacks the sticky bit is refused:
+    anyone who can write it could rename the END sentinel or ``members/`` away (a fleet that never ends,
+    records written into a directory of theirs) or put an old END back (a fleet stopped by a replay); its
+    owner fixes it with ``chmod +t DIR``. Blocking.
+
+    Raises:
+        FleetDirError: the directory is not safe (the message names it and the fix). OSError: it cannot be
+            created or read.
+    """
+    d = Path(fleet_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    st = os.stat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FleetDirError(f"the fleet directory {d} is not a directory")
+    if st.st_uid == os.geteuid():
+        _sticky(d, st)
+    elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise FleetDirError(
+            f"the fleet directory {d} has mode {stat.S_IMODE(st.st_mode):04o} and belongs to uid {st.st_uid}: "
+            f"other users can write it and it has no sticky bit, so any of them could rename the end sentinel or "
+            f"members/ away or put an old END back. Its owner can run `chmod +t {d}`; or use a directory of "
+            f"your own")
+    return d
+
+
+def _members_fd(fleet_dir: str | os.PathLike) -> int:
+    """A descriptor of ``DIR/members`` (created ``1755`` if missing), checked to be a real directory of this
+    uid: a renewal then writes into the directory that was checked, whatever is renamed meanwhile.
+
+    Raises:
+        FleetDirError: ``members/`` is a file, a link, or another user's directory.
+    """
+    d = members_dir(fleet_dir)
+    try:
+        d.mkdir(mode=0o755)  # never group-writable by umask: a reader without a token checks that
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise FleetDirError(e.errno, f"{d} is not a directory (a file or a link was put in its place): this "
+                                "member cannot renew its lease, readers drop it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise FleetDirError(errno.EPERM, f"{d} belongs to uid {st.st_uid}, not to this user (uid "
+                                f"{os.geteuid()}): records written there could be removed by its owner; "
+                                "remove it (it is recreated)")
+        if stat.S_IMODE(st.st_mode) != 0o1755:  # umask-proof, and sticky: see _sticky
+            os.fchmod(fd, 0o1755)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_record(fleet_dir: str | os.PathLike, record: MemberRecord, token: Optional[str] = None) -> Path:
-    """Write ``record`` atomically to ``DIR/members/<member_id>.json`` (creating ``members/`` with mode 0755),
-    signed with ``token`` when one is given (:func:`record_bytes`). Blocking."""
+    """Write ``record`` atomically to ``DIR/members/<member_id>.json`` (``members/`` created with mode 1755,
+    and checked to be this user's directory: :func:`_members_fd`), signed with ``token`` when one is given
+    (:func:`record_bytes`). Blocking.
+
+    Raises:
+        FleetDirError: ``members/`` is not a directory of this user. OSError: the write failed.
+    """
     d = members_dir(fleet_dir)
     d.parent.mkdir(parents=True, exist_ok=True)
-    d.mkdir(mode=0o755, exist_ok=True)  # never group-writable by umask: a reader without a token checks that
-    path = d / f"{record.member_id}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{record.member_id}.", suffix=".tmp", dir=d)
+    dfd = _members_fd(fleet_dir)
+    name = f"{record.member_id}.json"
+    tmp = f".{record.member_id}.{secrets.token_hex(6)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(record_bytes(record, token))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(record_bytes(record, token))
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
+    return d / name
 
 
 def end_marker(fleet_dir: str | os.PathLike) -> Optional[tuple[int, int]]:
@@ -202,9 +291,14 @@ def _end_signature(fields: dict, token: str) -> str:
 def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended", token: Optional[str] = None) -> Path:
     """Write the end sentinel ``DIR/END`` (atomically): every member of the fleet exits, and the launcher
     releases the allocation. It is signed with ``token`` (default: :func:`fleet_token`), so members holding the
-    token ignore an END another local user wrote (:func:`end_is_proven`). Blocking."""
-    d = Path(fleet_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    token ignore an END another local user wrote (:func:`end_is_proven`). The signed content carries ``at`` (the writer's wall clock): a member
+    accepts an END only if it was written after the member started (see :func:`end_is_proven`), so a genuine
+    END of an earlier run put back in the directory does not stop this run. Blocking.
+
+    Raises:
+        FleetDirError: the directory is not safe to share (:func:`secure_fleet_dir`).
+    """
+    d = secure_fleet_dir(fleet_dir)
     token = token or fleet_token(d)
     fields: dict = {"reason": reason, "at": time.time(), "pid": os.getpid(), "node": node_name()}
     if token:
@@ -217,11 +311,24 @@ def write_end(fleet_dir: str | os.PathLike, reason: str = "the trainer ended", t
     return path
 
 
-def end_is_proven(fleet_dir: str | os.PathLike, token: Optional[str]) -> tuple[bool, str]:
+#: How far a trainer's clock may run behind a member's, seconds, when an END's signed ``at`` is compared with the
+#: member's start (a second check, on the shared file system's own clock, needs no allowance: see end_is_proven)
+END_CLOCK_SKEW_S = 30.0
+
+
+def end_is_proven(fleet_dir: str | os.PathLike, token: Optional[str], *, started_at: Optional[float] = None,
+                  start_mtime_ns: Optional[int] = None) -> tuple[bool, str]:
     """Whether ``DIR/END`` was written by a holder of ``token`` (its ``sig``) or, with no token, by this uid
-    (owner read on the open file). Returns ``(proven, why not)``. Blocking; raises nothing."""
+    (owner read on the open file), for the run of a member that started at ``started_at`` (unix seconds, its
+    wall clock) and whose first record has mtime ``start_mtime_ns``. Returns ``(proven, why not)``.
+
+    An END is bound to its run twice: its signed ``at`` must not be more than :data:`END_CLOCK_SKEW_S` before
+    ``started_at`` (a copy of an old END keeps its old signed time), and the file's own mtime must not be before
+    ``start_mtime_ns`` (both times are the shared file system's, so no clock skew enters; a rename keeps a
+    file's mtime and only its owner can set it, so an END of an earlier run renamed aside and put back is
+    refused). Blocking; raises nothing."""
     try:
-        data = read_small_file(Path(fleet_dir) / END_SENTINEL, owner=None if token else os.geteuid())
+        data, st = _read_small(Path(fleet_dir) / END_SENTINEL, owner=None if token else os.geteuid())
         fields = json.loads(data)
         if not isinstance(fields, dict):
             return False, "not a JSON object"
@@ -231,6 +338,12 @@ def end_is_proven(fleet_dir: str | os.PathLike, token: Optional[str]) -> tuple[b
                 return False, "unsigned (the fleet has a token)"
             if not hmac.compare_digest(sig.encode("ascii", "replace"), _end_signature(fields, token).encode()):
                 return False, "signature does not match the fleet token"
+        at = fields.get("at")
+        if started_at is not None and (not isinstance(at, (int, float)) or at < started_at - END_CLOCK_SKEW_S):
+            return False, (f"written at {at!r}, before this member started ({started_at:.3f}): an END of an "
+                           "earlier run")
+        if start_mtime_ns is not None and st.st_mtime_ns < start_mtime_ns:
+            return False, "the file is older than this member's first record: an END of an earlier run"
         return True, ""
     except (OSError, ValueError, RecursionError) as e:  # UnverifiedRecordError (another uid's) included
         return False, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
@@ -256,6 +369,12 @@ def read_small_file(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES, *, d
         OSError: it cannot be opened (a symlink: ``ELOOP``). UnverifiedRecordError: not ``owner``'s.
         ValueError: not a regular file, or over ``limit``.
     """
+    return _read_small(path, limit, dir_fd=dir_fd, owner=owner)[0]
+
+
+def _read_small(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES, *, dir_fd: Optional[int] = None,
+                owner: Optional[int] = None) -> tuple[bytes, os.stat_result]:
+    """:func:`read_small_file` that also gives the open file's status."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
@@ -267,7 +386,7 @@ def read_small_file(path: str | os.PathLike, limit: int = MAX_RECORD_BYTES, *, d
         data = os.read(fd, limit + 1)
         if len(data) > limit:
             raise ValueError(f"over {limit} bytes")
-        return data
+        return data, st
     finally:
         os.close(fd)
 
@@ -358,11 +477,17 @@ class Membership:
             proves its writer (:func:`end_is_proven`: signed with ``token``, or, without one, this uid's).
         token: the fleet's bearer token (the server's own): every record is signed with it, so readers holding
             it can tell this record from a forged one. None: unsigned (readers then trust only their own uid).
+        on_lost: called once, with the reason, when the lease could not be renewed for ``ttl_s`` because
+            ``members/`` is not this user's directory (:class:`FleetDirError`): readers have dropped this member,
+            so it exits saying why instead of serving outside the fleet. Default: ``on_end``.
+
+    :attr:`problem` says why the last renewal failed (None while renewals succeed), for ``/health``.
     """
 
     def __init__(self, fleet_dir: str | os.PathLike, *, url: str, host: str, port: int, ttl_s: float = DEFAULT_TTL_S,
                  capacity: int = 1, status: Optional[Callable[[], tuple[int, Optional[int], int]]] = None,
-                 on_end: Optional[Callable[[], None]] = None, token: Optional[str] = None) -> None:
+                 on_end: Optional[Callable[[], None]] = None, token: Optional[str] = None,
+                 on_lost: Optional[Callable[[str], None]] = None) -> None:
         if ttl_s <= 0:
             raise ValueError(f"fleet lease ttl must be > 0 seconds, got {ttl_s}")
         self.fleet_dir = Path(fleet_dir)
@@ -378,6 +503,11 @@ class Membership:
         self._on_end = on_end
         self._end_at_start: Optional[tuple[int, int]] = None
         self._end_refused: Optional[tuple[int, int]] = None  # an END seen and not proven (logged once)
+        self._on_lost = on_lost
+        self._start_mtime_ns: Optional[int] = None  # mtime of the first record: the file system's clock at start
+        #: why the last renewal failed (None while they succeed)
+        self.problem: Optional[str] = None
+        self._failing_since: Optional[float] = None
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self._closed = False
@@ -392,12 +522,19 @@ class Membership:
         return self.record.state
 
     async def start(self) -> None:
-        """Prune dead records of this node, write the first record, start renewing."""
+        """Check the fleet directory (:func:`secure_fleet_dir`), prune dead records of this node, write the first
+        record, start renewing.
+
+        Raises:
+            FleetDirError: the directory or ``members/`` is not safe to use (the message says why and the fix).
+        """
+        await asyncio.to_thread(secure_fleet_dir, self.fleet_dir)
         pruned = await asyncio.to_thread(prune_dead_on_node, self.fleet_dir, self.record.node)
         if pruned:
             log.info("fleet: removed %d record(s) of dead members on %s", pruned, self.record.node)
         self._end_at_start = await asyncio.to_thread(end_marker, self.fleet_dir)
         await self._renew()
+        self._start_mtime_ns = (await asyncio.to_thread(os.stat, self.path)).st_mtime_ns
         self._task = asyncio.create_task(self._renew_forever(), name="fleet-lease")
         log.info("fleet: member %s (%s) joined %s, lease %g s", self.record.member_id, self.record.url,
                  self.fleet_dir, self.ttl_s)
@@ -450,8 +587,11 @@ class Membership:
                 seen, self._dirty = now_seen, False
                 try:
                     await self._renew()
+                    if self.problem is not None:
+                        log.warning("fleet: the lease of %s is renewed again", self.record.member_id)
+                    self.problem, self._failing_since = None, None
                 except OSError as e:  # a shared file system hiccup: the next renewal tries again
-                    log.warning("fleet: could not renew the lease of %s: %r", self.record.member_id, e)
+                    self._renewal_failed(e)
                 last = time.monotonic()
             if time.monotonic() - last_end_check < 1.0:  # a stat on the shared file system: once a second
                 continue
@@ -460,7 +600,9 @@ class Membership:
             if marker is not None and marker != self._end_at_start and self._on_end is not None:
                 if marker == self._end_refused:
                     continue
-                proven, why = await asyncio.to_thread(end_is_proven, self.fleet_dir, self._token)
+                proven, why = await asyncio.to_thread(end_is_proven, self.fleet_dir, self._token,
+                                                      started_at=self.record.started_at,
+                                                      start_mtime_ns=self._start_mtime_ns)
                 if not proven:  # a co-tenant's END would stop the fleet: only the trainer's counts
                     self._end_refused = marker
                     log.warning("fleet: ignoring the end sentinel %s: %s", self.fleet_dir / END_SENTINEL, why)
@@ -470,6 +612,26 @@ class Membership:
                 on_end, self._on_end = self._on_end, None
                 on_end()
 
+    def _renewal_failed(self, e: OSError) -> None:
+        """Say why a renewal failed (an error once per reason, never silently out of the fleet); after ``ttl_s``
+        of :class:`FleetDirError` (readers have dropped this member and retrying cannot help), call ``on_lost``."""
+        why = str(e) or repr(e)
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if why != self.problem:
+            self.problem = why
+            log.error("fleet: could not renew the lease of %s: %s", self.record.member_id, why)
+        if isinstance(e, FleetDirError) and now - self._failing_since >= self.ttl_s:
+            lost, on_end = self._on_lost, self._on_end
+            if lost is None and on_end is not None:
+                lost = lambda reason: on_end()  # noqa: E731
+            self._on_lost = self._on_end = None
+            if lost is not None:
+                log.error("fleet: %s is out of the fleet (no renewal for %.1f s): %s; this member exits",
+                          self.record.member_id, now - self._failing_since, why)
+                lost(why)
+
     async def close(self) -> None:
         """Stop renewing and remove the record (a clean exit). Idempotent."""
         if self._closed:
@@ -478,7 +640,10 @@ class Membership:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.path.unlink, True)
+        try:
+            await asyncio.to_thread(self.path.unlink, True)
+        except OSError as e:  # members/ replaced (see _renewal_failed): nothing of ours to remove
+            log.warning("fleet: could not remove the record of %s: %s", self.record.member_id, e)
         log.info("fleet: member %s left %s", self.record.member_id, self.fleet_dir)
 
 

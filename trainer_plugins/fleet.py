@@ -80,7 +80,8 @@ from typing import Optional, Union
 import psutil
 
 from prorl_server.membership import (END_SENTINEL, MEMBERS, TOKEN_FILE, MemberRecord, UnverifiedRecordError,
-                                     node_name, read_small_file, read_token_file, verify_record, write_end)
+                                     node_name, read_small_file, read_token_file, secure_fleet_dir, verify_record,
+                                     write_end)
 from trainer_plugins.slurm_probe import SlurmProbe
 
 log = logging.getLogger(__name__)
@@ -156,12 +157,24 @@ class Fleet(collections.abc.Sequence):
         self._last_slurm = 0.0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._check_dir()
         self.refresh()
         if start:
             self._thread = threading.Thread(target=self._loop, name=f"fleet-{self.fleet_dir.name}", daemon=True)
             self._thread.start()
             # probes wait on the network (up to probe_timeout_s each): their own thread, so reading never stalls
             threading.Thread(target=self._probe_loop, name=f"fleet-probe-{self.fleet_dir.name}", daemon=True).start()
+
+    def _check_dir(self) -> None:
+        """Give a fleet directory of this uid the sticky bit (:func:`prorl_server.membership.secure_fleet_dir`);
+        say loudly, once, when one of another user is writable by others without it: its records stay proven by
+        their signature, but anyone who can write it could hide the END this trainer writes (the fleet never
+        ends) or swap ``members/`` (no member seen). Servers refuse to join such a directory."""
+        try:
+            if self.fleet_dir.is_dir():
+                secure_fleet_dir(self.fleet_dir)
+        except OSError as e:
+            log.error("fleet: %s", e)
 
     # ------------------------------------------------------------------ the sequence
     def __len__(self) -> int:

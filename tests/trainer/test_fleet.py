@@ -914,3 +914,99 @@ def test_prorl_run_refuses_a_token_in_argv_and_takes_a_private_token_file(tmp_pa
     assert run_job.read_token(args) == "t"
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
     assert run_job.read_token(run_job.build_parser().parse_args([])) == "from-env"
+
+
+# ------------------------------------------------------------------------------------------ a co-tenant (#33 part 6)
+
+
+def _as_other_user(fn) -> int:
+    """Run ``fn`` in a child that has dropped to uid/gid 65534 (a co-tenant); its exit status (0: ``fn`` ran
+    without raising)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second local user")
+async def test_a_co_tenant_who_can_write_the_fleet_directory_cannot_rename_the_end_or_members_away(tmp_path):
+    # red team F2a/F3/F4: in a group-writable fleet directory a co-tenant renamed the trainer's END away (the
+    # fleet never ended) and members/ (servers wrote into her directory; the trainer saw none)
+    d = tmp_path / "fleet"
+    d.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(d, 0o777)  # stands for a project directory the co-tenant's group may write
+    m = Membership(d, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, token="k")
+    await m.start()
+    try:
+        write_end(d, "the trainer ended", token="k")
+        assert os.stat(d).st_mode & 0o1777 == 0o1777  # sticky, its other bits kept
+        assert os.stat(d / "members").st_mode & 0o7777 == 0o1755
+        assert _as_other_user(lambda: os.rename(d / END_SENTINEL, d / "hidden")) != 0
+        assert _as_other_user(lambda: os.rename(d / "members", d / "old")) != 0
+        assert _as_other_user(lambda: os.unlink(m.path)) != 0
+        assert (d / END_SENTINEL).exists() and m.path.exists()
+    finally:
+        await m.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own a directory as another user")
+async def test_a_server_refuses_a_fleet_directory_of_another_user_that_others_can_write_without_the_sticky_bit(
+        tmp_path):
+    from prorl_server.membership import FleetDirError
+
+    d = tmp_path / "fleet"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    os.chown(d, 65534, 65534)
+    m = Membership(d, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, token="k")
+    with pytest.raises(FleetDirError, match="chmod \\+t"):
+        await m.start()
+    os.chmod(d, 0o1777)  # its owner made it sticky: joining is fine
+    await m.start()
+    await m.close()
+
+
+async def test_a_member_whose_members_directory_is_replaced_says_why_and_exits_instead_of_leaving_silently(
+        tmp_path, caplog):
+    # red team F4: members/ replaced by a plain file: every renewal failed, the server fell out of the fleet and
+    # kept serving with a warning-level line per renewal and nothing in /health
+    lost: list[str] = []
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, on_lost=lost.append)
+    await m.start()
+    try:
+        os.rename(tmp_path / "members", tmp_path / "gone")
+        (tmp_path / "members").write_text("x")
+        await asyncio.sleep(1.5)
+        assert m.problem and "not a directory" in m.problem
+        assert len(lost) == 1 and "not a directory" in lost[0]
+        assert [r.levelname for r in caplog.records if "not a directory" in r.getMessage()].count("ERROR") >= 1
+    finally:
+        await m.close()
+
+
+async def test_an_end_of_an_earlier_run_put_back_in_the_directory_does_not_stop_this_run(tmp_path):
+    # red team F2b: run 1's genuine signed END, renamed aside and renamed back during run 2, stopped run 2's
+    # servers within 4 s
+    write_end(tmp_path, "run 1 ended", token="k")
+    os.rename(tmp_path / END_SENTINEL, tmp_path / ".kept-END")
+    await asyncio.sleep(0.05)  # the file system's clock moves on
+    ended = asyncio.Event()
+    m = Membership(tmp_path, url="http://127.0.0.1:5", host="127.0.0.1", port=5, ttl_s=0.6, on_end=ended.set,
+                   token="k")
+    await m.start()
+    try:
+        os.rename(tmp_path / ".kept-END", tmp_path / END_SENTINEL)
+        await asyncio.sleep(1.5)
+        assert not ended.is_set()
+        Fleet(tmp_path, start=False, slurm=None, token="k").end("run 2 ended")  # this run's END still counts
+        await asyncio.wait_for(ended.wait(), 3)
+    finally:
+        await m.close()
