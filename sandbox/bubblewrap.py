@@ -67,36 +67,42 @@ DEFAULT_UID_RANGE = (1_900_000_000, 1_000_000)
 DEFAULT_UID_LEASE_DIR = "/run/prorl-uids"
 
 
-# fallocate(2) by audit arch, per host machine: (AUDIT_ARCH_*, syscall number, mask that clears the x32 bit).
-_FALLOCATE = {"x86_64": ((0xC000003E, 285, 0xBFFFFFFF), (0x40000003, 324, None)),
-              "aarch64": ((0xC00000B7, 47, None), (0x40000028, 352, None))}
+# Refused calls by audit arch, per host machine: (AUDIT_ARCH_*, mask that clears the x32 bit, ((syscall number,
+# errno), ...)): fallocate(2) (EOPNOTSUPP) and io_uring_setup(2) (ENOSYS: io_uring's registered files hold
+# files with no descriptor in /proc/PID/fd, so unlinked bytes could hide from the quota's measurement).
+_EOPNOTSUPP, _ENOSYS = 95, 38
+_REFUSED = {"x86_64": ((0xC000003E, 0xBFFFFFFF, ((285, _EOPNOTSUPP), (425, _ENOSYS))),
+                       (0x40000003, None, ((324, _EOPNOTSUPP), (425, _ENOSYS)))),
+            "aarch64": ((0xC00000B7, None, ((47, _EOPNOTSUPP), (425, _ENOSYS))),
+                        (0x40000028, None, ((352, _EOPNOTSUPP), (425, _ENOSYS))))}
 
 
 def no_fallocate_filter(machine: Optional[str] = None) -> Optional[bytes]:
     """A seccomp program (classic BPF, ``struct sock_filter`` array as bwrap's ``--seccomp FD`` reads it) that
-    makes ``fallocate(2)`` fail with ``EOPNOTSUPP`` and allows every other call; ``None`` on a machine it does
-    not know (then nothing is filtered). Why: the workspace quota is measured (:mod:`sandbox.bounds`), and
-    ``fallocate`` reserved 22x the quota in 2 ms, so between two measurements a sandbox could take the whole
-    disk; without it, glibc's ``posix_fallocate`` falls back to writing, so a sandbox fills the disk at most at
-    write speed. ``machine``: ``platform.machine()`` by default."""
-    table = _FALLOCATE.get(machine or platform.machine())
+    makes ``fallocate(2)`` fail with ``EOPNOTSUPP`` and ``io_uring_setup(2)`` with ``ENOSYS`` and allows every
+    other call; ``None`` on a machine it does not know (then nothing is filtered). Why: the workspace quota is
+    measured (:mod:`sandbox.bounds`), and ``fallocate`` reserved 22x the quota in 2 ms, so between two
+    measurements a sandbox could take the whole disk; without it, glibc's ``posix_fallocate`` falls back to
+    writing, so a sandbox fills the disk at most at write speed. io_uring's registered files keep unlinked
+    files alive where no measurement can see them (programs fall back to plain calls on ``ENOSYS``).
+    ``machine``: ``platform.machine()`` by default."""
+    table = _REFUSED.get(machine or platform.machine())
     if table is None:
         return None
     ld_abs, jeq, and_k, ret = 0x20, 0x15, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_ALU|AND|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | 95  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EOPNOTSUPP
-    sizes = [3 + (mask is not None) for _, _, mask in table]
-    allow_at = 1 + sum(sizes)
+    allow = 0x7FFF0000  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO is 0x00050000 | errno
     prog = [(ld_abs, 0, 0, 4)]  # seccomp_data.arch
-    for (arch, nr, mask), n in zip(table, sizes):
-        pos = len(prog)
-        prog.append((jeq, 0, n - 1, arch))  # another arch: on to the next block (the accumulator still holds it)
+    for arch, mask, calls in table:
+        size = 2 + (mask is not None) + 2 * len(calls) + 1
+        # another arch: on to the next block (the accumulator still holds the arch)
+        prog.append((jeq, 0, size - 1, arch))
         prog.append((ld_abs, 0, 0, 0))  # seccomp_data.nr
         if mask is not None:
             prog.append((and_k, 0, 0, mask))
-        here = len(prog)
-        prog.append((jeq, allow_at + 1 - (here + 1), allow_at - (here + 1), nr))
-        assert len(prog) == pos + n
-    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+        for nr, err in calls:
+            prog += [(jeq, 0, 1, nr), (ret, 0, 0, 0x00050000 | err)]
+        prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, allow))
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 

@@ -194,6 +194,47 @@ def test_the_seccomp_filter_refuses_fallocate_in_every_abi_of_the_machine_and_no
     assert no_fallocate_filter("riscv64") is None
 
 
+def test_the_seccomp_filter_refuses_io_uring_setup_in_every_abi_with_enosys():
+    """io_uring's registered files keep unlinked files alive with no descriptor in /proc/PID/fd (bytes no
+    measurement sees); programs fall back to plain calls on ENOSYS."""
+    from sandbox.bubblewrap import no_fallocate_filter
+
+    enosys = 0x00050000 | 38
+    x86, arm = no_fallocate_filter("x86_64"), no_fallocate_filter("aarch64")
+    assert _run_bpf(x86, 0xC000003E, 425) == enosys and _run_bpf(x86, 0xC000003E, 0x40000000 | 425) == enosys
+    assert _run_bpf(x86, 0x40000003, 425) == enosys
+    assert _run_bpf(arm, 0xC00000B7, 425) == enosys and _run_bpf(arm, 0x40000028, 425) == enosys
+    assert _run_bpf(x86, 0xC000003E, 426) == 0x7FFF0000
+
+
+_MAP_AND_UNLINK = ("python3 -c \"import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "libc.mmap.restype = ctypes.c_void_p\n"
+                   "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,"
+                   " ctypes.c_long]\nfor i in range(4):\n    fd = os.open(f'f{i}', os.O_RDWR | os.O_CREAT, 0o600)\n"
+                   "    os.write(fd, b'x' * (6 << 20))\n    os.fsync(fd)\n"
+                   "    assert libc.mmap(None, 6 << 20, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)\n"
+                   "    os.close(fd)\n    os.unlink(f'f{i}')\n    time.sleep(0.3)\nprint('hidden', flush=True)\n"
+                   "time.sleep(30)\"")
+
+
+@pytest.mark.real
+async def test_files_mapped_then_closed_and_unlinked_count_against_the_disk_quota(runtime_options, procs):
+    """mmap(MAP_SHARED) through ctypes, close the descriptor, unlink: the file lives on with no descriptor in
+    /proc/PID/fd (red team: 6.25x the quota held, never killed). /proc/PID/maps names it "(deleted)"; its
+    size comes from /proc/PID/map_files (root), or the sandbox cannot be measured: over its quota either way."""
+    quota = 8 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=0.2, **runtime_options)
+    h = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for p in procs.of(h)}
+    try:
+        _, err = await _seconds_until_dead(h, _MAP_AND_UNLINK, timeout_s=60)
+        assert err.reason == "disk_quota", err
+    finally:
+        await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
 @pytest.mark.real
 async def test_hundreds_of_processes_holding_descriptors_cannot_keep_an_over_quota_workspace_alive(
         runtime_options, procs):
