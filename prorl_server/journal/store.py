@@ -55,6 +55,7 @@ import os
 import pickle
 import queue
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -187,6 +188,55 @@ class CompletionRecord:
 class JournalError(RuntimeError):
     """The journal cannot be opened or written (the message says which file and why)."""
 
+#: The files of a journal at PATH besides PATH itself: SQLite's WAL, its shared memory, its rollback journal,
+#: and this module's lock.
+SIDECARS = ("-wal", "-shm", "-journal", ".lock")
+
+
+def secure_journal_files(path: str) -> None:
+    """Make the journal at ``path`` safe to open in a directory other users may write (issue #33): the journal
+    holds every instance, answer and result, so no other local user may read it, and nobody may redirect it.
+
+    ``path`` and each of its sidecars (:data:`SIDECARS`) that exists must be a regular file of this uid, not a
+    symbolic link (one planted in a shared directory made a server write its journal into a directory of the
+    planter's choosing); those that are readable by group or other are made ``0600``. A missing ``path`` is
+    created ``0600`` with ``O_EXCL | O_NOFOLLOW`` (SQLite gives the ``-wal``/``-shm``/``-journal`` files it
+    creates later the database file's mode, so they are ``0600`` too, whatever the umask). Blocking.
+
+    Raises:
+        JournalError: a file is a symbolic link, not a regular file, or another user's (the path is named).
+    """
+    uid = os.geteuid()
+    for p in (path, *(path + s for s in SIDECARS)):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise JournalError(f"cannot open the journal {path}: {e}") from e
+        if stat.S_ISLNK(st.st_mode):
+            raise JournalError(f"refusing the journal file {p}: it is a symbolic link (to {os.readlink(p)!r}), "
+                               "and a journal must be a file of its own: another user who can write the directory "
+                               "may have put it there to read or replace the journal; remove it, or choose "
+                               "another journal path")
+        if not stat.S_ISREG(st.st_mode):
+            raise JournalError(f"refusing the journal file {p}: it is not a regular file (mode "
+                               f"{stat.filemode(st.st_mode)}); remove it, or choose another journal path")
+        if st.st_uid != uid:
+            raise JournalError(f"refusing the journal file {p}: it belongs to uid {st.st_uid}, not to this user "
+                               f"(uid {uid}), who could read or replace it; remove it, or choose another path")
+        if st.st_mode & 0o077:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass  # checked above (an empty file is an empty SQLite database)
+
+
 def connect(path: str, busy_timeout_s: float = 30.0) -> sqlite3.Connection:
     """A connection to the journal at ``path`` (WAL, ``synchronous=NORMAL``, autocommit: transactions are
     explicit)."""
@@ -247,6 +297,7 @@ class Journal:
             return
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            secure_journal_files(self.path)
         except OSError as e:
             raise JournalError(f"cannot open the journal {self.path}: {e}") from e
         self._lock_file = self._take_lock()
@@ -333,7 +384,9 @@ class Journal:
         import fcntl
 
         lock_path = self.path + ".lock"
-        f = open(lock_path, "a+")
+        # no link followed, no FIFO waited on, private (see secure_journal_files)
+        f = os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                              | os.O_CLOEXEC, 0o600), "a+")
         deadline = time.monotonic() + 10.0
         while True:
             try:
@@ -1039,7 +1092,7 @@ class _Store:
         frames of a WAL left by a crash stay as they are. Failing is not fatal (commits append as before)."""
         target = self.wal_prealloc_bytes()
         try:
-            fd = os.open(self.path + "-wal", os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = os.open(self.path + "-wal", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             log.warning("journal %s: cannot preallocate the WAL: %s", self.path, e)
             return

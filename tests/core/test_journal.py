@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import time
 
@@ -546,3 +547,55 @@ def test_a_journal_over_its_cap_with_running_jobs_only_keeps_its_tombstones(tmp_
     assert j.job("delivered") is None and j.expired("delivered")
     assert j.job("running") is not None
     j.close()
+
+
+# ------------------------------------------------------------------------------------------ a co-tenant (#33 part 6)
+
+
+def test_journal_files_are_private_whatever_the_umask(tmp_path):
+    # red team J0: the journal, its -wal and -shm were 0644 under umask 022: every local user read every
+    # instance and result
+    old = os.umask(0o022)
+    try:
+        j = Journal(str(tmp_path / "j.sqlite"))
+        j.start()
+        j.job_submitted("a", "shout", b"{}")
+        j.flush()
+        modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.name.startswith("j.sqlite")}
+        j.close()
+    finally:
+        os.umask(old)
+    assert {"j.sqlite", "j.sqlite-wal", "j.sqlite-shm", "j.sqlite.lock"} <= set(modes)
+    assert set(modes.values()) == {0o600}, modes
+    (tmp_path / "k.sqlite").touch(mode=0o644)  # an existing file of ours made private
+    os.chmod(tmp_path / "k.sqlite", 0o644)
+    Journal(str(tmp_path / "k.sqlite")).close()
+    assert (tmp_path / "k.sqlite").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("plant", ["link_to_missing", "link_wal", "fifo_wal", "other_users"])
+def test_a_journal_path_another_user_planted_is_refused_with_its_name(tmp_path, plant):
+    # red team J1/J2: a symlink planted at the journal's path made the server create its journal in the
+    # planter's directory (readable and replaceable by her); one to another file stopped the start obscurely
+    path = tmp_path / "node.sqlite"
+    loot = tmp_path / "loot"
+    loot.mkdir()
+    if plant == "link_to_missing":
+        path.symlink_to(loot / "d.sqlite")
+        bad = path
+    elif plant == "link_wal":
+        bad = tmp_path / "node.sqlite-wal"
+        bad.symlink_to(loot / "victim")
+    elif plant == "fifo_wal":
+        bad = tmp_path / "node.sqlite-wal"
+        os.mkfifo(bad)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to own a file as another user")
+        path.touch()
+        os.chown(path, 65534, 65534)
+        bad = path
+    with pytest.raises(JournalError, match=str(bad)):
+        j = Journal(str(path))
+        j.close()
+    assert not (loot / "d.sqlite").exists() and not (loot / "victim").exists()
