@@ -326,6 +326,9 @@ mkdir -p "$RUN_DIR" && chmod 0700 "$RUN_DIR" || { log "cannot create $RUN_DIR"; 
 END_AT_START=
 if [ -n "$FLEET_DIR" ]; then
     mkdir -p "$FLEET_DIR" || { log "cannot create the fleet directory $FLEET_DIR"; exit 1; }
+    # sticky: in a group-writable directory only a file's owner may rename or delete it (END, token, members/);
+    # the servers refuse another user's directory that others may write without it (docs/cluster.md)
+    if [ -O "$FLEET_DIR" ]; then chmod +t "$FLEET_DIR" || { log "cannot chmod +t $FLEET_DIR"; exit 1; }; fi
     if [ -z "${PRORL_TOKEN:-}" ]; then
         # one token for the whole fleet: the first job makes it (ln fails if another job was first)
         tok_tmp=$(mktemp "$FLEET_DIR/.token.XXXXXX") && chmod 0600 "$tok_tmp" \
@@ -343,6 +346,7 @@ except (OSError, ValueError) as e:
             || { log "cannot use $FLEET_DIR/token (remove it if it is not yours)"; exit 1; }
     fi
     END_AT_START=$(stat -c '%i %Y' "$FLEET_DIR/END" 2>/dev/null)
+    LAUNCHED_AT=$(date +%s.%N)  # an END signed before this job started ended an earlier run
 fi
 export PRORL_TOKEN=${PRORL_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -424,9 +428,9 @@ fleet_ended() {  # the trainer wrote the fleet's end sentinel since this job sta
     # release the allocation under a running trainer (the servers ignore it too)
     if "$PY" -c 'import os, sys
 from prorl_server.membership import end_is_proven
-ok, why = end_is_proven(sys.argv[1], os.environ.get("PRORL_TOKEN"))
-sys.exit(0 if ok else why)' "$FLEET_DIR"; then END_PROVEN=0; else
-        END_PROVEN=1; log "ignoring $FLEET_DIR/END: it does not carry the fleet token's signature"
+ok, why = end_is_proven(sys.argv[1], os.environ.get("PRORL_TOKEN"), started_at=float(sys.argv[2]))
+sys.exit(0 if ok else why)' "$FLEET_DIR" "$LAUNCHED_AT"; then END_PROVEN=0; else
+        END_PROVEN=1; log "ignoring $FLEET_DIR/END: not signed with the fleet token, or written before this job"
     fi
     return "$END_PROVEN"
 }
