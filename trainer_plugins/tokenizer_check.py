@@ -43,7 +43,7 @@ async def server_tokenizer(session: aiohttp.ClientSession, server: str, backend:
     without the endpoint. ``timeout_s`` covers the first load of the tokenizer on the server (seconds).
 
     Raises:
-        NotYet: the server has no backend yet and no ``--tokenizer``, or does not answer.
+        NotYet: the server has no backend yet and no ``--tokenizer``, does not answer, or refused the token.
         ConfigurationError: the server cannot say (no tokenizer for its model, an unknown backend).
     """
     url = f"{server.rstrip('/')}/tokenizer"
@@ -57,6 +57,8 @@ async def server_tokenizer(session: aiohttp.ClientSession, server: str, backend:
     text = body[:2000].decode("utf-8", "replace")
     if status == 404 and "unknown_backend" not in text:
         return None  # a server from before the handshake
+    if status in (401, 403):  # the jobs' own requests report a refused token (RolloutAuthError), with its fix
+        raise NotYet(f"rollout server {server} refused our bearer token (HTTP {status}) at GET /tokenizer")
     if status == 503 and "no_backend" in text:
         raise NotYet(f"rollout server {server} has no LLM backend yet: its tokenizer is the served model's")
     if status != 200:

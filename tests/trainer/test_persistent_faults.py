@@ -336,6 +336,17 @@ async def test_the_relay_refuses_a_rollout_server_whose_tokenizer_is_not_the_pol
     assert "--tokenizer" in fatal  # the fix
 
 
+async def test_with_external_backends_the_agent_loop_refuses_a_server_whose_tokenizer_is_not_the_policys(
+        cfg, tokenizer, rollout_server, other_tokenizers, monkeypatch):
+    url = await rollout_server(tokenizer=other_tokenizers["template"])
+    monkeypatch.setenv("PRORL_SERVERS", url)
+    loop = reg.make_loop(cfg, tokenizer, None, backends="external")
+    out = await loop.run(reg.SP, **reg.row())
+    fatal = out[-1].extra_fields["prorl"].get("fatal")
+    assert fatal and "TokenizerMismatchError" in fatal and "the chat template differ" in fatal, \
+        out[-1].extra_fields["prorl"]
+
+
 async def test_the_trl_rollout_refuses_a_rollout_server_whose_chat_template_is_not_the_policys(
         start_llm_server, tokenizer, other_tokenizers):
     import asyncio

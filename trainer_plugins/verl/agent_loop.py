@@ -104,11 +104,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
-from prorl_server.types import JobResult
+from prorl_server.types import JobResult, TokenizerFingerprint
 from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
                                   RolloutAuthError, process_request)
+from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.verl.relay import RelayError, relay_for_loop
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ class ProRLAgentLoop(AgentLoopBase):
     # server_chooser name -> the chooser every loop of this process shares (its round-robin and counts)
     _choosers: dict[str, ServerChooser] = {}
     _resolved: dict[str, tuple[list[str], dict[str, str]]] = {}  # servers setting -> (urls, headers)
+    _policy_fingerprint: Optional[TokenizerFingerprint] = None  # of this process's policy tokenizer
+    _tokenizer_checked: set[str] = set()  # rollout servers whose tokenizer matched the policy's (external)
     # event loop -> (servers, token, request_timeout_s) -> the submitter (one HTTP session) its loops share
     _submitters: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, JobSubmitter]]" = \
         weakref.WeakKeyDictionary()
@@ -292,6 +295,28 @@ class ProRLAgentLoop(AgentLoopBase):
         if self.token:
             headers = {**headers, "Authorization": f"Bearer {self.token}"}
         return urls, headers
+
+    async def _check_tokenizers(self, urls: Sequence[str], headers: dict[str, str]) -> None:
+        """``backends: external``: compare each rollout server's tokenizer with the policy's, once per server and
+        process (:mod:`trainer_plugins.tokenizer_check`; a server with no backend yet is checked at a later row).
+
+        Raises:
+            trainer_plugins.tokenizer_check.TokenizerMismatchError: a server's tokenizer is not the policy's.
+        """
+        if not hasattr(self.tokenizer, "get_vocab"):
+            return
+        cls = type(self)
+        if cls._policy_fingerprint is None:
+            cls._policy_fingerprint = await asyncio.to_thread(TokenizerFingerprint.of, self.tokenizer)
+        session = self._jobs(headers).session
+        for url in urls:
+            if url in cls._tokenizer_checked:
+                continue
+            try:
+                await check_tokenizer(session, url, cls._policy_fingerprint, timeout_s=120.0)
+            except NotYet:
+                continue
+            cls._tokenizer_checked.add(url)
 
     def _jobs(self, headers: dict[str, str]) -> JobSubmitter:
         """The :class:`trainer_plugins.jobs.JobSubmitter` of this process's event loop for these servers,
@@ -436,6 +461,8 @@ class ProRLAgentLoop(AgentLoopBase):
             self.relay = await relay_for_loop(self, urls, headers)
             if self.relay.refused:  # a rollout server that joined later failed the tokenizer handshake
                 raise RelayError(self.relay.refused)
+        else:  # the servers' own backends: their tokenizer must still be the policy's
+            await self._check_tokenizers(urls, headers)
         request = process_request(self.build_instance(kwargs), self.sampling_params_for_server(sampling_params),
                                   group_id=self.group_id(kwargs), timeout_s=self.job_timeout_s)
         try:
