@@ -224,9 +224,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     processes = settings.processes or os.cpu_count() or 1
     if processes > 1:
         return supervise(settings, processes)
-    run_event_loop(serve(settings), settings.event_loop)
+    if not _serve_or_refuse(settings):
+        return 2
     _ignore_late_sigterm(settings)
     return 0
+
+
+def _serve_or_refuse(settings: ServerSettings) -> bool:
+    """Serve until stopped; False (after one error line naming the path and the fix) when shared node state
+    is refused at start: a journal path another user planted or may read, a fleet directory others may
+    rearrange (:class:`~prorl_server.journal.store.JournalError`, :class:`~prorl_server.membership.FleetDirError`):
+    a setting to fix, not a crash to read a traceback of."""
+    from prorl_server.journal.store import JournalError
+    from prorl_server.membership import FleetDirError
+
+    try:
+        run_event_loop(serve(settings), settings.event_loop)
+    except (JournalError, FleetDirError) as e:
+        log.error("cannot start: %s", e)
+        return False
+    return True
 
 
 def _ignore_late_sigterm(settings: ServerSettings) -> None:
@@ -274,7 +291,8 @@ def _member_main(settings_json: str) -> None:
     settings = ServerSettings.model_validate_json(settings_json)
     logging.basicConfig(level=settings.log_level,
                         format=f"%(asctime)s %(levelname)s [member {os.getpid()}] %(name)s: %(message)s")
-    run_event_loop(serve(settings), settings.event_loop)
+    if not _serve_or_refuse(settings):
+        sys.exit(2)
     _ignore_late_sigterm(settings)
 
 

@@ -47,6 +47,18 @@ def test_journal_off_and_on_unquoted_in_yaml_mean_what_they_say(tmp_path):
     assert journal_path(build_settings(str(y))) is None
 
 
+def test_a_planted_journal_path_stops_the_server_with_one_line_naming_it(tmp_path, caplog):
+    """A journal path that is a link another user planted is refused at start: exit status 2 and one error line
+    naming the path and the fix, not a traceback (red team J1/J2)."""
+    from prorl_server.cli import main
+
+    (tmp_path / "j.sqlite").symlink_to(tmp_path / "elsewhere.sqlite")
+    assert main(["--port", "0", "--journal", str(tmp_path / "j.sqlite"), "--sandbox-runtime", "local"]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.startswith("cannot start: ") and str(tmp_path / "j.sqlite") in line and "link" in line
+    assert not (tmp_path / "elsewhere.sqlite").exists()
+
+
 def test_token_from_environment_and_a_token_file_overrides_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PRORL_TOKEN", "from-env")
     assert settings_from_args([]).token == "from-env"
