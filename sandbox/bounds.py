@@ -60,6 +60,12 @@ CGROUP_PREFIX = "prorl-"
 MAX_MEASURED_ENTRIES = 100_000
 #: Free space (bytes) below which the host ends the largest sandbox on a file system holding workspaces.
 DEFAULT_MIN_FREE_BYTES = 1 << 30
+#: Least slack (bytes) between what a floor eviction freed and what the sandbox measured before it counts
+#: as having hidden bytes (see :func:`floor_slack`).
+MIN_FLOOR_SLACK_BYTES = 16 << 20
+#: How long (seconds) the host watches free space rise after a floor eviction's processes are gone (the
+#: kernel may free a large unlinked file, or a socket's in-flight descriptors, a little later).
+RELEASE_SETTLE_S = 0.5
 
 
 class UnmeasurableError(Exception):
@@ -474,3 +480,26 @@ def free_bytes(path: str) -> int:
     ``f_bavail * f_frsize``). Raises ``OSError``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def floor_slack(floor: int) -> int:
+    """Bytes an evicted sandbox's end may free beyond its measured usage before it counts as having hidden
+    bytes from measurement: ``max(MIN_FLOOR_SLACK_BYTES, floor // 64)`` (what was written between the last
+    measurement and the kill, what the file system's own accounting moves)."""
+    return max(MIN_FLOOR_SLACK_BYTES, floor // 64)
+
+
+def free_after_release(path: str, before: int, settle_s: float = RELEASE_SETTLE_S, step_s: float = 0.05) -> int:
+    """Free bytes (:func:`free_bytes`) of the file system of ``path`` once what a sandbox's ended processes
+    held is released: the most seen over ``settle_s`` seconds, sampled every ``step_s`` and stopped early
+    when two samples in a row agree above ``before``. Raises ``OSError``."""
+    best = last = free_bytes(path)
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        time.sleep(step_s)
+        now = free_bytes(path)
+        best = max(best, now)
+        if now == last and now > before:
+            break
+        last = now
+    return best

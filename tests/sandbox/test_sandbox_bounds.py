@@ -300,6 +300,87 @@ async def test_below_the_free_space_floor_the_largest_sandbox_is_evicted_as_an_i
 
 
 @pytest.mark.real
+async def test_below_the_floor_a_kill_that_frees_more_than_was_measured_blames_the_sandbox_that_hid_it(
+        runtime_options, procs, monkeypatch):
+    """Bytes a sandbox hides from measurement (descriptors in flight in a socket: /proc cannot see them)
+    show only in free space. Below the floor the largest measured sandbox is ended even when none holds much
+    (red team: a hider under floor/64 was never blamed and the disk filled to ENOSPC), and what its end frees
+    says whose doing it was: an honest neighbour's end frees nothing (host_disk, filtered), the hider's frees
+    what it hid (disk_quota, scored; the red team's hider alone was evicted as host_disk). The fake statvfs
+    stands for the hidden bytes: free space comes back once the hider's processes are gone."""
+    from sandbox import bounds
+    from sandbox.errors import SandboxEvictedError
+
+    quota, floor = 256 << 20, 1 << 30
+    rt = make_runtime("bubblewrap", watch_interval_s=0.2, min_free_bytes=floor, **runtime_options)
+    honest = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    hider = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    pids = {p.pid for h in (honest, hider) for p in procs.of(h)}
+    try:
+        await honest.bash("head -c 8M /dev/zero > data", timeout_s=30)
+        await asyncio.sleep(0.5)  # both measured: the honest one holds more (8 MiB, under floor/64 = 16 MiB)
+        monkeypatch.setattr(bounds, "free_bytes",
+                            lambda path: 0 if hider._proc.returncode is None else 2 * floor)
+        first = await _until_dead(honest, 10)
+        assert isinstance(first, SandboxEvictedError) and first.reason == "host_disk", first
+        second = await _until_dead(hider, 10)
+        assert not isinstance(second, SandboxEvictedError) and second.reason == "disk_quota", second
+        assert f"its end freed {2 * floor} bytes" in str(second), second
+    finally:
+        for h in (honest, hider):
+            await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
+async def test_an_over_quota_writer_is_caught_within_an_interval_or_two_beside_sandboxes_costly_to_measure(
+        runtime_options, procs, monkeypatch):
+    """Each sandbox is measured on its own schedule, cheapest first: neighbours costly to measure (here 6
+    whose walk costs 0.8 s each, standing for 95,000 files) cannot slow the watch of another (red team: 10
+    such neighbours let an over-quota writer live 8.4 s, 37x its quota, when every round waited for all). A
+    cheap sandbox waits for at most the measurements already running (each bounded by the entry budget)."""
+    from sandbox import bounds
+
+    quota = 8 << 20
+    rt = make_runtime("bubblewrap", watch_interval_s=0.2, **runtime_options)
+    costly = [await rt.start(SandboxSpec(limits=Limits(workspace_bytes=1 << 30))) for _ in range(6)]
+    writer = await rt.start(SandboxSpec(limits=Limits(workspace_bytes=quota)))
+    slow = {h.workspace for h in costly}
+    real = bounds.disk_usage
+    writer_measured: list[float] = []
+
+    def disk_usage(paths, stop_above=None, budget=None):
+        if paths[0] in slow:
+            time.sleep(0.8)
+            if budget is not None:
+                budget.spend(90_000)
+        elif paths[0] == writer.workspace:
+            writer_measured.append(time.monotonic())
+        return real(paths, stop_above, budget)
+
+    monkeypatch.setattr(bounds, "disk_usage", disk_usage)
+    pids = {p.pid for h in (*costly, writer) for p in procs.of(h)}
+    try:
+        await asyncio.sleep(3.0)  # every sandbox measured at least once: the costly ones known as costly
+        del writer_measured[:]
+        await asyncio.sleep(4.0)
+        gaps = [b - a for a, b in zip(writer_measured, writer_measured[1:])]
+        # (measured: at most ~1.0 s; a round that waits for all: 6 x 0.8 s on 2 threads, 2.4 s or more)
+        assert len(gaps) >= 3 and max(gaps) < 1.6, f"the writer was measured at gaps of {gaps}"
+        elapsed, err = await _seconds_until_dead(
+            writer, "head -c 64M /dev/zero > big; echo written; sleep 60", timeout_s=60)
+        assert err.reason == "disk_quota", err
+        assert elapsed < 2.5, f"an over-quota writer lived {elapsed:.2f} s"
+        assert all(h.alive for h in costly)
+    finally:
+        for h in (*costly, writer):
+            await h.close()
+        await rt.close_all()
+    procs.assert_gone(pids)
+
+
+@pytest.mark.real
 async def test_memory_past_the_sandbox_limit_kills_it_or_the_runtime_says_it_cannot(runtime_options, procs,
                                                                                    caplog):
     from sandbox import bounds
