@@ -16,8 +16,8 @@ Disk. A workspace must stay a host directory that graders read after the sandbox
 server can mount no quota'd file system (a sized tmpfs inside the sandbox's mount namespace is invisible to
 the host and dies with it; a loop image or a project quota needs root), so the quota is *measured*, and the
 runtime says so at its start. The host measures (:func:`disk_usage`: allocated blocks, so
-``posix_fallocate`` counts; :func:`open_deleted_bytes`: files unlinked but held open) at least every
-``watch_interval_s`` whatever the last measurement cost, and kills the sandbox when its writable host
+``posix_fallocate`` counts; :func:`open_deleted_bytes`: files unlinked but held open, mapped or running)
+every ``watch_interval_s``, each sandbox on its own schedule, and kills the sandbox when its writable host
 directories pass the quota (``reason="disk_quota"``); ``RLIMIT_FSIZE`` bounds any single file to the quota as
 well. What a sandbox can make a measurement cost is bounded too: one measurement reads at most
 ``max_entries`` entries (directory entries plus its processes' descriptors, :class:`MeasureBudget`,
@@ -28,7 +28,8 @@ honest sandbox look too costly. A sandbox may still overshoot by what it writes 
 refuses ``fallocate(2)`` with a seccomp filter, :func:`sandbox.bubblewrap.no_fallocate_filter`, so that is at
 most write speed, not a reservation of any size in milliseconds), so the host also watches the free space of
 the file systems that hold the workspaces (:func:`free_bytes`): below the runtime's floor it ends the largest
-sandbox there before the disk fills.
+sandbox there before the disk fills, and judges by what the kill frees whether the sandbox hid bytes from
+measurement (:func:`floor_slack`, :func:`free_after_release`).
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ class SandboxDeadError(SandboxError):
     """The sandbox's processes are gone (killed from outside, crashed, or closed) while or before a call ran.
 
     ``reason``: why, when the host knows it: ``"memory"`` (the sandbox passed its memory limit),
-    ``"disk_quota"`` (its workspace passed its disk quota, or could not be measured within the host's budget):
+    ``"disk_quota"`` (its workspace passed its disk quota, or could not be measured within the host's budget,
+    or its eviction at the free-space floor freed more than it measured: it hid bytes):
     both are the doing of what ran inside; ``"host_disk"``: see :class:`SandboxEvictedError`; ``None``:
     unknown (killed from outside, crashed, closed)."""
 
@@ -41,7 +42,8 @@ class SandboxDeadError(SandboxError):
 class SandboxEvictedError(SandboxDeadError):
     """The host ended a sandbox for the node's sake, not for anything it did past its own bounds:
     ``reason="host_disk"`` (the file system holding its workspace fell below the runtime's free-space floor,
-    ``min_free_bytes``, and it held the most there while within its quota). An infrastructure fault: the
+    ``min_free_bytes``, it held the most there as measured, and its end freed no more than that, plus a
+    slack, so it hid nothing). An infrastructure fault: the
     job should be filtered, not scored. Raised by the host only; the execution server cannot send it (it is
     not in :data:`ERRORS_BY_NAME`)."""
 

@@ -387,12 +387,14 @@ class SandboxRuntime(abc.ABC):
     (8 GiB), ``workspace_bytes`` (4 GiB); ``None`` for one of the last three: not bounded. ``cgroup_parent``:
     a delegated cgroup directory (memory controller enabled for its children) to create sandbox cgroups in;
     default: found at start (:func:`sandbox.bounds.memory_cgroups`, which warns once when there is none).
-    ``watch_interval_s``: how often the host checks each sandbox's disk usage and memory (seconds; every
-    sandbox at least this often, whatever a measurement cost). ``measure_max_entries``: most entries one
+    ``watch_interval_s``: how often the host checks each sandbox's disk usage and memory (seconds; each
+    sandbox on its own schedule, this long after its last check ended, whatever other sandboxes cost).
+    ``measure_max_entries``: most entries one
     measurement of a sandbox's disk use reads (:class:`sandbox.bounds.MeasureBudget`; a sandbox that needs more
     counts as over its quota). ``min_free_bytes``: free-space floor of the file systems holding the sandboxes'
     writable host directories (default 1 GiB, :data:`sandbox.bounds.DEFAULT_MIN_FREE_BYTES`; ``None``: not
-    watched): below it the largest sandbox there is ended.
+    watched): below it the largest sandbox there is ended, ``host_disk`` (filtered) unless its end freed
+    more than it measured (then ``disk_quota``: it hid bytes).
     ``view_dir``: where the Python views' skeletons are built, once per set of distributions, and reused
     (default :func:`sandbox.python_view.default_view_dir`, a per-user cache; never visible in a sandbox).
     """
