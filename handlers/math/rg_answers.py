@@ -264,6 +264,19 @@ def _coin_flip(answer: str, entry: dict) -> Optional[str]:
     return None
 
 
+def _same_number(answer: str, entry: dict) -> Optional[str]:
+    """One number within a relative :data:`REL_TOL` of the gold, sign included: ``gsm_symbolic``'s scorer reads
+    the first match of ``\\b-?\\d+...`` and a word boundary never precedes ``-``, so ``-57`` paid for ``57``;
+    ``decimal_arithmetic``'s accepts an absolute ``10**-places`` (``25.414`` for ``25.413``) where its question
+    asks for 12 significant digits (red team B)."""
+    if not _NUMBER.fullmatch(answer.replace(",", "")):
+        return "the answer is not one number"
+    a, g = _value(answer), _value(str(entry["answer"]))
+    if a is None or g is None or not _isclose(a, g):
+        return f"the answer is not within a relative {REL_TOL:g} of the gold"
+    return None
+
+
 def _puzzle24(answer: str, entry: dict) -> Optional[str]:
     used = sorted(int(n) for n in re.findall(r"[0-9]+", answer))
     return None if used == sorted(int(n) for n in entry["metadata"]["numbers"]) else \
@@ -337,7 +350,8 @@ SOUNDNESS_CHECKS: dict[str, Callable[[str, dict], Optional[str]]] = {
     "cryptarithm": _assignments,
     "fraction_simplification": _form(_FRACTION, "one fraction"),
     "game_of_life": _json_grid_of_gold_shape,
-    "gsm_symbolic": _form(_NUMBER, "one number"),
+    "gsm_symbolic": _same_number,
+    "decimal_arithmetic": _same_number,
     "jugs": _jugs,
     "kakurasu": _same_grid,
     "survo": _same_grid,

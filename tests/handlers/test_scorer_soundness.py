@@ -24,6 +24,7 @@ import math
 import os
 import re
 import sys
+from decimal import Decimal
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -65,6 +66,26 @@ def _with_extra(gold: str) -> list[str]:
     if "\n" in gold:
         out.append(gold + "\n" + gold.split("\n")[-1])
     return out
+
+
+#: Tasks whose question itself asks for a coarse answer: a near miss within what it asks for is right there.
+COARSE_BY_QUESTION = {"power_function": "asks for 3 significant figures"}
+
+
+def _numeric_neighbours(gold: str, near: bool = True) -> list[str]:
+    """For a gold that is one number: its negation, and (``near``) one unit up and down in its last decimal
+    place shown and a relative 1e-5 up and down (red team B: ``gsm_symbolic`` paid ``-57`` for ``57``,
+    ``decimal_arithmetic`` paid ``25.414`` for ``25.413`` and ``8.27343551523`` for ``8.27243551523``). Those
+    within a relative 1e-6 of the gold are the gold's value, not wrong (dropped)."""
+    text = gold.strip()
+    if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", text):
+        return []
+    value = Decimal(text)
+    out = [-value] if value else []
+    if near:
+        unit = Decimal(1).scaleb(value.as_tuple().exponent)
+        out += [value + unit, value - unit, value * Decimal("1.00001"), value * Decimal("0.99999")]
+    return [str(v) for v in out if not math.isclose(float(v), float(value), rel_tol=1e-6, abs_tol=0.0)]
 
 
 def _same(a: str, b: str) -> bool:
@@ -121,6 +142,8 @@ def wrong_answers(inst: dict, others: list[dict]) -> list[tuple[str, str]]:
     golds of ``others`` (instances of the same task)."""
     gold = str(inst["answer"])
     out = [("constant", c) for c in CONSTANTS] + [("gold+extra", a) for a in _with_extra(gold)]
+    task = (inst.get("rg_entry") or {}).get("metadata", {}).get("source_dataset")
+    out += [("numeric neighbour", a) for a in _numeric_neighbours(gold, near=task not in COARSE_BY_QUESTION)]
     out += [("another instance's gold", str(o["answer"])) for o in others
             if o is not inst and o["question"] != inst["question"]]
     right = RIGHT.get((inst.get("rg_entry") or {}).get("metadata", {}).get("source_dataset"))
