@@ -60,8 +60,20 @@ def test_relay_host_is_resolved_on_each_node():
         resolve_relay_host("192.0.2.128/25")
 
 
-async def test_the_relay_reports_the_tokenizer_location_it_is_given(cfg, tokenizer, serve_handlers, monkeypatch):
+async def test_the_relay_reports_the_tokenizer_location_it_is_given(cfg, tokenizer, serve_handlers, monkeypatch,
+                                                                    tiny_model_dir, tmp_path):
+    """The relay's model id is the tokenizer location it is given (a rollout server without --tokenizer loads
+    it from there). The location must hold the policy's tokenizer: the rollout server loads it for the
+    tokenizer handshake (a copy of the tiny model's tokenizer under another path here)."""
+    import shutil
+
     import aiohttp
+
+    location = tmp_path / "shared" / "tokenizers" / "qwen2"
+    location.mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        if f.is_file() and ("token" in f.name or f.name in ("config.json", "chat_template.jinja")):
+            shutil.copy(f, location / f.name)
 
     reg_spec = importlib.util.spec_from_file_location("_verl_registration_helpers3",
                                                       Path(__file__).with_name("test_verl_registration.py"))
@@ -70,11 +82,11 @@ async def test_the_relay_reports_the_tokenizer_location_it_is_given(cfg, tokeniz
     url = await serve_handlers(reg.TurnsHandler())
     monkeypatch.setenv("PRORL_SERVERS", url)
     loop = reg.make_loop(cfg, tokenizer, reg.verl_client(cfg, reg.ScriptedReplica(global_steps=1)),
-                         tokenizer_path="/shared/tokenizers/qwen2")
+                         tokenizer_path=str(location))
     try:
         await loop.run(reg.SP, **reg.row())
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{loop.relay.address}/v1/models") as r:
-                assert (await r.json())["data"][0]["id"] == "/shared/tokenizers/qwen2"
+                assert (await r.json())["data"][0]["id"] == str(location)
     finally:
         await reg.close_relays()
