@@ -179,6 +179,10 @@ class ChatTokenizer:
 
     def _encode(self, text: str) -> list[int]:
         if self._backend is not None:
+            if len(text) > OFFLOAD_CHARS:
+                # the same ids; the Rust tokenizer's batch call releases the GIL (its single encode holds it: a
+                # megabyte tokenized in a worker thread still stalled the event loop ~4 s, red team B)
+                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 

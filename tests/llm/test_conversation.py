@@ -215,3 +215,37 @@ async def test_conversations_that_append_the_same_text_stay_token_exact_and_inde
         ids = traj.prompt_ids + traj.response_ids
         full = render(tokenizer, conv.messages, add_generation_prompt=True)
         assert ids == tokenizer.encode(full, add_special_tokens=False)
+
+
+async def test_a_megabyte_prompt_is_tokenized_without_stalling_the_event_loop(tokenizer):
+    """A gateway request of ~1.9 MB (under the body limit, far past the context) is rendered and tokenized in a
+    worker thread; the Rust tokenizer's single encode held the GIL all along, so the loop stalled ~4 s anyway
+    (red team B). The long text now goes through its batch call, which releases it: the same ids, no stall."""
+    import asyncio
+    import time
+
+    gaps: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    try:
+        with pytest.raises(ContextLengthError):
+            await Conversation.create(tokenizer, [{"role": "user", "content": "1," * 950_000}],
+                                      max_context_tokens=1 << 20)
+    finally:
+        stop = True
+        await task
+    assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s"  # 3.9 s before
+    text = "def f(x):\n    return x * 2  # é中文\n" * 2000
+    conv = await Conversation.create(tokenizer, [{"role": "user", "content": text}], max_context_tokens=1 << 20)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert conv.token_ids == tokenizer.encode(rendered, add_special_tokens=False)
