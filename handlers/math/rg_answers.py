@@ -255,26 +255,27 @@ def _complex(answer: str, entry: dict) -> Optional[str]:
     return None if _COMPLEX.fullmatch(answer) else "the answer is not one complex number a + bi"
 
 
-def _coin_flip(answer: str, entry: dict) -> Optional[str]:
-    if not _NUMBER_OR_FRACTION.fullmatch(answer.replace(",", "")):
-        return "the answer is not one number or fraction"
-    a, g = _value(answer), _value(str(entry["answer"]))
-    if a is None or g is None or not _isclose(a, g):
-        return f"the answer is not within a relative {REL_TOL:g} of the gold"
-    return None
+def _close_number(form: re.Pattern, what: str) -> Callable[[str, dict], Optional[str]]:
+    """A check: the answer is ``what`` (``form``, thousands separators aside) and within a relative
+    :data:`REL_TOL` of the gold, sign included."""
+    def check(answer: str, entry: dict) -> Optional[str]:
+        if not form.fullmatch(answer.replace(",", "")):
+            return f"the answer is not {what}"
+        a, g = _value(answer), _value(str(entry["answer"]))
+        if a is None or g is None or not _isclose(a, g):
+            return f"the answer is not within a relative {REL_TOL:g} of the gold"
+        return None
+    return check
 
 
-def _same_number(answer: str, entry: dict) -> Optional[str]:
-    """One number within a relative :data:`REL_TOL` of the gold, sign included: ``gsm_symbolic``'s scorer reads
-    the first match of ``\\b-?\\d+...`` and a word boundary never precedes ``-``, so ``-57`` paid for ``57``;
-    ``decimal_arithmetic``'s accepts an absolute ``10**-places`` (``25.414`` for ``25.413``) where its question
-    asks for 12 significant digits (red team B)."""
-    if not _NUMBER.fullmatch(answer.replace(",", "")):
-        return "the answer is not one number"
-    a, g = _value(answer), _value(str(entry["answer"]))
-    if a is None or g is None or not _isclose(a, g):
-        return f"the answer is not within a relative {REL_TOL:g} of the gold"
-    return None
+#: ``coin_flip``: its prefix credit paid ``0``.
+_coin_flip = _close_number(_NUMBER_OR_FRACTION, "one number or fraction")
+
+
+#: ``gsm_symbolic``'s scorer reads the first match of ``\\b-?\\d+...`` and a word boundary never precedes
+#: ``-``, so ``-57`` paid for ``57``; ``decimal_arithmetic``'s accepts an absolute ``10**-places`` (``25.414`` for
+#: ``25.413``) where its question asks for 12 significant digits (red team B).
+_same_number = _close_number(_NUMBER, "one number")
 
 
 def _puzzle24(answer: str, entry: dict) -> Optional[str]:
