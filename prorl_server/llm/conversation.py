@@ -58,6 +58,20 @@ OFFLOAD_CHARS = 16_384
 
 _SPACE = re.compile(r"\s+")
 
+
+def _render_chars(messages: Sequence[dict]) -> int:
+    """Characters of ``messages`` a chat template renders at the least: contents and the tool calls' names and
+    arguments (180 tool calls of 10 kB arguments beside a short content were rendered and tokenized on the event
+    loop: a 3.3 s stall, red team B). Compared with :data:`OFFLOAD_CHARS` to decide on a worker thread."""
+    size = 0
+    for m in messages:
+        size += len(str(m.get("content") or ""))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            size += len(str(fn.get("name") or "")) + len(str(fn.get("arguments") or "")) if isinstance(fn, dict) \
+                else len(str(call))
+    return size
+
 #: Initial prompts remembered per tokenizer (rendering + token ids): the n samples of a group (GRPO/DAPO) and
 #: retried jobs start from the same messages, and rendering + tokenizing a prompt is most of a short turn's
 #: CPU (~0.2 ms of 0.5). At most PROMPT_CACHE_SIZE prompts of at most PROMPT_CACHE_MAX_TOKENS tokens each
@@ -290,8 +304,7 @@ class Conversation:
     @classmethod
     async def create(cls, tokenizer: Any, messages: Sequence[dict], **kwargs: Any) -> "Conversation":
         """Like the constructor; a long initial prompt is rendered and tokenized off the event loop."""
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size > OFFLOAD_CHARS:
+        if _render_chars(messages) > OFFLOAD_CHARS:
             return await asyncio.to_thread(cls, tokenizer, messages, **kwargs)
         return cls(tokenizer, messages, **kwargs)
 
@@ -380,8 +393,7 @@ class Conversation:
         if self._pending is None:
             raise RuntimeError("add_messages must follow add_completion (send all of a turn's messages at once)")
         new = [dict(m) for m in new]
-        size = sum(len(str(m.get("content") or "")) for m in new)
-        if size > OFFLOAD_CHARS:
+        if _render_chars(new) > OFFLOAD_CHARS:
             plan = await asyncio.to_thread(self._plan_delta, new)
         else:
             plan = self._plan_delta(new)
