@@ -13,7 +13,8 @@ import json
 from typing import Any, Optional
 
 from prorl_server.plugin import DatasetError
-from handlers.math.rg_answers import task_error
+from handlers.math.rg_answers import grammar_error, task_error
+from handlers.math.scoring import MAX_ANSWER_CHARS
 
 DEFAULT_TASK = "gsm_symbolic"
 
@@ -38,12 +39,22 @@ def load_reasoning_gym(task: Optional[str] = None, limit: Optional[int] = None, 
     refused = task_error(task)
     if refused is not None:
         raise ValueError(refused)
-    ds = reasoning_gym.create_dataset(task, size=limit or 16, seed=seed)
+    limit = limit or 16
+    # reasoning-gym seeds entry i from seed + i, so a longer dataset starts with the same entries; the margin
+    # replaces entries whose own gold the answer's bounds or the task's answer grammar refuse (intermediate_integration's gold is
+    # sometimes an unevaluated ``Integral(...)``, which no answer may name): such an instance pays nothing.
+    ds = reasoning_gym.create_dataset(task, size=2 * limit + 8, seed=seed)
     out = []
     for i, entry in enumerate(ds):
         entry = _jsonable(entry)
+        gold = entry.get("answer")
+        if gold is not None and (len(str(gold)) > MAX_ANSWER_CHARS  # a long tower_of_hanoi plan: over the box's bound
+                                 or grammar_error(task, str(gold), (entry.get("metadata") or {}).get("variable"))):
+            continue
         out.append({"data_source": "math", "instance_id": f"rg-{task}-{seed}-{i}", "question": entry["question"],
-                    "answer": str(entry["answer"]), "rg_entry": entry})
+                    "answer": str(gold), "rg_entry": entry})
+        if len(out) == limit:
+            break
     return out
 
 

@@ -100,6 +100,27 @@ _EXPONENT = re.compile(r"\s*-?\s*(?:[0-9]{1,3}(?:\.[0-9]{1,3})?(?![0-9.])|[A-Za-
 _CHAINED_POWER = re.compile(r"\*\*\s*-?\s*(?:[0-9.]+|[A-Za-z]+|\([^()]*\))\s*(?:\*\*|\^)", re.ASCII)
 
 
+def _grid_as_tuples(entry: dict) -> dict:
+    metadata = dict(entry["metadata"])
+    metadata["output"] = tuple(tuple(row) for row in metadata["output"])
+    return {**entry, "metadata": metadata}
+
+
+#: What the trip through JSON (a /process request, the journal) changed in an entry that its scorer needs as it
+#: was: ``arc_agi`` and ``rearc`` compare the parsed answer (a tuple of tuples) with ``metadata["output"]``
+#: by ``==``, and JSON turns that into a list of lists, so even the gold scored 0.05.
+_ENTRY_FROM_JSON: dict[str, Callable[[dict], dict]] = {"arc_agi": _grid_as_tuples, "rearc": _grid_as_tuples}
+
+
+def entry_for_scorer(source_dataset: str, entry: dict) -> dict:
+    """``entry`` (reasoning-gym's, after JSON) as ``source_dataset``'s scorer needs it (a copy where it differs).
+
+    Raises:
+        KeyError, TypeError: a malformed entry (the scorer's caller scores that 0.0 like any scorer error)."""
+    restore = _ENTRY_FROM_JSON.get(source_dataset)
+    return entry if restore is None else restore(entry)
+
+
 def task_error(source_dataset: object) -> Optional[str]:
     """Why a reasoning-gym entry of ``source_dataset`` cannot be served (None if it can)."""
     if source_dataset in SERVED_TASKS:

@@ -294,7 +294,11 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
             info["reason"] = refused
             return 0.0, info
     try:
-        gold = _parse_gold(str(instance["answer"]), parse_timeout_s)
+        # A reasoning-gym task with no gold (graph_color, boxnet, rush_hour...: its scorer verifies the answer
+        # against the puzzle) has the text "None" here; math-verify reads that as a product of symbols, a
+        # "number", and the shape check below refused every right answer.
+        no_gold = entry is not None and entry.get("answer") is None
+        gold = [] if no_gold else _parse_gold(str(instance["answer"]), parse_timeout_s)
         gold_shapes = {_shape(g) for g in gold} - {"text"}
         # A reasoning-gym answer is parsed only to refuse a set/tuple for a numeric gold: a plain number is
         # one, and against any other gold the parse (the costliest step) decides nothing.
@@ -310,8 +314,10 @@ def score(instance: dict[str, Any], response: str, *, parse_timeout_s: int = PAR
             info["reason"] = f"the answer is a {pred_shapes.pop()}, the gold answer a number"
             return 0.0, info
         fn = _score_fn(task)
+        from handlers.math.rg_answers import entry_for_scorer
+
         try:
-            raw = float(fn(answer, entry))
+            raw = float(fn(answer, entry_for_scorer(task, entry)))
         except Exception as e:  # the scorer choked on the answer (RecursionError, MemoryError...): the answer's 0.0
             info["reason"] = f"the reasoning-gym scorer raised {type(e).__name__} on the answer"
             return 0.0, info

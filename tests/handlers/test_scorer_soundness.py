@@ -274,6 +274,32 @@ def test_the_checks_keep_honest_answers_in_other_forms(task):
             assert reward == 1.0, (answer, info)
 
 
+REFERENCE_ANSWER: dict[str, Callable[[dict], str]] = {
+    "graph_color": lambda m: json.dumps(m["possible_answer"]),
+    "propositional_logic": lambda m: m["example_answer"],
+    "rubiks_cube": lambda m: m["example_correct_answer"],
+}
+"""Tasks without a gold (their scorer verifies an answer against the puzzle): a right answer their metadata holds."""
+NO_REFERENCE = {"boxnet": "a plan (no reference plan in the entry)", "rush_hour": "a move list (only min_moves)"}
+"""Tasks with neither a gold nor a reference answer: their metadata must at least survive JSON unchanged."""
+
+
+@pytest.mark.parametrize("task", sorted(SERVED_TASKS))
+def test_a_right_answer_scores_one_after_the_trip_through_json(task):
+    """A task that never pays a right answer teaches nothing: ``arc_agi`` and ``rearc`` paid their own gold
+    0.05 (JSON made the scorer's tuple grid a list), ``graph_color`` refused its valid colourings as "a set,
+    the gold answer a number" (the missing gold, the text "None", parsed as a product of symbols)."""
+    for inst in instances(task):
+        wire = json.loads(json.dumps(inst))  # what a /process request and the journal carry
+        metadata = wire["rg_entry"]["metadata"]
+        if task in NO_REFERENCE:
+            assert wire["rg_entry"]["answer"] is None and metadata == inst["rg_entry"]["metadata"], NO_REFERENCE[task]
+            continue
+        answer = REFERENCE_ANSWER[task](metadata) if task in REFERENCE_ANSWER else wire["answer"]
+        reward, info = score(wire, "\\boxed{" + answer + "}")
+        assert reward == 1.0, (answer[:80], info)
+
+
 def test_no_wrong_answer_gets_full_credit_on_an_inline_gold():
     row = run_inline()
     print("\n" + HEADER + "\n" + format_row("inline (math-verify)", row))
