@@ -208,6 +208,10 @@ class SandboxHandle:
         self._used = 0
         #: Entries the last measurement read (the watch measures the cheapest sandboxes first).
         self._entries = 0
+        #: Seconds each step of its start took (``probe``, ``view``, ``dirs``, ``leases``, ``config``,
+        #: ``cgroup``, ``launch`` (argv built, launcher spawned), ``record``, ``ready`` (launcher exec until the
+        #: execution server's first answer), ``pidns``): what ``benchmarks/sandbox_start.py`` prints.
+        self.start_steps: dict[str, float] = {}
         #: Pending while the host verifies, after an eviction at the free-space floor, what the kill freed: the
         #: reason a call raises (``host_disk`` or ``disk_quota``) is known only then.
         self._verdict: Optional[asyncio.Future] = None
@@ -529,11 +533,15 @@ class SandboxRuntime(abc.ABC):
             raise
 
     async def _start(self, spec: SandboxSpec) -> SandboxHandle:
+        steps: dict[str, float] = {}
+        lap = _Laps(steps)
         await self.prepare_launch(spec)
+        lap("probe")
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
         try:
-            ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec)
+            ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec, steps)
+            lap.restart()
         except OSError as e:
             raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} could not be prepared: "
                                     f"{type(e).__name__}: {e}") from e
@@ -557,6 +565,7 @@ class SandboxRuntime(abc.ABC):
                 for fd in ctx.launch_fds:  # the launcher has its copies
                     os.close(fd)
                 ctx.launch_fds.clear()
+            lap("launch")
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
                       "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
                       "address": ctx.address, "cgroup": ctx.bounds.cgroup,
@@ -568,6 +577,8 @@ class SandboxRuntime(abc.ABC):
                                    create_time=record["create_time"], client=client, ctx=ctx, leases=leases,
                                    workspace_created=created, started_at=started_at)
             self._handles[sandbox_id] = handle
+            handle.start_steps = steps
+            lap("record")
         except BaseException:
             if sandbox_id not in self._handles:
                 if proc is not None:
@@ -582,12 +593,14 @@ class SandboxRuntime(abc.ABC):
             raise
         try:
             await client.call("ping", {}, self.start_timeout_s)
+            lap("ready")
             # The sandbox's pid namespace as the host sees it at the verified peer (not as the sandbox reports
             # it: with an image, the image's own loader and libraries run the execution server).
             pidns = await asyncio.to_thread(pid_namespace, client.peer_pid) if client.peer_pid else None
             handle.pidns = pidns if pidns != self._own_pidns else None
             if handle.pidns is not None:
                 await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
+            lap("pidns")
         except BaseException as e:
             tail = await asyncio.to_thread(self._log_tail, ctx.run_dir)
             await handle.close()
@@ -871,17 +884,23 @@ class SandboxRuntime(abc.ABC):
         packages = spec.python_packages if spec.python_packages is not None else self.python_packages
         return python_view(packages, self.view_dir, os.path.join(project_root(), "sandbox"))
 
-    def _prepare(self, sandbox_id: str, spec: SandboxSpec) -> tuple[LaunchContext, list[Lease], bool]:
+    def _prepare(self, sandbox_id: str, spec: SandboxSpec,
+                 steps: Optional[dict[str, float]] = None) -> tuple[LaunchContext, list[Lease], bool]:
         """Blocking part of ``start`` before the launch: the Python view, directories, leases (address, user),
-        the sandbox's cgroup, the config."""
+        the sandbox's cgroup, the config. ``steps``: filled with each step's duration (seconds, see
+        :attr:`SandboxHandle.start_steps`)."""
+        lap = _Laps(steps)
         view = self._view_for(spec)
+        lap("view")
         limits = self._bounds_for(spec, sandbox_id)
         run_dir, workspace, created = self._make_dirs(sandbox_id, spec, limits)
+        lap("dirs")
         leases: list[Lease] = []
         cgroup_made = False
         try:
             if self.isolated:
                 self._check_writable_paths(workspace, spec)
+            lap("dirs")
             address = None
             if spec.network == "loopback":
                 if self._loopback is None:
@@ -892,6 +911,7 @@ class SandboxRuntime(abc.ABC):
             run_as, user_lease = self.sandbox_user(spec, sandbox_id)
             if user_lease is not None:
                 leases.append(user_lease)
+            lap("leases")
             sb_ws, sb_run = self.sandbox_paths(spec, run_dir, workspace)
             ctx = LaunchContext(sandbox_id=sandbox_id, run_dir=run_dir, workspace=workspace, sandbox_run_dir=sb_run,
                                 sandbox_workspace=sb_ws, python=view.python if view else self.python,
@@ -909,10 +929,12 @@ class SandboxRuntime(abc.ABC):
                       "sessions_file": self.sessions_file(ctx)}
             with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
                 json.dump(config, f)
+            lap("config")
             if limits.cgroup:
                 bounds.MemoryCgroups(os.path.dirname(limits.cgroup), limits.cgroup_version).create(
                     os.path.basename(limits.cgroup), limits.memory_bytes)
                 cgroup_made = True
+            lap("cgroup")
         except BaseException:
             if cgroup_made:
                 bounds.remove_cgroup(limits.cgroup, limits.cgroup_version)
@@ -1037,6 +1059,23 @@ class _MeasurePool:
         does not wait)."""
         for _ in self._threads:
             self._queue.put((float("inf"), next(self._seq), None))
+
+
+class _Laps:
+    """Adds the seconds since the last lap to ``steps[name]`` on each call (``None``: records nothing)."""
+
+    def __init__(self, steps: Optional[dict[str, float]]) -> None:
+        self.steps = steps
+        self.t = time.perf_counter()
+
+    def restart(self) -> None:
+        self.t = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.steps is not None:
+            self.steps[name] = self.steps.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def _settle(fut: asyncio.Future, res: Any, exc: Optional[BaseException]) -> None:
