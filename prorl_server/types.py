@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Annotated, Any, Literal, Optional, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
-                      field_validator, model_validator)
+                      computed_field, field_validator, model_validator)
 
 CriticalError = Literal["init", "run", "eval", "timeout", "cancelled"]
 Stage = Literal["init", "run", "eval"]
@@ -362,6 +362,78 @@ def normalise_backend_address(address: str) -> str:
 # ---------------------------------------------------------------------------------------------- results
 
 
+SegmentKind = Literal["prompt", "sampled", "observation"]
+
+
+class Segment(BaseModel):
+    """One ``[start, end)`` span of a trajectory's token stream ``prompt_ids + response_ids`` (token positions)
+    and what made it (issue #34): ``prompt`` (``prompt_ids``), ``sampled`` (a run of ``loss_mask`` 1: one
+    generated turn) or ``observation`` (a run of ``loss_mask`` 0 after the prompt: tool results, user turns,
+    template text).
+
+    ``hash``: 32 hex digits, the cumulative BLAKE2b-128 of the stream up to ``end``: the previous segment's
+    digest, the kind, the token ids (int64 little-endian) and, for sampled tokens, their weight-version runs
+    and routed-expert records (:func:`segment_hash`). Two trajectories with equal hashes at a boundary have
+    the same tokens with the same provenance up to it, so a trainer builds the prefix tree of a set of rows
+    from equal hashes plus a longest common prefix inside the first segment that differs."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    kind: SegmentKind
+    hash: str
+
+
+def _token_bytes(ids: list[int]) -> bytes:
+    """``ids`` as int64 little-endian (an id outside int64, which no tokenizer has, as its decimal text)."""
+    import array
+    import sys
+
+    try:
+        a = array.array("q", ids)
+    except OverflowError:
+        return ",".join(map(str, ids)).encode()
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def segment_hash(previous: str, kind: str, ids: list[int], provenance: Any = None) -> str:
+    """The cumulative hash of one segment (:class:`Segment`): BLAKE2b with a 16-byte digest over
+    ``previous`` (hex, ``""`` for the first), ``kind``, the token ids and ``provenance`` written as compact
+    JSON (for sampled tokens ``{"v": version runs, "r": routed experts}``; null otherwise)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(bytes.fromhex(previous))
+    h.update(kind.encode() + b"\0")
+    h.update(len(ids).to_bytes(8, "little"))
+    h.update(_token_bytes(ids))
+    h.update(json.dumps(provenance, separators=(",", ":"), default=repr).encode())
+    return h.hexdigest()
+
+
+def sampled_runs_versions(version_runs: list, n_sampled: int) -> list[Optional[int]]:
+    """The weight version of each of ``n_sampled`` generated tokens from ``version_runs``; when the runs do
+    not count ``n_sampled`` tokens (a result without version runs) every version is None (unknown)."""
+    if sum(n for _, n in version_runs) != n_sampled:
+        return [None] * n_sampled
+    out: list[Optional[int]] = []
+    for v, n in version_runs:
+        out += [v] * n
+    return out
+
+
+def _runs(values: list) -> list[list]:
+    """Run-length encoding ``[[value, count], ...]`` of ``values``."""
+    out: list[list] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
 class Trajectory(BaseModel):
     """One token-level segment of a rollout.
 
@@ -388,6 +460,41 @@ class Trajectory(BaseModel):
     mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def segments(self) -> list[Segment]:
+        """``[start, end)`` spans of ``prompt_ids + response_ids`` with their kind and cumulative hash
+        (:class:`Segment`): the prompt, then one span per run of ``loss_mask``. Derived from the token fields
+        each time (a client's copy is recomputed from the tokens it received, never taken on trust)."""
+        P = len(self.prompt_ids)
+        out: list[Segment] = []
+        h = ""
+        if P:
+            h = segment_hash(h, "prompt", self.prompt_ids)
+            out.append(Segment(start=0, end=P, kind="prompt", hash=h))
+        mask = self.loss_mask[:len(self.response_ids)]
+        mask += [0] * (len(self.response_ids) - len(mask))
+        versions = sampled_runs_versions(self.version_runs, sum(1 for m in mask if m == 1))
+        routes = getattr(self, "routed_experts", None)  # per generated token (#32 part 7), when recorded
+        k = 0  # generated tokens before this span
+        i = 0
+        while i < len(mask):
+            j = i
+            sampled = mask[i] == 1
+            while j < len(mask) and (mask[j] == 1) == sampled:
+                j += 1
+            ids = self.response_ids[i:j]
+            provenance = None
+            if sampled:
+                provenance = {"v": _runs(versions[k:k + j - i]),
+                              "r": routes[k:k + j - i] if isinstance(routes, list) else None}
+                k += j - i
+            kind = "sampled" if sampled else "observation"
+            h = segment_hash(h, kind, ids, provenance)
+            out.append(Segment(start=P + i, end=P + j, kind=kind, hash=h))
+            i = j
+        return out
 
     def token_versions(self) -> list[Optional[int]]:
         """The weight version of each generated token (length ``sum(loss_mask)``), from ``version_runs``."""
