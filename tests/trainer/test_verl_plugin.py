@@ -116,7 +116,7 @@ def test_shipped_configs_compose_into_verl_dataclasses(compose_verl, name, loss_
     rollout = omega_conf_to_dataclass(c.actor_rollout_ref.rollout)
     assert rollout.agent.default_agent_loop == "prorl" and rollout.calculate_log_probs
     assert c.trainer.v1.trainer_mode == "colocate_async"
-    assert c.trainer.v1.sampler.max_off_policy_threshold == 1
+    assert c.trainer.v1.sampler.max_off_policy_threshold == 2  # async within a bound (#32 part 1)
     # the V1 sampler that drops groups with a filtered row, given DAPO's settings (verl passes it none)
     from trainer_plugins.verl.replay_buffer import ProRLReplayBuffer
     from verl.utils.import_utils import load_extern_type

@@ -49,6 +49,18 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from trainer_plugins.breaker import FaultBreaker, PersistentFaultError, Sample
 
 FILTERED_METRIC = "prorl_filtered/evicted_samples"
+#: per-step async metrics (``training/`` + these): samples (a sample is one session of a prompt group, however
+#: many segments it has) completed since the last step, trained in this step's batch, completed but discarded
+#: as stale (their group's prompt step is past ``max_off_policy_threshold``), and stale samples cancelled while
+#: they ran (never completed). Names end in ``_total`` so verl's ``MetricsAggregator`` sums them over the
+#: ``parameter_sync_step`` iterations of a step instead of averaging them.
+COMPLETED_METRIC = "prorl_async/rollouts_completed_total"
+TRAINED_METRIC = "prorl_async/rollouts_trained_total"
+DISCARDED_STALE_METRIC = "prorl_async/rollouts_discarded_stale_total"
+CANCELLED_STALE_METRIC = "prorl_async/rollouts_cancelled_stale_total"
+#: ``training/prorl_async/staleness_total/{k}``: trained rows whose oldest weights are ``k`` versions behind the
+#: policy being trained (``global_steps - 1 - min_global_steps``: verl's ``trajectory_staleness_worst``)
+STALENESS_HIST_METRIC = "prorl_async/staleness_total"
 #: samples cut to the rollout lengths (masked or filtered, per the agent loop's ``truncation`` setting)
 TRUNCATED_METRIC = "prorl_truncated/samples"
 
@@ -88,6 +100,14 @@ def sample_of(extra_fields: Any) -> Sample:
     error = prorl.get("error") or (f"cut to the rollout lengths: {prorl.get('truncated')}"
                                    if prorl.get("truncated") else None)
     return Sample(str(kind), None if error is None else str(error))
+
+
+def is_stale_cancelled(extra_fields: Any) -> bool:
+    """Whether a stored trajectory is a sample the trainer cancelled because its group had become stale
+    (``extra_fields.prorl.stale``, written by the agent loop; its ``failure_kind`` is ``cancelled``)."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    return bool(isinstance(prorl, dict) and prorl.get("stale"))
 
 
 def is_filtered(extra_fields: Any) -> bool:
@@ -132,6 +152,9 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         self._filtered_cache: dict[str, dict[str, bool]] = defaultdict(dict)
         self._last_filtered: set[str] = set()  # of the last _terminal_eviction_reasons, for its metric
         self._truncated = 0  # cut samples seen since the last metrics
+        self._completed = 0  # samples of groups that finished since the last metrics (stale-cancelled ones not)
+        self._discarded_stale = 0  # completed samples of groups evicted as stale since the last metrics
+        self._cancelled_rows: dict[str, dict[str, int]] = defaultdict(dict)  # partition -> uid -> cancelled samples
 
     def filtered_groups(self, partition_id: str) -> set[str]:
         """uids of the complete groups of ``partition_id`` with at least one filtered row (read from
@@ -154,10 +177,18 @@ class ProRLReplayBuffer(ReplayBufferAsync):
                 if fatal:  # a configuration fault in an agent loop worker: stop training with its message
                     raise ConfigurationFault(f"a rollout worker hit a fault no retry can fix, training stops: "
                                              f"{fatal}")
+                uid = key.split("_")[0]
+                if key.endswith("_0") and is_stale_cancelled(fields):
+                    # the trainer's own decision, not a fault: verl evicts the group as stale; never a
+                    # filtered eviction, and not a completed rollout
+                    self._cancelled_rows[partition_id][uid] = self._cancelled_rows[partition_id].get(uid, 0) + 1
+                    groups[uid].append(sample_of(fields))
+                    continue
                 if is_filtered(fields):
-                    cache[key.split("_")[0]] = True
+                    cache[uid] = True
                 if key.endswith("_0"):  # one count per sample (its first segment; a filtered sample has one)
-                    groups[key.split("_")[0]].append(sample_of(fields))
+                    groups[uid].append(sample_of(fields))
+                    self._completed += 1
                     if truncation_of(fields):
                         self._truncated += 1
             for samples in groups.values():  # each complete group once: a persistent fault stops training
@@ -171,9 +202,29 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         if partition_id != "val":
             self._dapo_dropped.clear()  # a step's batch was found: DAPO's cap counts per step
             metrics = dict(metrics or {})
-            metrics[f"{self._metrics_prefix(partition_id)}/{TRUNCATED_METRIC}"] = self._truncated
-            self._truncated = 0
+            prefix = self._metrics_prefix(partition_id)
+            metrics[f"{prefix}/{TRUNCATED_METRIC}"] = self._truncated
+            metrics.update(self.async_metrics(global_steps, prefix, batch))
+            self._truncated = self._completed = self._discarded_stale = 0
         return batch, metrics
+
+    def async_metrics(self, global_steps: int, prefix: str, batch: Any) -> dict[str, float]:
+        """This step's async bookkeeping (see :data:`COMPLETED_METRIC` and the names after it): samples
+        completed since the last step, trained in ``batch`` (verl's ``KVBatchMeta``: ``keys``
+        ``{uid}_{session}_{index}`` and their ``tags``), discarded as stale, and the staleness histogram of the
+        trained rows (each row counted; staleness in weight versions, ``global_steps - 1 - min_global_steps``)."""
+        hist: Counter = Counter()
+        for tag in batch.tags:
+            if tag.get("is_padding") or tag.get("min_global_steps") is None:
+                continue
+            hist[max(0, int(global_steps) - 1 - int(tag["min_global_steps"]))] += 1
+        metrics: dict[str, float] = {
+            f"{prefix}/{COMPLETED_METRIC}": self._completed,
+            f"{prefix}/{TRAINED_METRIC}": sum(1 for key in batch.keys if key.endswith("_0")),
+            f"{prefix}/{DISCARDED_STALE_METRIC}": self._discarded_stale,
+        }
+        metrics.update({f"{prefix}/{STALENESS_HIST_METRIC}/{k}": n for k, n in sorted(hist.items())})
+        return metrics
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
         stale, dapo, failed, dapo_counts = super()._terminal_eviction_reasons(global_steps, partition_id)
@@ -182,6 +233,11 @@ class ProRLReplayBuffer(ReplayBufferAsync):
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons):
         filtered = self._last_filtered & eviction_reasons[2]
+        if partition_id != "val" and eviction_reasons[0]:  # completed samples of the groups evicted as stale
+            stale, cancelled = eviction_reasons[0], self._cancelled_rows[partition_id]
+            samples = sum(1 for key in self.partitions[partition_id]
+                          if key.endswith("_0") and key.split("_")[0] in stale)
+            self._discarded_stale += max(0, samples - sum(cancelled.get(uid, 0) for uid in stale))
         self._count_dapo_drops(partition_id, eviction_reasons[1] - self._last_filtered,
                                len(self._sampleable_terminal_keys(partition_id, eviction_reasons)))
         evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
@@ -190,6 +246,8 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             metrics[f"{self._metrics_prefix(partition_id)}/{FILTERED_METRIC}"] = len(filtered & evicted)
             for uid in filtered & evicted:
                 self._filtered_cache[partition_id].pop(uid, None)
+        for uid in evicted:
+            self._cancelled_rows[partition_id].pop(uid, None)
         return evicted, stale_count, dapo_count, metrics
 
     def _count_dapo_drops(self, partition_id: str, uids: set[str], sampleable: int) -> None:
