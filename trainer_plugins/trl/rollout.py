@@ -43,6 +43,17 @@ steps while the trainer trains, even when one step's batch generates faster than
 functions is then a later batch's: use :func:`server_reward` or ``prorl_prompt``). The tokens generated
 before a weight swap carry the old version, those after it the new one (``prorl_token_versions``).
 
+Staleness bound (issue #32 part 2): rows are at most :attr:`ProRLRollout.staleness_bound` weight versions behind
+the trainer when they are trained: ``max_staleness`` when given, else, with ``prefetch = k``, ``k`` times the
+versions one call spans (one per optimizer step: ``ceil(steps_per_generation * num_iterations /
+gradient_accumulation_steps)`` of TRL's ``GRPOConfig``, 1 by default), the lag prefetch itself gives. Before a
+call takes its batch, and after every weight push (:class:`~trainer_plugins.trl.weights.WeightPushCallback`), a
+prefetched batch submitted more than the bound behind the trainer can no longer be trained: its running jobs are
+cancelled on the servers (``POST /cancel``) and its prompts submitted again. At the end of training
+(``on_train_end``) the prefetched batches cannot be trained at all and are cancelled. The jobs cancelled are
+counted per call (:attr:`RolloutStats.stale_cancelled`, logged) and in all (:attr:`ProRLRollout.stale_cancelled`);
+the callback also gives the bound to the servers' swap, which drops jobs staler than it.
+
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
 (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min/max`` of ``GRPOConfig``: a truncated or
 masked ratio ``exp(trainer logprob - sampling logprob)`` per token or sequence) only when ``use_vllm`` is
@@ -151,7 +162,9 @@ class RolloutStats:
     ``token_versions``: ``{version: generated tokens}`` over the rows handed to TRL (``None``: unknown);
     ``mixed_version_turns``: turns that span a weight swap; ``aborted_turns``: generation attempts the servers'
     LLM clients re-sent because a backend aborted them (``llm_pause_retries`` of agent-loop handlers);
-    ``prompt_lag``: how many calls before this one the rows' prompts were submitted (0 without ``prefetch``)."""
+    ``prompt_lag``: how many calls before this one the rows' prompts were submitted (0 without ``prefetch``);
+    ``stale_cancelled``: jobs cancelled on the servers since the previous call because their prompt group could
+    no longer be trained within the staleness bound (module docstring, "Staleness bound")."""
 
     step: int
     weight_version: int
@@ -168,6 +181,7 @@ class RolloutStats:
     mixed_version_turns: int = 0
     aborted_turns: int = 0
     prompt_lag: int = 0
+    stale_cancelled: int = 0
 
     @property
     def mean_reward(self) -> Optional[float]:
@@ -219,6 +233,8 @@ class ProRLRollout:
             rollouts"; True: 1); 0 / False: each call runs and returns its own prompts (on-policy).
         breaker_consecutive_groups, breaker_window, breaker_max_share: when a persistent fault stops training
             (module docstring; :class:`trainer_plugins.breaker.FaultBreaker`; 0 turns a rule off).
+        max_staleness: the largest lag, in weight versions, of a trained row (module docstring, "Staleness
+            bound"); None: the bound ``prefetch`` gives (none without ``prefetch``).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -229,7 +245,8 @@ class ProRLRollout:
                  unavailable_retry_s: float = 120.0, run_id: Optional[str] = None,
                  server_chooser: Union[str, ServerChooser] = "least_in_flight",
                  prefetch: Union[bool, int] = False, breaker_consecutive_groups: int = 8,
-                 breaker_window: int = 64, breaker_max_share: float = 0.9) -> None:
+                 breaker_window: int = 64, breaker_max_share: float = 0.9,
+                 max_staleness: Optional[int] = None) -> None:
         self.breaker = FaultBreaker(breaker_consecutive_groups, breaker_window, breaker_max_share,
                                     what="training (ProRLRollout)")
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
@@ -267,6 +284,14 @@ class ProRLRollout:
         if int(prefetch) < 0:
             raise ValueError("prefetch must be >= 0")
         self.prefetch = int(prefetch)
+        if max_staleness is not None and int(max_staleness) < 0:
+            raise ValueError("max_staleness must be >= 0 or None")
+        self.max_staleness = None if max_staleness is None else int(max_staleness)
+        #: weight versions one call spans (one per optimizer step), read from the trainer's config at each call
+        self.versions_per_call = 1
+        #: jobs cancelled on the servers because their prompt group could no longer be trained, in all
+        self.stale_cancelled = 0
+        self._stale_since_call = 0
         self._pending: "deque[_Batch]" = deque()
         self._batches = 0
         self._tokenizer_checked: set[str] = set()  # servers whose tokenizer matched the policy's
@@ -282,6 +307,64 @@ class ProRLRollout:
     def run_async(self, coro, timeout: Optional[float] = None):
         """Run ``coro`` on this rollout's event loop thread and wait for it (for callbacks)."""
         return self.loop.run(coro, timeout)
+
+    @property
+    def staleness_bound(self) -> Optional[int]:
+        """The largest weight-version lag of a trained row (module docstring, "Staleness bound"); None:
+        unbounded (no ``prefetch`` and no ``max_staleness``)."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return self.prefetch * self.versions_per_call if self.prefetch else None
+
+    def cancel_stale(self) -> int:
+        """Cancel the prefetched batches submitted more than :attr:`staleness_bound` versions before
+        :attr:`weight_version` (their running jobs get ``POST /cancel``) and submit their prompts again. Called
+        by :class:`~trainer_plugins.trl.weights.WeightPushCallback` after each push and before each call takes
+        its batch. Returns the jobs cancelled."""
+        bound = self.staleness_bound
+        if bound is None or self._loop is None:
+            return 0
+        n = 0
+        for i, batch in enumerate(list(self._pending)):
+            if self.weight_version - batch.version <= bound:
+                continue
+            n += self._unfinished(batch)
+            self._loop.run(_cancel(batch.task), timeout=120)
+            fresh = self._start(batch.prompts, batch.instances, batch.sp, batch.n, batch.step)
+            fresh.call = batch.call  # still the batch of that call (its place in the pipeline)
+            self._pending[i] = fresh
+        if n:
+            log.warning("cancelled %d job(s) of prefetched prompt groups more than %d weight version(s) behind "
+                        "the trainer (v%d); their prompts were submitted again", n, bound, self.weight_version)
+        self._count_cancelled(n)
+        return n
+
+    def cancel_pending(self, why: str = "training ended") -> int:
+        """Cancel every prefetched batch (``why``: they can no longer be trained); returns the jobs cancelled on
+        the servers. The next call starts the pipeline again."""
+        if self._loop is None:
+            self._pending.clear()
+            return 0
+        n = 0
+        while self._pending:
+            batch = self._pending.popleft()
+            n += self._unfinished(batch)
+            try:
+                self._loop.run(_cancel(batch.task), timeout=120)
+            except Exception as e:  # the others must still be cancelled
+                log.warning("cancelling a prefetched batch: %r", e)
+        if n:
+            log.info("%s: cancelled %d job(s) of prefetched prompt groups", why, n)
+        self._count_cancelled(n)
+        return n
+
+    def _count_cancelled(self, n: int) -> None:
+        self.stale_cancelled += n
+        self._stale_since_call += n
+
+    @staticmethod
+    def _unfinished(batch: "_Batch") -> int:
+        return 0 if batch.task is None or batch.task.done() else len(batch.prompts) - batch.finished
 
     def jobs_in_flight(self) -> int:
         """Row jobs of the prefetched batch not finished yet (what runs while the trainer trains; 0 without
@@ -361,7 +444,10 @@ class ProRLRollout:
         sp = self._sampling_params(trainer)
         if trainer is not None:
             enable_importance_sampling(trainer)
+        if trainer is not None:
+            self.versions_per_call = versions_per_call(getattr(trainer, "args", None))
         if self.prefetch:
+            self.cancel_stale()  # a batch the trainer has moved too far past is regenerated before it is taken
             if not self._pending:  # the first call: one batch for now (and k more in flight while it trains)
                 self._pending.append(self._start(prompts, instances, sp, n, step))
             batch = self._pending.popleft()
@@ -379,12 +465,14 @@ class ProRLRollout:
         self._calls += 1
         stats = rows.pop("_stats")
         stats.prompt_lag = lag
+        stats.stale_cancelled, self._stale_since_call = self._stale_since_call, 0
         if self.measure_ratio and trainer is not None:
             stats.ratio_dev = ratio_deviation(trainer, rows)
         stats.wall_s = time.monotonic() - t0
         self.history.append(stats)
-        log.info("rollout step %d: %d rows, mean reward %s, versions %s, %d filtered, %.1f s", step, len(prompts),
-                 stats.mean_reward, stats.versions, stats.filtered_rows, stats.wall_s)
+        log.info("rollout step %d: %d rows, mean reward %s, versions %s, %d filtered, %d stale job(s) cancelled, "
+                 "%.1f s", step, len(prompts), stats.mean_reward, stats.versions, stats.filtered_rows,
+                 stats.stale_cancelled, stats.wall_s)
         return rows
 
     async def check_tokenizers(self, trainer: Any) -> None:
@@ -448,7 +536,8 @@ class ProRLRollout:
 
     def _start(self, prompts: list, instances: list[dict], sp: dict, n: int, step: int) -> "_Batch":
         self._batches += 1
-        batch = _Batch(prompts=prompts, call=self._calls)
+        batch = _Batch(prompts=prompts, call=self._calls, version=self.weight_version, instances=instances, sp=sp,
+                       n=n, step=step)
         batch.task = self.loop.run(_spawn(self._run_batch(prompts, instances, sp, n, step, self._batches, batch)))
         batch.future = asyncio.run_coroutine_threadsafe(_wait(batch.task), self.loop.loop)
         return batch
@@ -566,11 +655,17 @@ class ProRLRollout:
 
 @dataclass
 class _Batch:
-    """One submitted batch: the prompts it was submitted for, its task on the rollout's loop, a future of its
-    outcomes for the calling thread, and how many of its rows have finished."""
+    """One submitted batch: the prompts it was submitted for (and their instances, sampling parameters, group
+    size and step, to submit them again), the call and weight version it was submitted at, its task on the
+    rollout's loop, a future of its outcomes for the calling thread, and how many of its rows have finished."""
 
     prompts: list
     call: int = 0
+    version: int = 0
+    instances: list = field(default_factory=list)
+    sp: dict = field(default_factory=dict)
+    n: int = 1
+    step: int = 0
     task: Any = None
     future: Any = None
     finished: int = 0
@@ -588,6 +683,20 @@ async def _cancel(task: "asyncio.Task") -> None:
     """Cancel a batch and wait until its jobs are cancelled on the servers."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def versions_per_call(args: Any) -> int:
+    """Weight versions (optimizer steps, one push each) between two calls of TRL's rollout function:
+    ``ceil(steps_per_generation * num_iterations / gradient_accumulation_steps)`` (``GRPOTrainer`` generates
+    every ``steps_per_generation * num_iterations`` micro-steps, trl 1.16 ``_prepare_inputs``); 1 when the
+    config does not say."""
+    try:
+        spg = int(getattr(args, "steps_per_generation", None) or getattr(args, "gradient_accumulation_steps", 1) or 1)
+        gas = int(getattr(args, "gradient_accumulation_steps", None) or 1)
+        iters = int(getattr(args, "num_iterations", None) or 1)
+    except (TypeError, ValueError):
+        return 1
+    return max(1, math.ceil(spg * iters / max(1, gas)))
 
 
 def per_token_versions(seg: Any, mask: Sequence[int], versions: Sequence[int]) -> list[Optional[int]]:

@@ -536,7 +536,12 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         on_error: ``"raise"`` (stop training) or ``"warn"`` after a :class:`WeightPushError`.
         protocol: ``"auto"`` (the servers' swap when every rollout server has ``/weights``, else the legacy
             per-backend pause), ``"swap"`` or ``"legacy"``.
-        kv, max_staleness, lease_s: the swap's (:func:`swap_weights`).
+        kv, max_staleness, lease_s: the swap's (:func:`swap_weights`). ``max_staleness`` None: the rollout's
+            :attr:`~trainer_plugins.trl.rollout.ProRLRollout.staleness_bound` (with ``prefetch = k``, the ``k``
+            steps prefetch lags by; none without prefetch); given, it is also the rollout's bound when the
+            rollout has none of its own. After each push the rollout's prefetched batches past the bound are
+            cancelled and submitted again, and at ``on_train_end`` every prefetched batch is cancelled
+            (:meth:`~trainer_plugins.trl.rollout.ProRLRollout.cancel_stale`, ``cancel_pending``).
         pause: legacy protocol only: pause each backend around the load.
         timeout_s: per HTTP call, seconds.
 
@@ -566,6 +571,8 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         self.protocol = protocol
         self.kv = kv
         self.max_staleness = max_staleness
+        if max_staleness is not None and getattr(rollout, "max_staleness", 0) is None:
+            rollout.max_staleness = int(max_staleness)  # one bound: the servers' drop and the rollout's agree
         self.lease_s = lease_s
         self.pause = pause
         self.timeout_s = timeout_s
@@ -575,6 +582,13 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         #: backends, at the current version, with rollout servers that join later (issue #24)
         self.registrar: Optional[FleetRegistrar] = None
         self._follower: Optional[asyncio.Task] = None
+
+    @property
+    def staleness_bound(self) -> Optional[int]:
+        """The ``max_staleness`` each swap sends: this callback's, else the rollout's bound (see the class)."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return getattr(self.rollout, "staleness_bound", None)
 
     def _dir(self, args: Any) -> Path:
         if self.weights_dir is None:
@@ -635,7 +649,7 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
                                           sha256=digest, headers=self.rollout.headers, pause=self.pause,
                                           timeout_s=self.timeout_s)
             return await swap_weights(session, str(path), version, self.backends, self.rollout.urls, digest=digest,
-                                      headers=self.rollout.headers, kv=self.kv, max_staleness=self.max_staleness,
+                                      headers=self.rollout.headers, kv=self.kv, max_staleness=self.staleness_bound,
                                       lease_s=self.lease_s, previous_version=previous, timeout_s=self.timeout_s)
 
     # ------------------------------------------------------------------ rank 0 and the others
@@ -686,6 +700,8 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
             self.reports.append(report)
             if error is None:
                 self.rollout.weight_version = version
+                if hasattr(self.rollout, "cancel_stale"):
+                    self.rollout.cancel_stale()  # prefetched groups the new version leaves past the bound
                 if isinstance(self.rollout.urls, Fleet) and not isinstance(self.backends, Mapping):
                     self.rollout.run_async(self._followed(version, servers))  # joiners get these backends
                 self._files.append(path)
@@ -733,6 +749,13 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
             log.info("registered %d vLLM backend(s) with weight version %d (%s protocol)", len(self._all_backends()),
                      version, self.protocol)
         self._share(None, main)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Training is over: the prefetched batches can no longer be trained; their jobs are cancelled on the
+        servers (sandboxes and LLM calls released) and counted in the rollout's ``stale_cancelled``."""
+        if hasattr(self.rollout, "cancel_pending"):
+            self.rollout.cancel_pending("training ended")
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
