@@ -28,6 +28,9 @@ RECONNECT_ATTEMPTS = 3
 # Added to a call's own timeout before the client gives up on the server: the server needs time to interrupt
 # the command (Ctrl-C grace + SIGKILL grace in bash_tool, interrupt grace in ipython_tool) and to answer.
 SERVER_GRACE_S = 10.0
+#: Seconds between connect attempts while a start waits for the execution server's readiness signal (a
+#: fallback: the signal normally wakes the connect at once).
+READY_FALLBACK_POLL_S = 0.01
 
 
 class ExecClient:
@@ -36,11 +39,14 @@ class ExecClient:
     ``peer_ok(pid) -> bool``: whether the process at the other end of a new connection (host pid, from
     ``SO_PEERCRED``) belongs to the sandbox. The socket's path is in the sandbox-writable run directory, so code
     in the sandbox can replace it with a link to another socket of the host: a connection whose peer fails the
-    check is closed and refused (:class:`ProtocolError`). ``peer_pid``: the peer of the current connection."""
+    check is closed and refused (:class:`ProtocolError`). ``peer_pid``: the peer of the current connection.
+    ``ready``: set once the server listens or the sandbox is gone (see ``sandbox.runtime._ReadyPipe``); until
+    then a connect is tried every :data:`READY_FALLBACK_POLL_S` instead of every millisecond."""
 
     def __init__(self, socket_path: str, died: Callable[[], Awaitable[Any]], describe: str,
-                 peer_ok: Optional[Callable[[int], bool]] = None) -> None:
+                 peer_ok: Optional[Callable[[int], bool]] = None, ready: Optional[asyncio.Event] = None) -> None:
         self._path = socket_path
+        self._ready = ready
         self._peer_ok = peer_ok
         self.peer_pid: Optional[int] = None
         self._died_factory = died
@@ -88,7 +94,16 @@ class ExecClient:
             if time.monotonic() > deadline:
                 raise ToolTimeout(f"sandbox {self._describe}: execution server did not listen on {self._path} "
                                   f"within {timeout_s:g} s")
-            await asyncio.sleep(delay)
+            if self._ready is not None and not self._ready.is_set():
+                # Woken by the server's readiness signal (or its death); the slow poll is only a fallback for a
+                # launcher that does not pass the signal's descriptor on.
+                try:
+                    await asyncio.wait_for(self._ready.wait(), min(READY_FALLBACK_POLL_S,
+                                                                  max(0.0, deadline - time.monotonic())))
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
 
     async def close(self) -> None:
         w, self._writer, self._reader = self._writer, None, None

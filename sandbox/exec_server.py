@@ -9,7 +9,8 @@ asks for the result with ``{"op": "result", "args": {"id": N}}``.
 Config file (JSON): ``workspace`` (path inside the sandbox), ``run_dir`` (bound, writable; holds the socket,
 the kernel's ipc files and the shell's command file), ``env`` (environment of shell and kernel), ``limits``
 (:class:`sandbox.spec.Limits` as a dict), ``sessions_file`` (optional; where to record the shell's session for
-a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to drop to before anything runs).
+a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to drop to before anything runs),
+``ready_fd`` (optional: an inherited descriptor to write one byte to, then close, once the socket listens).
 
 SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
 Imports are kept minimal (no asyncio, no pydantic) because this module's start time is the sandbox's start time.
@@ -125,6 +126,8 @@ class ExecServer:
         self._recent: "OrderedDict[Any, dict]" = OrderedDict()
         self._listener: Optional[socket.socket] = None
         self._warmed = False
+        ready_fd = config.get("ready_fd")
+        self._ready_fd = ready_fd if isinstance(ready_fd, int) and ready_fd > 2 else None
 
     @property
     def editor(self):
@@ -155,6 +158,18 @@ class ExecServer:
         lst.setblocking(False)
         self._listener = lst
         self.loop.add_reader(lst.fileno(), self._accept)
+        if self._ready_fd is not None:
+            # Tell the host it may connect now (it waits on this pipe instead of polling the socket); closed at
+            # once so that no tool process inherits it.
+            try:
+                os.write(self._ready_fd, b"1")
+            except OSError:
+                pass
+            try:
+                os.close(self._ready_fd)
+            except OSError:
+                pass
+            self._ready_fd = None
         try:
             self.loop.run_forever()
         finally:

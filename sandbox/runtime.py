@@ -539,10 +539,14 @@ class SandboxRuntime(abc.ABC):
         lap("probe")
         sandbox_id = f"{self.id_prefix}-{secrets.token_hex(6)}"
         started_at = time.time()
+        ready = _ReadyPipe()
         try:
-            ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec, steps)
+            ctx, leases, created = await asyncio.to_thread(self._prepare, sandbox_id, spec, steps, ready.write_fd)
             lap.restart()
-        except OSError as e:
+        except BaseException as e:
+            ready.close()
+            if not isinstance(e, OSError):
+                raise
             raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} could not be prepared: "
                                     f"{type(e).__name__}: {e}") from e
         proc = None
@@ -557,7 +561,8 @@ class SandboxRuntime(abc.ABC):
                     proc = await asyncio.create_subprocess_exec(
                         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                         env={**self.launcher_env(ctx), LAUNCHER_MARKER_VAR: sandbox_id},
-                        pass_fds=(*(lease.fd for lease in leases), *ctx.launch_fds))
+                        pass_fds=(*(lease.fd for lease in leases), *ctx.launch_fds, ready.write_fd))
+                ready.watch()
             except OSError as e:
                 raise SandboxStartError(f"{self.kind} sandbox {sandbox_id} could not be launched: "
                                         f"{type(e).__name__}: {e}") from e
@@ -565,6 +570,7 @@ class SandboxRuntime(abc.ABC):
                 for fd in ctx.launch_fds:  # the launcher has its copies
                     os.close(fd)
                 ctx.launch_fds.clear()
+                ready.close_write()
             lap("launch")
             record = {"sandbox_id": sandbox_id, "runtime": self.kind, "pid": proc.pid, "create_time": None,
                       "run_dir": ctx.run_dir, "workspace": ctx.workspace, "workspace_created": created,
@@ -572,7 +578,8 @@ class SandboxRuntime(abc.ABC):
                       "cgroup_version": ctx.bounds.cgroup_version, "started_at": started_at, **self._owner}
             record["create_time"] = await asyncio.to_thread(self._record_start, record)
             client = ExecClient(os.path.join(ctx.run_dir, SOCKET_NAME), proc.wait, sandbox_id,
-                                peer_ok=functools.partial(_descends_from, proc.pid, record["create_time"]))
+                                peer_ok=functools.partial(_descends_from, proc.pid, record["create_time"]),
+                                ready=ready.event)
             handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc,
                                    create_time=record["create_time"], client=client, ctx=ctx, leases=leases,
                                    workspace_created=created, started_at=started_at)
@@ -580,6 +587,7 @@ class SandboxRuntime(abc.ABC):
             handle.start_steps = steps
             lap("record")
         except BaseException:
+            ready.close()
             if sandbox_id not in self._handles:
                 if proc is not None:
                     await kill_sandbox(proc.pid, process_identity(proc.pid), grace_s=0.0, own_child_wait=proc.wait)
@@ -593,6 +601,7 @@ class SandboxRuntime(abc.ABC):
             raise
         try:
             await client.call("ping", {}, self.start_timeout_s)
+            ready.close()
             lap("ready")
             # The sandbox's pid namespace as the host sees it at the verified peer (not as the sandbox reports
             # it: with an image, the image's own loader and libraries run the execution server).
@@ -602,6 +611,7 @@ class SandboxRuntime(abc.ABC):
                 await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
             lap("pidns")
         except BaseException as e:
+            ready.close()
             tail = await asyncio.to_thread(self._log_tail, ctx.run_dir)
             await handle.close()
             if isinstance(e, SandboxError):
@@ -884,11 +894,12 @@ class SandboxRuntime(abc.ABC):
         packages = spec.python_packages if spec.python_packages is not None else self.python_packages
         return python_view(packages, self.view_dir, os.path.join(project_root(), "sandbox"))
 
-    def _prepare(self, sandbox_id: str, spec: SandboxSpec,
-                 steps: Optional[dict[str, float]] = None) -> tuple[LaunchContext, list[Lease], bool]:
+    def _prepare(self, sandbox_id: str, spec: SandboxSpec, steps: Optional[dict[str, float]] = None,
+                 ready_fd: Optional[int] = None) -> tuple[LaunchContext, list[Lease], bool]:
         """Blocking part of ``start`` before the launch: the Python view, directories, leases (address, user),
         the sandbox's cgroup, the config. ``steps``: filled with each step's duration (seconds, see
-        :attr:`SandboxHandle.start_steps`)."""
+        :attr:`SandboxHandle.start_steps`). ``ready_fd``: the descriptor (number in the launcher) the execution
+        server writes a byte to once it listens (config ``ready_fd``)."""
         lap = _Laps(steps)
         view = self._view_for(spec)
         lap("view")
@@ -926,7 +937,7 @@ class SandboxRuntime(abc.ABC):
                                                 limits.workspace_bytes)
             config = {"workspace": sb_ws, "run_dir": sb_run, "env": self.tool_env(spec, ctx),
                       "limits": rlimits, "run_as": list(ctx.run_as) if ctx.run_as else None,
-                      "sessions_file": self.sessions_file(ctx)}
+                      "sessions_file": self.sessions_file(ctx), "ready_fd": ready_fd}
             with open(os.path.join(run_dir, CONFIG_NAME), "w") as f:
                 json.dump(config, f)
             lap("config")
@@ -1059,6 +1070,41 @@ class _MeasurePool:
         does not wait)."""
         for _ in self._threads:
             self._queue.put((float("inf"), next(self._seq), None))
+
+
+class _ReadyPipe:
+    """The execution server's readiness signal: a pipe whose write end the launcher inherits (at the same
+    number, config ``ready_fd``); the server writes a byte to it once it listens, and the end of every process
+    holding it (the sandbox's death) closes it. ``event`` is set at either, so the host connects once instead of
+    polling the socket: at 64 concurrent starts a 1 ms poll of each socket took more CPU than the starts. What a
+    sandbox writes there is never read, only waited for; the connection is checked as before."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self.event = asyncio.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def watch(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.read_fd, self._fire)
+
+    def _fire(self) -> None:
+        self.event.set()
+        self.close()
+
+    def close_write(self) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def close(self) -> None:
+        """Idempotent: stop watching and close both ends."""
+        self.close_write()
+        if self.read_fd >= 0:
+            if self._loop is not None:
+                self._loop.remove_reader(self.read_fd)
+            os.close(self.read_fd)
+            self.read_fd = -1
 
 
 class _Laps:
