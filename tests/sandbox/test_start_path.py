@@ -1,5 +1,5 @@
 """The cold start path (#36 part 2): each start reports where its time went, the host is woken by the execution
-server's readiness signal instead of polling its socket, and no tool process inherits that signal's pipe."""
+server's readiness signal instead of polling its socket."""
 from __future__ import annotations
 
 import pytest
