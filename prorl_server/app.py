@@ -41,7 +41,7 @@ from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavai
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
 from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
-from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse,
+from prorl_server.types import (AddBackendRequest, CancelRequest, CancelResponse, GroupTree,
                                 JobResult, JobStatusResponse, OkResponse, ProcessRequest, StatusResponse,
                                 SubmitResponse, TokenizerResponse)
 
@@ -210,6 +210,43 @@ async def tokenizer(request: web.Request) -> web.Response:
                                            fingerprint=fingerprint))
 
 
+async def group_tree(request: web.Request) -> web.Response:
+    """``GET /groups/{group_id}/tree``: the verified prefix tree of the rows of the group's ended jobs
+    (:mod:`prorl_server.tree`, issue #34); the jobs without rows (running, filtered, expired) are named in
+    ``missing``. Results are parsed and the tree built and verified in a worker thread."""
+    from prorl_server.tree import TreeInvariantError, tree_of_results
+
+    group_id = request.match_info["group_id"]
+    pipeline = request.app[PIPELINE]
+    members = pipeline.groups.get(group_id)
+    if not members:
+        raise ApiError(404, "unknown_group", f"no job of group {group_id!r} on this server (never submitted, or "
+                       "forgotten: the newest keep_finished groups are kept)")
+    ended: list[tuple[str, bytes]] = []
+    missing: list[tuple[str, str]] = []
+    for job_id in members:
+        job = pipeline.get(job_id)
+        if job is None:
+            missing.append((job_id, "expired"))
+        elif not job.finished:
+            missing.append((job_id, job.status.value))
+        elif isinstance(job, FinishedJob):
+            if job.full:
+                ended.append((job_id, job.result_json))
+            else:
+                missing.append((job_id, "delivered without retention"))
+        elif job.result is not None:
+            ended.append((job_id, job.result.model_dump_json().encode()))
+        else:
+            missing.append((job_id, "ending"))
+    try:
+        tree = await asyncio.to_thread(tree_of_results, group_id, ended, missing)
+    except TreeInvariantError as e:  # a bug of the build: never served
+        log.error("group %s: its tree fails its invariants: %s", group_id, e)
+        raise ApiError(500, "tree_invariant", f"the tree of group {group_id!r} fails its invariants: {e}") from None
+    return json_response(tree)
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -243,6 +280,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/status", status, "Queues, active jobs and backends", None, StatusResponse),
     Route("GET", "/tokenizer", tokenizer, "Fingerprint of the tokenizer and chat template jobs use (?backend=)",
           None, TokenizerResponse, errors=(502, 503)),
+    Route("GET", "/groups/{group_id}/tree", group_tree, "The verified prefix tree of a group's ended jobs "
+          "(issue #34)", None, GroupTree, errors=(500,)),
     Route("GET", "/health", health, "Liveness (no auth)", auth="none"),
     Route("GET", "/metrics", metrics, "Prometheus metrics (text format)"),
     Route("GET", "/openapi.json", openapi, "This API's OpenAPI 3.1 schema"),

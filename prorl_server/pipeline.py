@@ -103,6 +103,9 @@ class Pipeline:
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job | FinishedJob] = {}  # live jobs and the records of the most recent finished ones
+        #: group id -> ids of its jobs in submit order, for ``GET /groups/{id}/tree`` (#34): the newest
+        #: ``keep_finished`` groups (at least 64), at most :data:`MAX_GROUP_JOBS` ids each
+        self.groups: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
         #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
@@ -201,6 +204,8 @@ class Pipeline:
                   services=self.services, group_id=req.group_id)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
+        if req.group_id is not None:
+            self._join_group(req.group_id, job.job_id)
         if self.journal is not None:
             if req.job_id is not None:
                 row = self.journal.job(req.job_id)
@@ -215,6 +220,14 @@ class Pipeline:
         self.metrics.jobs_in_flight.set(self.in_flight)
         self._enqueue(job, "init")
         return job
+
+    def _join_group(self, group_id: str, job_id: str) -> None:
+        members = self.groups.pop(group_id, None) or []
+        if job_id not in members and len(members) < MAX_GROUP_JOBS:
+            members.append(job_id)
+        self.groups[group_id] = members  # the newest group last
+        while len(self.groups) > max(64, self.keep_finished):
+            self.groups.popitem(last=False)
 
     def get(self, job_id: str) -> Optional[Job | FinishedJob]:
         """The live job ``job_id``, or the record of a finished one still retained (or journalled), or None."""
@@ -291,10 +304,13 @@ class Pipeline:
         """The blocking ``POST /process`` call is sending ``job``'s result to its client: returns that result as
         JSON bytes (:meth:`result_json`) and keeps only a summary for ``GET /jobs/{id}`` (state, reward,
         resolved, errors, failure_kind, timing, backend), not a second copy of its token arrays, messages and
-        extra (``extra`` then says ``{"delivered": "POST /process"}``)."""
+        extra (``extra`` then says ``{"delivered": "POST /process"}``); a job of a group (``group_id``) keeps its
+        whole result, which its group's tree (``GET /groups/{id}/tree``) is built from."""
         body = self.result_json(job)
         record = self.jobs.get(job.job_id)
-        if isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id and record.retained_bytes:
+        # a group's results stay whole (within the retention bounds): GET /groups/{id}/tree needs their tokens
+        if (isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id and record.retained_bytes
+                and job.group_id is None):
             size = record.summarize(job.result)
             self.retained_bytes += size - record.retained_bytes
             record.retained_bytes = size
@@ -562,6 +578,10 @@ class Pipeline:
     def stage_status(self) -> dict[str, StageStatus]:
         return {s: StageStatus(queued=self.queues[s].qsize(), active=self.active[s], workers=self.workers[s])
                 for s in STAGES}
+
+
+#: Most job ids a group records for its tree (a GRPO group is a few to a few hundred samples).
+MAX_GROUP_JOBS = 1024
 
 
 class FinishedJob:

@@ -423,14 +423,42 @@ def sampled_runs_versions(version_runs: list, n_sampled: int) -> list[Optional[i
     return out
 
 
-def _runs(values: list) -> list[list]:
-    """Run-length encoding ``[[value, count], ...]`` of ``values``."""
+def mask_runs(mask: list[int], n: int) -> list[tuple[int, int, bool]]:
+    """The maximal runs ``(start, end, generated)`` of ``mask`` over its first ``n`` positions (a missing
+    entry reads as 0; an entry counts as generated when it is 1), found with ``list.index`` (C speed), not a
+    token at a time."""
+    m = list(mask[:n])
+    m += [0] * (n - len(m))
+    if not set(m) <= {0, 1}:
+        m = [1 if x == 1 else 0 for x in m]
+    out: list[tuple[int, int, bool]] = []
+    i = 0
+    while i < n:
+        bit = m[i]
+        try:
+            j = m.index(1 - bit, i)
+        except ValueError:
+            j = n
+        out.append((i, j, bit == 1))
+        i = j
+    return out
+
+
+def runs_slice(runs: list, start: int, n: int) -> list[list]:
+    """The run-length encoding ``[[value, count], ...]`` of positions ``[start, start + n)`` of the sequence
+    ``runs`` encodes (positions past its end are left out)."""
     out: list[list] = []
-    for v in values:
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([v, 1])
+    pos = 0
+    for v, c in runs:
+        a, b = max(pos, start), min(pos + c, start + n)
+        if a < b:
+            if out and out[-1][0] == v:
+                out[-1][1] += b - a
+            else:
+                out.append([v, b - a])
+        pos += c
+        if pos >= start + n:
+            break
     return out
 
 
@@ -473,27 +501,21 @@ class Trajectory(BaseModel):
         if P:
             h = segment_hash(h, "prompt", self.prompt_ids)
             out.append(Segment(start=0, end=P, kind="prompt", hash=h))
-        mask = self.loss_mask[:len(self.response_ids)]
-        mask += [0] * (len(self.response_ids) - len(mask))
-        versions = sampled_runs_versions(self.version_runs, sum(1 for m in mask if m == 1))
+        runs = mask_runs(self.loss_mask, len(self.response_ids))
+        n_sampled = sum(j - i for i, j, generated in runs if generated)
+        versions = (self.version_runs if sum(n for _, n in self.version_runs) == n_sampled
+                    else [[None, n_sampled]])  # unknown: sampled_runs_versions
         routes = getattr(self, "routed_experts", None)  # per generated token (#32 part 7), when recorded
         k = 0  # generated tokens before this span
-        i = 0
-        while i < len(mask):
-            j = i
-            sampled = mask[i] == 1
-            while j < len(mask) and (mask[j] == 1) == sampled:
-                j += 1
-            ids = self.response_ids[i:j]
+        for i, j, sampled in runs:
             provenance = None
             if sampled:
-                provenance = {"v": _runs(versions[k:k + j - i]),
+                provenance = {"v": runs_slice(versions, k, j - i),
                               "r": routes[k:k + j - i] if isinstance(routes, list) else None}
                 k += j - i
             kind = "sampled" if sampled else "observation"
-            h = segment_hash(h, kind, ids, provenance)
+            h = segment_hash(h, kind, self.response_ids[i:j], provenance)
             out.append(Segment(start=P + i, end=P + j, kind=kind, hash=h))
-            i = j
         return out
 
     def token_versions(self) -> list[Optional[int]]:
@@ -716,3 +738,69 @@ class TokenizerResponse(BaseModel):
                                   "backend serves)")
     backend: Optional[str] = Field(default=None, description="the backend it serves (null: --tokenizer is set)")
     fingerprint: TokenizerFingerprint
+
+
+# ---------------------------------------------------------------------------------------------- trajectory trees
+
+
+class TreeNode(BaseModel):
+    """One node of a group's prefix tree (issue #34): a run of tokens every row below it shares, with the same
+    provenance (sampled or not, weight version, routed experts) at every position.
+
+    ``id``: its index in :attr:`GroupTree.nodes` (a parent comes before its children). ``parent``: the parent's
+    id (null: a root). ``depth``: the row position of its first token (the lengths of its ancestors summed).
+    ``token_ids``: list[int] of length L. ``sampled``: ``[[start, end), ...]`` offsets in the node of the tokens
+    the model generated (``loss_mask`` 1). ``logprobs``: list[float] of length L, the behaviour logprob of each
+    sampled token (0.0 elsewhere; rows sharing the node share one). ``version_runs``: the weight version of each
+    sampled token, run-length encoded as ``[[version, n], ...]``. ``routed_experts``: the routed-expert record of
+    each sampled token (null: none recorded)."""
+
+    id: int
+    parent: Optional[int] = None
+    depth: int = Field(ge=0)
+    token_ids: list[int]
+    sampled: list[tuple[int, int]] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    version_runs: list[tuple[Optional[int], int]] = Field(default_factory=list)
+    routed_experts: Optional[list[Any]] = None
+
+
+class TreeLeaf(BaseModel):
+    """One row of a group's tree: trajectory ``trajectory_index`` of job ``job_id``. Concatenating the
+    ``token_ids`` of the nodes of ``path`` (root first) gives the row's ``prompt_ids + response_ids``, of which
+    the first ``prompt_len`` are its prompt; the union of their ``sampled`` runs is its ``loss_mask``."""
+
+    job_id: str
+    trajectory_index: int = Field(ge=0)
+    path: list[int]
+    prompt_len: int = Field(ge=0)
+    length: int = Field(ge=0, description="tokens in the row: prompt_len + len(response_ids)")
+    reward: float
+
+
+class MissingJob(BaseModel):
+    """A job of the group that has no rows in its tree, and why (``running``, ``queued_*``, ``filtered: <kind>``,
+    ``delivered without retention``, ``expired``)."""
+
+    job_id: str
+    reason: str
+
+
+class GroupTree(BaseModel):
+    """``GET /groups/{group_id}/tree``: the prefix tree of the rows of the group's ended jobs (issue #34).
+
+    ``flat_tokens``: tokens in all rows (what a per-row forward computes); ``tree_tokens``: tokens in all nodes
+    (what a tree-packed forward computes); ``tree_token_ratio`` = tree / flat (1.0 for no rows).
+    ``max_logprob_spread``: the largest difference between the behaviour logprobs rows gave one shared sampled
+    token (the node keeps the first row's). ``complete``: every job of the group ended with rows (``missing``
+    empty). The server checks the invariants (:func:`prorl_server.tree.verify_tree`) before it answers."""
+
+    group_id: str
+    nodes: list[TreeNode] = Field(default_factory=list)
+    leaves: list[TreeLeaf] = Field(default_factory=list)
+    missing: list[MissingJob] = Field(default_factory=list)
+    complete: bool = True
+    flat_tokens: int = 0
+    tree_tokens: int = 0
+    tree_token_ratio: float = 1.0
+    max_logprob_spread: float = 0.0

@@ -1,0 +1,219 @@
+"""A group's trajectory tree (#34 part 2): ``GET /groups/{group_id}/tree`` answers the verified prefix tree of
+the rows of the group's ended jobs, never merging tokens of different provenance, naming the jobs that have no
+rows yet, and never serving a tree that fails its invariants."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prorl_server import tree as tree_module
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.tree import build_tree, group_tree, rows_of, verify_tree, TreeInvariantError
+from prorl_server.types import GroupTree, JobResult, Trajectory
+from trainer_plugins.tree import TreeCheckError, check_tree
+
+
+class RowsHandler(AgentHandler):
+    """Stands for an agent handler: the job's trajectories are the instance's ``rows`` (what a conversation
+    recorded), its reward the instance's; ``sleep`` holds the run stage, ``fail`` fails it (a filtered
+    failure)."""
+
+    name = "rows"
+    needs_llm = False
+
+    async def init(self, job):
+        pass
+
+    async def run(self, job):
+        await asyncio.sleep(job.instance.get("sleep", 0))
+        if job.instance.get("fail"):
+            raise RuntimeError("injected harness failure")
+        job.trajectories = [Trajectory(**r) for r in job.instance["rows"]]
+
+    async def eval(self, job):
+        job.reward = float(job.instance.get("reward", 0.0))
+
+
+@pytest.fixture
+def client(make_client, registry):
+    registry.register(RowsHandler())
+    return make_client
+
+
+PROMPT = list(range(100, 140))
+
+
+def grpo_row(i: int, turns: int = 4, version: int = 1) -> dict:
+    """A 4-turn row of a GRPO group: the shared prompt, then turns that branch at turn ``i % 3``."""
+    ids, mask, lps = [], [], []
+    for t in range(turns):
+        out = [1000 + 10 * t + (i if t >= i % 3 else 0) + k for k in range(6)]
+        obs = [2000 + t, 2001 + t] if t < turns - 1 else []
+        ids += out + obs
+        mask += [1] * len(out) + [0] * len(obs)
+        lps += [-0.25] * len(out) + [0.0] * len(obs)
+    return dict(prompt_ids=PROMPT, response_ids=ids, response_logprobs=lps, loss_mask=mask,
+                version_runs=[[version, sum(mask)]])
+
+
+def turn_rows(turns: int = 4) -> list[dict]:
+    """One row per turn of an agent whose every request re-sends its history as prompt (a rewritten
+    context: what the model sampled in turn k is prompt in turn k + 1)."""
+    rows, prompt = [], list(PROMPT)
+    for t in range(turns):
+        out = [3000 + 10 * t + k for k in range(5)]
+        rows.append(dict(prompt_ids=list(prompt), response_ids=out, response_logprobs=[-0.5] * 5,
+                         loss_mask=[1] * 5, version_runs=[[t, 5]]))
+        prompt = prompt + out + [4000 + t]
+    return rows
+
+
+async def submit(c, rows, group="g", **instance) -> str:
+    r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": rows, **instance},
+                                    "group_id": group})
+    assert r.status == 202, await r.text()
+    return (await r.json())["job_id"]
+
+
+def rebuild(tree: dict, leaf: dict) -> tuple[list[int], list[int]]:
+    nodes = tree["nodes"]
+    ids, mask = [], []
+    for nid in leaf["path"]:
+        n = nodes[nid]
+        m = [0] * len(n["token_ids"])
+        for s, e in n["sampled"]:
+            m[s:e] = [1] * (e - s)
+        ids += n["token_ids"]
+        mask += m
+    return ids, mask
+
+
+async def test_a_grpo_group_tree_gives_back_every_row_and_shares_the_prompt(client, wait_done):
+    c = await client()
+    jobs = [await submit(c, [grpo_row(i)], reward=i / 8) for i in range(8)]
+    results = {j: await wait_done(c, j) for j in jobs}
+    r = await c.get("/groups/g/tree")
+    assert r.status == 200, await r.text()
+    tree = await r.json()
+    assert tree["complete"] and tree["missing"] == [] and len(tree["leaves"]) == 8
+    for leaf in tree["leaves"]:
+        t = results[leaf["job_id"]]["trajectories"][leaf["trajectory_index"]]
+        ids, mask = rebuild(tree, leaf)
+        assert ids == t["prompt_ids"] + t["response_ids"]
+        assert mask[leaf["prompt_len"]:] == t["loss_mask"] and not any(mask[:leaf["prompt_len"]])
+        assert leaf["reward"] == results[leaf["job_id"]]["reward"]
+    roots = [n for n in tree["nodes"] if n["parent"] is None]
+    assert len(roots) == 1 and roots[0]["token_ids"][:len(PROMPT)] == PROMPT
+    assert tree["flat_tokens"] == 8 * (40 + 4 * 6 + 3 * 2)
+    assert tree["tree_token_ratio"] == tree["tree_tokens"] / tree["flat_tokens"] < 0.55
+    # the trainer's own check passes on what it received
+    check_tree(GroupTree.model_validate(tree), {j: JobResult.model_validate(x) for j, x in results.items()})
+
+
+async def test_a_rewritten_context_never_shares_a_node_between_sampled_and_prompt_tokens(client, wait_done):
+    c = await client()
+    job = await submit(c, turn_rows(8))
+    await wait_done(c, job)
+    tree = await (await c.get("/groups/g/tree")).json()
+    assert len(tree["leaves"]) == 8
+    for n in tree["nodes"]:
+        # a node is wholly one provenance per position: its sampled runs never hold a prompt token of a row
+        for leaf in tree["leaves"]:
+            if n["id"] in leaf["path"] and n["sampled"]:
+                assert n["depth"] + n["sampled"][0][0] >= leaf["prompt_len"]
+    assert tree["tree_token_ratio"] < 0.35
+
+
+async def test_a_weight_swap_inside_the_group_splits_equal_tokens(client, wait_done):
+    c = await client()
+    a = await submit(c, [grpo_row(0, version=1)])
+    b = await submit(c, [grpo_row(0, version=2)])  # the very same tokens, sampled under the next weights
+    await wait_done(c, a), await wait_done(c, b)
+    tree = await (await c.get("/groups/g/tree")).json()
+    (pa, pb) = [leaf["path"] for leaf in tree["leaves"]]
+    shared = [n for n in pa if n in pb]
+    assert shared and all(not tree["nodes"][n]["sampled"] for n in shared)  # only the prompt is shared
+    assert {tuple(map(tuple, tree["nodes"][pa[-1]]["version_runs"])),
+            tuple(map(tuple, tree["nodes"][pb[-1]]["version_runs"]))} == {((1, 24),), ((2, 24),)}
+
+
+async def test_running_and_filtered_jobs_are_named_missing(client, wait_done):
+    c = await client()
+    done = await submit(c, [grpo_row(1)])
+    running = await submit(c, [grpo_row(2)], sleep=30)
+    failed = await submit(c, [grpo_row(3)], fail=True)
+    await wait_done(c, done), await wait_done(c, failed)
+    tree = await (await c.get("/groups/g/tree")).json()
+    assert not tree["complete"] and [leaf["job_id"] for leaf in tree["leaves"]] == [done]
+    reasons = {m["job_id"]: m["reason"] for m in tree["missing"]}
+    assert reasons[running] in ("run", "queued_run") and reasons[failed].startswith("filtered")
+    assert (await c.get("/groups/nope/tree")).status == 404
+    await c.post("/cancel", json={"job_id": running})
+
+
+async def test_a_process_client_still_gets_its_group_tree(client):
+    c = await client()
+    r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [grpo_row(0)]},
+                                       "group_id": "p"})
+    assert r.status == 200
+    tree = await (await c.get("/groups/p/tree")).json()
+    assert tree["complete"] and len(tree["leaves"]) == 1
+
+
+async def test_a_tree_that_fails_its_invariants_is_never_served(client, wait_done, monkeypatch):
+    c = await client()
+    jobs = [await submit(c, [grpo_row(i)]) for i in range(2)]
+    for j in jobs:
+        await wait_done(c, j)
+    real = tree_module.build_tree
+
+    def corrupt(*a, **kw):
+        tree = real(*a, **kw)
+        tree.nodes[-1].token_ids[2] += 1
+        return tree
+
+    monkeypatch.setattr(tree_module, "build_tree", corrupt)
+    r = await c.get("/groups/g/tree")
+    assert r.status == 500
+    err = (await r.json())["error"]
+    assert err["type"] == "tree_invariant" and jobs[1] in err["message"] and "row position" in err["message"]
+
+
+def result(job: str, rows: list[dict], reward: float = 0.0) -> JobResult:
+    return JobResult(job_id=job, trajectory_id=job, handler="rows", reward=reward,
+                     trajectories=[Trajectory(**r) for r in rows])
+
+
+def test_merging_equal_tokens_of_other_versions_is_caught_by_both_checks():
+    """Negative control: a tree whose node claims one version for two rows that differ."""
+    results = [("a", result("a", [grpo_row(0, version=1)])), ("b", result("b", [grpo_row(0, version=2)]))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    good = build_tree("g", rows)
+    verify_tree(good, rows)
+    # the tree one gets from tokens alone: b follows a's path
+    bad = good.model_copy(deep=True)
+    bad.leaves[1].path = list(bad.leaves[0].path)
+    bad.tree_tokens = sum(len(n.token_ids) for n in bad.nodes)
+    with pytest.raises(TreeInvariantError, match="weight version differs at row position 40"):
+        verify_tree(bad, rows)
+    with pytest.raises(TreeCheckError, match="weight version"):
+        check_tree(bad, dict(results))
+
+
+def test_the_trainer_check_catches_a_changed_branch_token_and_a_dropped_loss_mask():
+    results = {"a": result("a", [grpo_row(0)]), "b": result("b", [grpo_row(1)])}
+    tree = group_tree("g", list(results.items()))
+    check_tree(tree, results)
+    bad = tree.model_copy(deep=True)
+    last = bad.nodes[bad.leaves[1].path[-1]]
+    last.token_ids[0] += 1
+    with pytest.raises(TreeCheckError, match=f"job 'b' trajectory 0: tokens differ at row position {last.depth}"):
+        check_tree(bad, results)
+    bad = tree.model_copy(deep=True)
+    last = bad.nodes[bad.leaves[0].path[-1]]
+    (s, e), = last.sampled[:1]
+    last.sampled[0] = (s + 1, e)  # its first generated token made prompt, the version runs one shorter
+    last.version_runs[0] = (last.version_runs[0][0], last.version_runs[0][1] - 1)
+    with pytest.raises(TreeCheckError, match=f"job 'a' trajectory 0: loss mask differs at row position {last.depth + s}"):
+        check_tree(bad, results)
