@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import select
 import socket
 import struct
 import time
@@ -104,6 +105,20 @@ class ExecClient:
                     pass
             else:
                 await asyncio.sleep(delay)
+
+    def connection_alive(self) -> bool:
+        """Whether a connection to the server is open and the server has not closed its end (no hang-up, no
+        end of file, nothing unasked for waiting in the socket), checked without a round trip: what a warm pool asks before it
+        hands a sandbox out (a server that died closed its end). ``False`` without a connection."""
+        w, r = self._writer, self._reader
+        if w is None or r is None or w.is_closing() or r.at_eof():
+            return False
+        sock = w.get_extra_info("socket")
+        if sock is None:
+            return False
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN | select.POLLPRI | select.POLLRDHUP)
+        return not p.poll(0)
 
     async def close(self) -> None:
         w, self._writer, self._reader = self._writer, None, None

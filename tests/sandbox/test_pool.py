@@ -1,0 +1,176 @@
+"""The warm sandbox pool (#36 part 3): handed out once, never dead, bounded and counted like any sandbox, a
+pool that cannot refill falls back to cold starts and says so, and a server SIGKILLed with a full pool leaves
+nothing after the next server's reap."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+
+import psutil
+import pytest
+
+from sandbox import Bind, Limits, SandboxSpec, SandboxStartError, make_runtime
+from sandbox.pool import SandboxPool
+from tests.sandbox.conftest import BWRAP_UNAVAILABLE
+
+pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE))]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SPEC = SandboxSpec(network="none", limits=Limits(max_processes=256))
+
+
+async def _refilled(pool: SandboxPool, spec: SandboxSpec, n: int) -> None:
+    for _ in range(600):
+        if pool.ready_count(spec) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pool did not refill to {n}: {pool.ready_count(spec)} ready, {pool.counters}")
+
+
+async def test_a_pooled_sandbox_is_handed_out_once_bounded_and_destroyed_after_its_job(bwrap_runtime):
+    pool = SandboxPool(bwrap_runtime, size=2)
+    try:
+        assert pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        waiting = {h.sandbox_id for h in bwrap_runtime.handles}
+        a, b = await pool.acquire(SPEC), await pool.acquire(SPEC)
+        assert {a.sandbox_id, b.sandbox_id} == waiting and pool.counters["hits"] == 2
+        # fully bounded, and one of the runtime's sandboxes (its watch, leases, records, close_all)
+        assert a.bounds.workspace_bytes and a.bounds.tmpfs_bytes and a in bwrap_runtime.handles
+        assert (await a.bash("echo $((6*7)) > f; cat f")).output.strip() == "42"
+        workspace = a.workspace
+        await a.close()  # the job is done with it: destroyed, never put back
+        assert not os.path.exists(workspace)
+        await _refilled(pool, SPEC, 2)
+        later = {(await pool.acquire(SPEC)).sandbox_id for _ in range(2)}
+        assert not later & {a.sandbox_id, b.sandbox_id}
+    finally:
+        await pool.close()
+
+
+async def test_a_pooled_sandbox_that_died_while_waiting_is_never_handed_out(bwrap_runtime):
+    pool = SandboxPool(bwrap_runtime, size=1)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        (victim,) = bwrap_runtime.handles
+        # killed from outside while it waited (an OOM kill of the node, an admin's kill): its whole group
+        os.killpg(victim.pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        got = await pool.acquire(SPEC)
+        assert got.sandbox_id != victim.sandbox_id
+        assert (await got.bash("echo alive")).output.strip() == "alive"
+        assert pool.counters["dead"] == 1
+        for _ in range(100):  # the dead one is closed in the background: leases, cgroup and directories released
+            if victim not in bwrap_runtime.handles:
+                break
+            await asyncio.sleep(0.05)
+        assert victim not in bwrap_runtime.handles and not os.path.exists(victim.workspace)
+    finally:
+        await pool.close()
+
+
+async def test_a_dead_execution_server_is_caught_even_while_its_launcher_lives(bwrap_runtime):
+    pool = SandboxPool(bwrap_runtime, size=1)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        (victim,) = bwrap_runtime.handles
+        server = psutil.Process(victim._client.peer_pid)
+        server.kill()
+        # Waited for without running the event loop: the host has not seen the launcher's exit nor the
+        # connection's end yet, so only the acquire's own check of the connection can catch the death.
+        server.wait(10)
+        assert victim.alive
+        got = await pool.acquire(SPEC)
+        assert got.sandbox_id != victim.sandbox_id and pool.counters["dead"] == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_pool_that_cannot_refill_falls_back_to_cold_starts_and_says_so(runtime_options):
+    # The workspace root is a file: every start fails to make its workspace (as on a full or read-only disk).
+    ws_root = runtime_options["workspace_root"]
+    with open(ws_root, "w"):
+        pass
+    rt = make_runtime("bubblewrap", **runtime_options)
+    pool = SandboxPool(rt, size=2, retry_s=0.2)
+    try:
+        pool.register(SPEC)
+        for _ in range(200):
+            if pool.degraded:
+                break
+            await asyncio.sleep(0.05)
+        assert pool.degraded == [SPEC] and pool.counters["refill_failures"] >= 1
+        with pytest.raises(SandboxStartError):  # the cold start fails too while the disk is broken
+            await pool.acquire(SPEC)
+        os.unlink(ws_root)  # the disk is back
+        h = await pool.acquire(SPEC)
+        assert (await h.bash("echo cold")).output.strip() == "cold"
+        assert pool.counters["cold_fallbacks"] >= 1 and pool.counters["hits"] == 0
+        await _refilled(pool, SPEC, 2)
+        assert pool.degraded == []
+        await h.close()
+    finally:
+        await pool.close()
+        await rt.close_all()
+
+
+async def test_specs_with_per_job_host_state_are_never_pooled(bwrap_runtime, short_tmp):
+    pool = SandboxPool(bwrap_runtime, size=2)
+    try:
+        spec = SandboxSpec(binds=[Bind(host=short_tmp, container="/data", ro=True)])
+        assert not pool.register(spec)
+        h = await pool.acquire(spec)
+        assert pool.ready_count() == 0 and bwrap_runtime.handles == [h]
+        assert not pool.register(SandboxSpec(workspace=os.path.join(short_tmp, "w")))
+        off = SandboxPool(bwrap_runtime, size=0)
+        assert not off.register(SPEC)
+    finally:
+        await pool.close()
+
+
+# A server that fills a pool of three, prints the sandboxes' launcher pids, and waits to be SIGKILLed.
+FULL_POOL_SERVER = r"""
+import asyncio, json, sys
+from sandbox import Limits, SandboxSpec, make_runtime
+from sandbox.pool import SandboxPool
+
+async def main():
+    rt = make_runtime("bubblewrap", **json.loads(sys.argv[1]))
+    pool = SandboxPool(rt, size=3)
+    spec = SandboxSpec(network="none", limits=Limits(max_processes=256))
+    pool.register(spec)
+    await pool.wait_full(spec, 120)
+    print(json.dumps([h.pid for h in rt.handles]), flush=True)
+    await asyncio.sleep(1000)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_server_killed_with_a_full_pool_leaves_nothing_after_the_next_reap(runtime_options):
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", FULL_POOL_SERVER,
+                                                  json.dumps(runtime_options), cwd=REPO,
+                                                  stdout=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(server.stdout.readline(), 120)
+    finally:
+        server.kill()
+    await server.wait()
+    pids = json.loads(line)
+    assert len(pids) == 3
+    run_root = os.path.join(runtime_options["state_dir"], "run")
+    assert len(os.listdir(run_root)) == 3  # the crash left the pool's directories (else this proves nothing)
+
+    rt = make_runtime("bubblewrap", **runtime_options)
+    assert await rt.reap_orphans() == 3
+    assert os.listdir(run_root) == [] and os.listdir(runtime_options["workspace_root"]) == []
+    assert rt.store.records() == []
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    shutil.rmtree(runtime_options["state_dir"], ignore_errors=True)
