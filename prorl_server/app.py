@@ -35,7 +35,7 @@ from prorl_server.gateway import Gateway, add_gateway_routes, agent_app
 from prorl_server.job import JobServices, SandboxOpener
 from prorl_server.llm.context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
-from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, Metrics
+from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, SANDBOX_POOL_COUNTS, Metrics
 from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, JournalUnavailableError,
                                    Pipeline, ServerStoppedError)
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
@@ -318,6 +318,7 @@ class Components:
     pipeline: Pipeline
     collector: Optional[CollectorControl] = None
     journal: Any = None  # a prorl_server.journal.store.Journal, or None
+    sandbox_pool: Any = None  # a sandbox.pool.SandboxPool over runtime, or None
     _health: Optional[asyncio.Task] = field(default=None, repr=False)
     _health_session: Optional[aiohttp.ClientSession] = field(default=None, repr=False)
     _started: list[str] = field(default_factory=list, repr=False)
@@ -386,12 +387,15 @@ class Components:
             await self._health_session.close()
 
     async def _close_sandboxes(self) -> None:
+        if self.sandbox_pool is not None:
+            await self.sandbox_pool.close()
         if self.runtime is not None:
             await self.runtime.close_all()
 
 
-def sandbox_opener(runtime: Any, default_image: Optional[str]) -> SandboxOpener:
-    """``async (spec=None, **spec_fields) -> handle``: start a sandbox from ``runtime``; a spec naming no
+def sandbox_opener(runtime: Any, default_image: Optional[str], pool: Any = None) -> SandboxOpener:
+    """``async (spec=None, **spec_fields) -> handle``: start a sandbox from ``runtime``, or take a started one
+    from ``pool`` (a :class:`sandbox.pool.SandboxPool`; it cold-starts what it does not pool); a spec naming no
     image gets ``default_image`` (the ``sandbox_image`` setting)."""
 
     async def open_sandbox(spec: Any = None, **kw: Any) -> Any:
@@ -400,7 +404,7 @@ def sandbox_opener(runtime: Any, default_image: Optional[str]) -> SandboxOpener:
         spec = spec if spec is not None else SandboxSpec(**kw)
         if spec.image is None and default_image:
             spec.image = default_image
-        return await runtime.start(spec)
+        return await (pool.acquire(spec) if pool is not None else runtime.start(spec))
 
     return open_sandbox
 
@@ -463,8 +467,16 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                       idle_timeout_s=settings.gateway_idle_timeout_s, keep_finished=settings.gateway_keep_finished,
                       parser=settings.gateway_tool_parser, on_token_stats=m.count_token_stats, agent_app=agent_app)
     m.export_counts(GATEWAY_COUNTS, lambda: gateway.counters)
+    sandbox_pool = None
+    if runtime is not None and own_runtime and settings.sandbox_pool_size > 0:  # an injected runtime: not pooled
+        from sandbox.pool import SandboxPool
+
+        sandbox_pool = SandboxPool(runtime, size=settings.sandbox_pool_size, max_specs=settings.sandbox_pool_max_specs,
+                                   refill_concurrency=settings.sandbox_pool_refill_concurrency)
+        m.export_counts(SANDBOX_POOL_COUNTS, lambda: sandbox_pool.counters)
     services = JobServices(pool=pool, backend_wait_s=settings.backend_wait_s,
-                           sandbox_opener=sandbox_opener(runtime, settings.sandbox_image) if runtime is not None
+                           sandbox_opener=sandbox_opener(runtime, settings.sandbox_image, sandbox_pool)
+                           if runtime is not None
                            else None, llm=llm, cpu_pool=cpu_pool, gateway=gateway)
     pipeline = Pipeline(registry, pool, m, settings.workers(), default_timeout_s=settings.default_timeout_s,
                         keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
@@ -484,7 +496,8 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                     "this server loses the results of its jobs in flight and ones not yet delivered")
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
                       runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
-                      services=services, pipeline=pipeline, collector=collector, journal=journal)
+                      services=services, pipeline=pipeline, collector=collector, journal=journal,
+                      sandbox_pool=sandbox_pool)
 
 
 # ------------------------------------------------------------------------------------------ factory

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sandbox runtime for handlers that need one (default auto: bubblewrap where bwrap is "
                    "installed, else none, said at start)")
     p.add_argument("--sandbox-image", help="default sandbox image (.sif for singularity, rootfs dir for bubblewrap)")
+    p.add_argument("--sandbox-pool-size", type=int, help="started sandboxes kept ready per pooled spec (default 4; "
+                   "0 = off)")
     p.add_argument("--journal", help="SQLite journal of jobs, results and completions: a path, 'auto' (the "
                    "default: ~/.local/state/prorl/journal/<host>_<port>.sqlite) or 'off'")
     p.add_argument("--journal-prealloc-wal", action=argparse.BooleanOptionalAction, default=None,

@@ -33,6 +33,16 @@ LLM_CLIENT_COUNTS: Mapping[str, tuple[str, str]] = {
     "swap_moved": ("prorl_llm_swap_moved", "LLM calls moved off a backend that failed a weight swap"),
 }
 #: ``Gateway.counters`` key → (counter name on /metrics, help).
+#: ``sandbox.pool.SandboxPool.counters`` key → (counter name on /metrics, help).
+SANDBOX_POOL_COUNTS: Mapping[str, tuple[str, str]] = {
+    "hits": ("prorl_sandbox_pool_hits", "Sandboxes handed out from the warm pool"),
+    "misses": ("prorl_sandbox_pool_misses", "Cold starts of pooled specs because their pool was empty"),
+    "dead": ("prorl_sandbox_pool_dead", "Pooled sandboxes found dead on acquire (closed, never handed out)"),
+    "cold_fallbacks": ("prorl_sandbox_pool_cold_fallbacks", "Cold starts of pooled specs whose refill was "
+                       "failing (disk, leases, cgroups)"),
+    "refill_starts": ("prorl_sandbox_pool_refill_starts", "Sandbox starts run by the pool's refill"),
+    "refill_failures": ("prorl_sandbox_pool_refill_failures", "Refill starts that failed"),
+}
 GATEWAY_COUNTS: Mapping[str, tuple[str, str]] = {
     "sessions": ("prorl_gateway_sessions", "Gateway sessions opened"),
     "rejected_sessions": ("prorl_gateway_rejected_sessions", "Gateway sessions refused (max_sessions open)"),

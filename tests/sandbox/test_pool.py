@@ -174,3 +174,25 @@ async def test_a_server_killed_with_a_full_pool_leaves_nothing_after_the_next_re
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     shutil.rmtree(runtime_options["state_dir"], ignore_errors=True)
+
+
+async def test_the_server_pools_its_handlers_sandboxes_and_counts_on_metrics(runtime_options):
+    from handlers.code.task import sandbox_spec
+    from prorl_server.app import build_components
+    from prorl_server.config import ServerSettings
+    from prorl_server.plugin.registry import HandlerRegistry
+
+    assert ServerSettings().sandbox_pool_size > 0  # on by default
+    c = build_components(ServerSettings(sandbox_runtime="bubblewrap", sandbox_options=runtime_options,
+                                        sandbox_pool_size=1), HandlerRegistry())
+    try:
+        spec = sandbox_spec()  # the code handler's run sandbox
+        first = await c.services.sandbox_opener(spec)  # a cold start; the spec is pooled from now on
+        await c.sandbox_pool.wait_full(spec, 60)
+        second = await c.services.sandbox_opener(sandbox_spec())
+        assert second.sandbox_id != first.sandbox_id
+        text = c.metrics.render().decode()
+        assert "prorl_sandbox_pool_hits_total 1.0" in text and "prorl_sandbox_pool_misses_total 1.0" in text
+    finally:
+        await c._close_sandboxes()
+    assert c.runtime.handles == []
