@@ -111,6 +111,7 @@ from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, Inva
                                   RolloutAuthError, process_request)
 from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.verl.relay import RelayError, relay_for_loop
+from trainer_plugins.verl.stale import STALE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -401,11 +402,15 @@ class ProRLAgentLoop(AgentLoopBase):
         training under verl's V1 worker too (see "Configuration faults" in the module docstring).
 
         Returns: what :meth:`run_row` returns; under V1, a row marked ``extra_fields.prorl.fatal`` for a
-        configuration fault (``ProRLReplayBuffer`` then stops training with its message).
+        configuration fault (``ProRLReplayBuffer`` then stops training with its message), or a zero-loss row
+        marked ``extra_fields.prorl.stale`` when the trainer cancelled the row's group as stale
+        (:mod:`trainer_plugins.verl.stale`).
         Raises: what :meth:`run_row` raises, under the legacy worker (which stops training on it).
         """
         try:
-            return await self.run_row(sampling_params, **kwargs)
+            if "session_id" not in kwargs or _jsonable(kwargs.get("uid")) in (None, ""):
+                return await self.run_row(sampling_params, **kwargs)
+            return await self._run_unless_stale(sampling_params, kwargs)
         except STOPS_TRAINING as e:
             if "session_id" not in kwargs:  # the legacy worker: the exception reaches the trainer and stops it
                 raise
@@ -413,6 +418,38 @@ class ProRLAgentLoop(AgentLoopBase):
             log.error("row (%s): %s; training stops (ProRLReplayBuffer raises it in the trainer)",
                       row_name(kwargs), message)
             return [await self.fatal_output(kwargs, message)]
+
+    async def _run_unless_stale(self, sampling_params: dict[str, Any],
+                                kwargs: dict[str, Any]) -> Union[AgentLoopOutput, list[AgentLoopOutput]]:
+        """:meth:`run_row` as a task the trainer can cancel when the row's group becomes stale (verl's V1 worker;
+        :mod:`trainer_plugins.verl.stale`): the cancel reaches the job on its rollout server through the
+        rollout client, and the row ends as :meth:`stale_output`. A cancel of this loop itself (verl's) still
+        raises CancelledError."""
+        uid = str(_jsonable(kwargs["uid"]))
+        if STALE_ROWS.is_stale(uid):  # declared stale before this row started: no job at all
+            return [await self.stale_output(kwargs)]
+        task = asyncio.ensure_future(self.run_row(sampling_params, **kwargs))
+        STALE_ROWS.add(uid, task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if (current is not None and current.cancelling()) or not STALE_ROWS.is_stale(uid):
+                raise
+            return [await self.stale_output(kwargs)]
+        finally:
+            STALE_ROWS.discard(uid, task)
+
+    async def stale_output(self, row: dict[str, Any]) -> AgentLoopOutput:
+        """The zero-loss row of a sample the trainer cancelled because its prompt group can no longer be trained
+        (``extra_fields.prorl``: ``stale`` true, ``filter`` true, ``failure_kind`` ``cancelled``): verl evicts
+        its group as stale; the circuit breaker does not count it as a fault."""
+        out = await self.fatal_output(row, "")
+        out.extra_fields["prorl"].update(fatal=None, stale=True, failure_kind="cancelled",
+                                         error="cancelled by the trainer: its prompt group is past "
+                                               "max_off_policy_threshold")
+        log.info("row (%s): cancelled, its prompt group can no longer be trained (stale)", row_name(row))
+        return out
 
     async def fatal_output(self, row: dict[str, Any], message: str) -> AgentLoopOutput:
         """A zero-loss row (the row's prompt, one EOS response token with mask 0, reward 0) whose

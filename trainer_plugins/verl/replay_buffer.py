@@ -40,13 +40,17 @@ then keep zero loss but stay in their group).
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import transfer_queue as tq
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from trainer_plugins.breaker import FaultBreaker, PersistentFaultError, Sample
+from trainer_plugins.verl.stale import RayStaleCanceller
+
+logger = logging.getLogger(__name__)
 
 FILTERED_METRIC = "prorl_filtered/evicted_samples"
 #: per-step async metrics (``training/`` + these): samples (a sample is one session of a prompt group, however
@@ -155,6 +159,12 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         self._completed = 0  # samples of groups that finished since the last metrics (stale-cancelled ones not)
         self._discarded_stale = 0  # completed samples of groups evicted as stale since the last metrics
         self._cancelled_rows: dict[str, dict[str, int]] = defaultdict(dict)  # partition -> uid -> cancelled samples
+        # stale work cancelled (trainer_plugins/verl/stale.py): only where verl drops stale groups
+        self.stale_canceller: Optional[Callable[[set[str]], int]] = None
+        if (sampler_kwargs.get("cancel_stale", True) and self.max_off_policy_threshold is not None
+                and self.max_off_policy_strategy == "drop"):
+            self.stale_canceller = RayStaleCanceller(kwargs.get("refill_fn"))
+        self._cancel_sent: set[str] = set()  # uids handed to the canceller, while they are still in flight
 
     def filtered_groups(self, partition_id: str) -> set[str]:
         """uids of the complete groups of ``partition_id`` with at least one filtered row (read from
@@ -205,8 +215,35 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             prefix = self._metrics_prefix(partition_id)
             metrics[f"{prefix}/{TRUNCATED_METRIC}"] = self._truncated
             metrics.update(self.async_metrics(global_steps, prefix, batch))
+            metrics[f"{prefix}/{CANCELLED_STALE_METRIC}"] = self.cancel_stale(global_steps, partition_id)
             self._truncated = self._completed = self._discarded_stale = 0
         return batch, metrics
+
+    def stale_in_flight(self, global_steps: int, partition_id: str) -> set[str]:
+        """uids of the prompt groups still pending or running (the last TransferQueue snapshot) that the next
+        sample, at step ``global_steps + 1``, must evict: verl's rule ``step - s + 1 > max_off_policy_threshold``
+        for a group sampled at step ``s``, one step ahead. Empty unless the strategy is ``drop``."""
+        if partition_id == "val" or self.max_off_policy_threshold is None or self.max_off_policy_strategy != "drop":
+            return set()
+        steps = self.prompt_global_steps[partition_id]
+        in_flight = self.pending_keys[partition_id] | self.running_keys[partition_id]
+        return {uid for uid in in_flight
+                if global_steps + 1 - steps.get(uid, global_steps) + 1 > self.max_off_policy_threshold}
+
+    def cancel_stale(self, global_steps: int, partition_id: str) -> int:
+        """After step ``global_steps``'s batch was sampled: hand the groups :meth:`stale_in_flight` names (each
+        once) to :attr:`stale_canceller`, which cancels their running jobs (:mod:`trainer_plugins.verl.stale`).
+        Returns how many samples were cancelled."""
+        in_flight = self.pending_keys[partition_id] | self.running_keys[partition_id]
+        self._cancel_sent &= in_flight
+        stale = self.stale_in_flight(global_steps, partition_id) - self._cancel_sent
+        if not stale or self.stale_canceller is None:
+            return 0
+        self._cancel_sent |= stale
+        cancelled = int(self.stale_canceller(stale))
+        logger.info("step %d: %d prompt groups can no longer be trained (max_off_policy_threshold=%d): %d running "
+                    "samples cancelled", global_steps, len(stale), self.max_off_policy_threshold, cancelled)
+        return cancelled
 
     def async_metrics(self, global_steps: int, prefix: str, batch: Any) -> dict[str, float]:
         """This step's async bookkeeping (see :data:`COMPLETED_METRIC` and the names after it): samples
