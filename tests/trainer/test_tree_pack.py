@@ -1,0 +1,164 @@
+"""Tree-packed training (#34 part 3, trainer_plugins/trl/tree_pack.py): one forward of a group's prefix tree
+with an ancestor mask and depth position ids gives every row's logprobs and gradients as the per-row forward
+does, on the project's tiny Qwen2 on CPU (SDPA); four negative controls fail by far more than the bound, and
+the TRL mixin's first-batch self-check falls back to rows when packing is wrong."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from trainer_plugins.trl.tree_pack import (TreePackedLogps, ancestor_mask, build_prefix_tree, max_difference,  # noqa: E402
+                                           pack, packed_row_logprobs, per_row_logprobs)
+
+#: the issue's bounds: max |delta logprob| in fp32 and fp64, relative gradient difference in fp32 and fp64
+FP32, FP64, FP32_GRAD, GRAD64 = 2e-6, 1e-12, 1e-5, 1e-9
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa",
+                                                          dtype=torch.float32)
+    return m.eval()
+
+
+def group_rows(seed: int = 0) -> list[list[int]]:
+    """A GRPO-like group: a shared 48-token prompt, rows that branch at different depths (inside a turn, at
+    turn boundaries), a row that is a strict prefix of another, and a row of its own."""
+    rnd = random.Random(seed)
+    tok = lambda n: [rnd.randrange(10, 4000) for _ in range(n)]  # noqa: E731
+    prompt = tok(48)
+    a = prompt + tok(30)
+    b = a[:60] + tok(25)          # branches inside a's response
+    c = b + tok(12)               # continues b (b is its prefix)
+    d = prompt + tok(20)          # branches right after the prompt
+    e = a[:70] + tok(9)
+    return [a, b, c, d, e, tok(17)]
+
+
+def test_the_tree_shares_prefixes_and_gives_back_every_row():
+    rows = group_rows()
+    nodes, paths = build_prefix_tree(rows)
+    for row, path in zip(rows, paths):
+        assert [t for n in path for t in nodes[n][1]] == row
+    assert sum(len(ids) for _, ids in nodes) < 0.6 * sum(map(len, rows))
+
+
+@pytest.fixture
+def fp64_norm(monkeypatch):
+    """Qwen2's RMSNorm computes in float32 whatever the model's dtype (transformers 5.10): in an fp64 model
+    that rounds every layer to fp32, and the backward's sums then differ at ~1e-7 between any two orders of
+    summation. For the fp64 comparison the norm keeps its input dtype (the same formula), so the comparison
+    measures the packing, not fp32 rounding."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def forward(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", forward)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, FP32), (torch.float64, FP64)])
+def test_packed_logprobs_equal_the_per_row_forward(model, dtype, bound, fp64_norm):
+    m = model.to(dtype)
+    rows = group_rows()
+    tree = pack(*build_prefix_tree(rows))
+    with torch.no_grad():
+        packed, _ = packed_row_logprobs(m, tree)
+        ref = per_row_logprobs(m, rows)
+    model.to(torch.float32)
+    assert max_difference(packed, ref) <= bound
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, FP32_GRAD), (torch.float64, GRAD64)])
+def test_gradients_equal_the_per_row_forward(model, dtype, bound, fp64_norm):
+    m = model.to(dtype)
+    rows = group_rows(1)
+    weights = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5]  # per-row advantages, applied when the loss is gathered
+
+    def grads(logps):
+        m.zero_grad()
+        sum(w * lp.sum() for w, lp in zip(weights, logps)).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    packed = grads(packed_row_logprobs(m, pack(*build_prefix_tree(rows)))[0])
+    ref = grads(per_row_logprobs(m, rows))
+    m.zero_grad()
+    model.to(torch.float32)
+    assert float((packed - ref).norm() / ref.norm()) <= bound
+
+
+@pytest.mark.parametrize("control", ["causal mask", "packed position ids", "missing branch transition"])
+def test_negative_controls_fail_by_1000x_the_bound(model, control):
+    rows = group_rows()
+    tree = pack(*build_prefix_tree(rows), position_ids="packed" if control == "packed position ids" else "depth")
+    mask = ancestor_mask(tree, torch.float32, "causal" if control == "causal mask" else "ancestor")
+    transitions = "packed" if control == "missing branch transition" else "parent"
+    with torch.no_grad():
+        packed, _ = packed_row_logprobs(model, tree, mask=mask, transitions=transitions)
+        ref = per_row_logprobs(model, rows)
+    assert max_difference(packed, ref) >= 1000 * FP32
+
+
+class PerRowTrainer:
+    """Stands for TRL's ``GRPOTrainer._get_per_token_logps_and_entropies`` (TRL 1.x): the padded batch
+    forwarded as it is, the last ``logits_to_keep`` columns' logprobs returned."""
+
+    temperature = 1.0
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False, **kw):
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logp = torch.log_softmax(logits[:, :-1] / self.temperature, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+        return logp[:, -logits_to_keep:], None, None
+
+
+class PackedTrainer(TreePackedLogps, PerRowTrainer):
+    pass
+
+
+def padded_batch(rows: list[list[int]], prompt_len: int):
+    """TRL's layout: prompts left-padded, completions right-padded (pad id 0)."""
+    P = prompt_len
+    C = max(len(r) for r in rows) - P
+    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :P], mask[b, :P] = torch.tensor(r[:P]), 1
+        ids[b, P:P + len(r) - P], mask[b, P:P + len(r) - P] = torch.tensor(r[P:]), 1
+    return ids, mask, C
+
+
+def test_the_trl_mixin_packs_a_batch_and_returns_trls_layout(model):
+    rows = [r for r in group_rows()[:5]]
+    ids, mask, C = padded_batch(rows, 48)
+    trainer = PackedTrainer()
+    with torch.no_grad():
+        got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+        ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
+    keep = mask[:, -C:].bool()
+    assert float((got - ref)[keep].abs().max()) <= 1e-4
+    s = trainer.tree_pack_stats
+    assert s.packed_batches == 1 and s.fallback_reason is None and s.tree_token_ratio < 0.7
+
+
+def test_a_mask_leak_across_branches_is_caught_by_the_self_check_and_rows_are_forwarded(model, monkeypatch):
+    from trainer_plugins.trl import tree_pack
+
+    real = tree_pack.ancestor_mask
+    monkeypatch.setattr(tree_pack, "ancestor_mask", lambda tree, dtype, kind="ancestor": real(tree, dtype, "causal"))
+    rows = group_rows()[:5]
+    ids, mask, C = padded_batch(rows, 48)
+    trainer = PackedTrainer()
+    with torch.no_grad():
+        got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+        ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
+    s = trainer.tree_pack_stats
+    assert s.fallback_reason and "self-check" in s.fallback_reason and s.packed_batches == 0
+    assert torch.equal(got, ref)  # what the loss gets is the per-row forward's
+    trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+    assert s.row_batches == 2  # off for the rest of the run

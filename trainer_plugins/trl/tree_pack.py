@@ -1,0 +1,314 @@
+"""Tree-packed training for the TRL plugin (issue #34 part 3, an option): forward each shared prefix of a batch
+once.
+
+The rows of a batch are merged into a prefix tree (rows with equal leading tokens share nodes), the tree is
+laid out as one packed sequence in depth-first order, and one forward computes every row's logprobs:
+
+- **ancestor attention mask** (4-D, additive: 0 where a token may attend, the dtype's minimum elsewhere): a
+  token attends to the tokens of its node before it and to every token of its ancestor nodes, never to a
+  sibling branch;
+- **depth position ids**: a token's position is its position in its row (the node's depth plus its offset),
+  not its index in the packed sequence, so RoPE sees each row as the per-row forward does;
+- **gather with branch transitions**: row position ``t``'s logprob comes from the packed index of row position
+  ``t - 1``; for the first token of a child node that is the last token of its parent, wherever the parent
+  lies in the packed sequence. Targets are never deduplicated: each row gathers its own.
+
+With the same kernels this is the per-row forward up to floating-point reassociation (measured on the tiny
+Qwen2, CPU, SDPA: fp64 ~1e-16, fp32 ~1e-6). A plain causal mask over the packed tree or packed-index positions
+is off by ~0.1 and more. It is what MiniMax's Forge ("prefix tree merging") and AReaL's tree training do; the
+check here is per row and strict (see :class:`TreePackedLogps`).
+
+The tree is built from the batch's tokens: for a dense text model the forward of equal tokens at equal
+positions is the same whatever their provenance, and the behaviour logprobs, masks and advantages stay
+per row in TRL's loss. Models whose forward depends on more than the tokens (MoE routing replay, images) are
+not packed.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PackedTree:
+    """A prefix tree of rows laid out as one packed sequence of S tokens.
+
+    ``input_ids``, ``position_ids``: LongTensor [S]. ``node_of``: LongTensor [S], the node of each packed token.
+    ``ancestors``: per node, the ids of its ancestors and itself (root first). ``node_start``/``node_len``:
+    each node's packed range. ``row_index``: per row, LongTensor [T_row] of the packed index of each of its
+    positions (the node path concatenated)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    node_of: torch.Tensor
+    ancestors: list[list[int]]
+    node_start: list[int]
+    node_len: list[int]
+    row_index: list[torch.Tensor]
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def build_prefix_tree(rows: Sequence[Sequence[int]]) -> tuple[list[tuple[Optional[int], list[int]]], list[list[int]]]:
+    """The prefix tree of token rows: ``(nodes, paths)`` with ``nodes[i] = (parent or None, token ids)`` (a
+    parent before its children, depth-first) and ``paths[r]`` the node ids of row ``r`` root first. A radix
+    tree (compressed trie) with node splitting, the rows inserted one after another."""
+    # node: [parent, start in owner row, end, owner row, children {first token: node}]
+    root: list = [None, 0, 0, -1, {}]
+    ends = []
+    for r, row in enumerate(rows):
+        row = list(row)
+        node, pos = root, 0
+        while pos < len(row):
+            child = node[4].get(row[pos])
+            if child is None:
+                child = [node, pos, len(row), r, {}]
+                node[4][row[pos]] = child
+                node, pos = child, len(row)
+                break
+            owner = rows[child[3]]
+            n = min(child[2] - child[1], len(row) - pos)
+            m = next((k for k in range(n) if owner[child[1] + k] != row[pos + k]), n)
+            if m < child[2] - child[1]:  # split: a new head takes [start, start + m), the child keeps the rest
+                head = [node, child[1], child[1] + m, child[3], {}]
+                node[4][row[pos]] = head
+                child[0], child[1] = head, child[1] + m
+                head[4][owner[child[1]]] = child
+                child = head
+            node, pos = child, pos + m
+        ends.append(node)
+    nodes: list[tuple[Optional[int], list[int]]] = []
+    number: dict[int, int] = {}
+    stack = list(reversed(list(root[4].values())))
+    while stack:
+        x = stack.pop()
+        number[id(x)] = len(nodes)
+        nodes.append((number[id(x[0])] if x[0] is not root else None, list(rows[x[3]][x[1]:x[2]])))
+        stack.extend(reversed(list(x[4].values())))
+    paths = []
+    for end in ends:
+        path = []
+        while end is not root:
+            path.append(number[id(end)])
+            end = end[0]
+        paths.append(path[::-1])
+    return nodes, paths
+
+
+def pack(nodes: Sequence[tuple[Optional[int], Sequence[int]]], paths: Sequence[Sequence[int]],
+         position_ids: str = "depth") -> PackedTree:
+    """Lay ``nodes`` (parent before child) out in order as one sequence. ``position_ids``: ``"depth"`` (the
+    position in the row: exact) or ``"packed"`` (the packed index: wrong for every branch after the first, a
+    negative control)."""
+    starts, lens, depth, ancestors = [], [], [], []
+    at = 0
+    for i, (parent, ids) in enumerate(nodes):
+        starts.append(at)
+        lens.append(len(ids))
+        depth.append(0 if parent is None else depth[parent] + lens[parent])
+        ancestors.append(([] if parent is None else ancestors[parent]) + [i])
+        at += len(ids)
+    input_ids = torch.tensor([t for _, ids in nodes for t in ids], dtype=torch.long)
+    node_of = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor(lens, dtype=torch.long))
+    offsets = torch.arange(at) - torch.tensor(starts, dtype=torch.long)[node_of]
+    if position_ids == "depth":
+        pos = torch.tensor(depth, dtype=torch.long)[node_of] + offsets
+    elif position_ids == "packed":
+        pos = torch.arange(at)
+    else:
+        raise ValueError(f"position_ids must be 'depth' or 'packed', not {position_ids!r}")
+    row_index = [torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in path]) if path
+                 else torch.zeros(0, dtype=torch.long) for path in paths]
+    return PackedTree(input_ids, pos, node_of, ancestors, starts, lens, row_index)
+
+
+def ancestor_mask(tree: PackedTree, dtype: torch.dtype, kind: str = "ancestor") -> torch.Tensor:
+    """The additive attention mask [1, 1, S, S] (0: attend, ``finfo(dtype).min``: not). ``kind``:
+    ``"ancestor"`` (exact) or ``"causal"`` (a plain causal mask over the packed sequence, which lets a branch
+    attend to its earlier siblings: a negative control)."""
+    S = tree.size
+    allowed = torch.zeros(S, S, dtype=torch.bool)
+    if kind == "causal":
+        allowed = torch.ones(S, S, dtype=torch.bool).tril()
+    elif kind == "ancestor":
+        for n, chain in enumerate(tree.ancestors):
+            a, b = tree.node_start[n], tree.node_start[n] + tree.node_len[n]
+            for m in chain[:-1]:
+                allowed[a:b, tree.node_start[m]:tree.node_start[m] + tree.node_len[m]] = True
+            allowed[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    else:
+        raise ValueError(f"kind must be 'ancestor' or 'causal', not {kind!r}")
+    mask = torch.zeros(S, S, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def packed_row_logprobs(model: Any, tree: PackedTree, mask: Optional[torch.Tensor] = None,
+                        transitions: str = "parent", temperature: float = 1.0,
+                        compute_entropy: bool = False) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+    """One forward of the packed tree; per row, the logprob of each of its tokens after the first (Tensor
+    [T_row - 1], position ``t - 1`` holds token ``t``'s), and with ``compute_entropy`` the entropy at the
+    same positions.
+
+    ``transitions``: ``"parent"`` (exact: row position ``t``'s logits are those at the packed index of row
+    position ``t - 1``) or ``"packed"`` (the packed predecessor, which for a child's first token is another
+    branch's last token: a negative control)."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    mask = ancestor_mask(tree, dtype) if mask is None else mask
+    out = model(input_ids=tree.input_ids[None].to(device), attention_mask=mask.to(device),
+                position_ids=tree.position_ids[None].to(device), use_cache=False)
+    logits = out.logits[0].float() if dtype in (torch.float16, torch.bfloat16) else out.logits[0]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    ent = -(logp.exp() * logp).sum(-1) if compute_entropy else None
+    rows, ents = [], [] if compute_entropy else None
+    for idx in tree.row_index:
+        if idx.numel() < 2:
+            rows.append(logp.new_zeros(0))
+            if ents is not None:
+                ents.append(logp.new_zeros(0))
+            continue
+        src = idx[:-1] if transitions == "parent" else idx[1:] - 1
+        targets = tree.input_ids[idx[1:]].to(device)
+        rows.append(logp[src.to(device)].gather(-1, targets[:, None])[:, 0])
+        if ents is not None:
+            ents.append(ent[src.to(device)])
+    return rows, ents
+
+
+def per_row_logprobs(model: Any, rows: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    """The reference: each row forwarded alone; per row Tensor [T_row - 1] as :func:`packed_row_logprobs`."""
+    device = next(model.parameters()).device
+    out = []
+    for row in rows:
+        ids = torch.tensor([list(row)], dtype=torch.long, device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        out.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+def max_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """The largest |a - b| over all rows (inf when the rows' lengths differ)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel():
+            worst = max(worst, float((x.detach() - y.detach()).abs().max()))
+    return worst if len(a) == len(b) else float("inf")
+
+
+#: Largest |packed - per-row| logprob the first-batch self-check accepts, by parameter dtype: fp32 and fp64
+#: agree to ~1e-6 and ~1e-15 (reassociation only); half precision rounds each layer's output.
+SELF_CHECK_BOUND = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class TreePackStats:
+    """What tree packing did: batches packed, batches forwarded per row (and why: ``fallback_reason``), flat
+    and packed tokens (``tree_token_ratio`` = packed / flat), and the self-check's measured difference."""
+
+    packed_batches: int = 0
+    row_batches: int = 0
+    flat_tokens: int = 0
+    tree_tokens: int = 0
+    self_check_delta: Optional[float] = None
+    fallback_reason: Optional[str] = None
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tree_token_ratio(self) -> float:
+        return self.tree_tokens / self.flat_tokens if self.flat_tokens else 1.0
+
+
+class TreePackedLogps:
+    """A mixin for TRL's ``GRPOTrainer`` (TRL 1.x, ``_get_per_token_logps_and_entropies``) that computes the
+    batch's per-token logprobs with one tree-packed forward instead of one row per batch element::
+
+        class Trainer(TreePackedLogps, GRPOTrainer): ...
+
+    The first packed batch is checked against TRL's own per-row forward; a difference above
+    :data:`SELF_CHECK_BOUND` (or an error) turns packing off for the run, saying why in the log and in
+    :attr:`tree_pack_stats`. Batches with images, MoE auxiliary losses or token type ids are forwarded per row.
+    """
+
+    tree_pack_enabled: bool = True
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           **kwargs):
+        stats = self.__dict__.setdefault("tree_pack_stats", TreePackStats())
+        plain = lambda: super(TreePackedLogps, self)._get_per_token_logps_and_entropies(  # noqa: E731
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kwargs)
+        reason = None
+        if not self.tree_pack_enabled or stats.fallback_reason:
+            reason = stats.fallback_reason or "disabled"
+        elif compute_aux_loss or any(v is not None for v in kwargs.values()):
+            reason = "images, token types or an MoE auxiliary loss: the forward depends on more than tokens"
+        if reason is not None:
+            stats.row_batches += 1
+            stats.reasons[reason[:60]] = stats.reasons.get(reason[:60], 0) + 1
+            return plain()
+        temperature = float(getattr(self, "temperature", 1.0) or 1.0)
+        # TRL's batch_size bounds the rows forwarded together; it bounds the packed sequence (and its S x S
+        # mask) the same way. TRL's sampler puts a prompt's rows next to each other, so chunks keep groups.
+        step = batch_size or input_ids.size(0)
+        parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
+                                   temperature, compute_entropy, stats) for a in range(0, input_ids.size(0), step)]
+        logps = torch.cat([p[0] for p in parts])
+        ents = torch.cat([p[1] for p in parts]) if compute_entropy else None
+        if stats.self_check_delta is None:
+            with torch.no_grad():
+                ref, _, _ = plain()
+            keep = attention_mask[:, -logits_to_keep:].bool()
+            delta = float((logps.detach() - ref)[keep].abs().max()) if keep.any() else 0.0
+            stats.self_check_delta = delta
+            bound = SELF_CHECK_BOUND.get(next(model.parameters()).dtype, 1e-2)
+            if not delta <= bound:
+                stats.fallback_reason = (f"self-check: the packed forward's logprobs differ from the per-row "
+                                         f"forward's by {delta:.3g} > {bound:g}; forwarding rows from now on")
+                log.warning("tree packing off: %s", stats.fallback_reason)
+                stats.row_batches += 1
+                return plain()
+        stats.packed_batches += 1
+        return logps, ents, None
+
+
+def tree_packed_batch(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                      temperature: float = 1.0, compute_entropy: bool = False,
+                      stats: Optional[TreePackStats] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """TRL's padded batch (``input_ids``/``attention_mask`` [B, L], prompts left-padded, completions
+    right-padded) through one tree-packed forward: logprobs [B, logits_to_keep] laid out as TRL's (column j
+    holds the logprob of ``input_ids[:, L - logits_to_keep + j]``; padding 0), and entropies the same way."""
+    B, L = input_ids.shape
+    keep = attention_mask.bool()
+    rows, where = [], []
+    for b in range(B):
+        cols = keep[b].nonzero()[:, 0]
+        rows.append(input_ids[b, cols].tolist())
+        where.append(cols)
+    nodes, paths = build_prefix_tree(rows)
+    tree = pack(nodes, paths)
+    if stats is not None:
+        stats.flat_tokens += sum(len(r) for r in rows)
+        stats.tree_tokens += tree.size
+    lps, ents = packed_row_logprobs(model, tree, temperature=temperature, compute_entropy=compute_entropy)
+    out = lps[0].new_zeros(B, L) if lps else input_ids.new_zeros(B, L, dtype=torch.float32)
+    ent_out = out.clone() if compute_entropy else None
+    for b in range(B):
+        cols = where[b][1:].to(out.device)  # row position t >= 1 sits in column cols[t - 1]
+        if cols.numel():
+            out = out.index_put((torch.full_like(cols, b), cols), lps[b])
+            if ent_out is not None:
+                ent_out = ent_out.index_put((torch.full_like(cols, b), cols), ents[b])
+    return out[:, -logits_to_keep:], (ent_out[:, -logits_to_keep:] if ent_out is not None else None)
