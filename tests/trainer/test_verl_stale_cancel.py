@@ -127,3 +127,91 @@ async def test_cancelled_stale_rows_cancel_their_jobs_on_the_rollout_server(cfg,
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# ------------------------------------------------------------------------------ real tier: Ray + TransferQueue
+@pytest.fixture(scope="module")
+def transfer_queue():
+    """A local Ray and TransferQueue, as verl's V1 trainer starts them."""
+    ray = pytest.importorskip("ray")
+    import transfer_queue as tq
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    tq.init()
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+class TrainerStandIn:
+    """Stands in for verl's ``PPOTrainer`` (which needs GPUs, or the CPU platform and minutes): what the replay
+    buffer reaches through its ``refill_fn``, the trainer's ``agent_loop_manager.agent_loop_workers`` (here
+    verl's real ``AgentLoopWorkerTQ`` Ray actor)."""
+
+    def __init__(self, workers) -> None:
+        self.agent_loop_manager = type("Manager", (), {"agent_loop_workers": workers})()
+        self.refills: list[int] = []
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        self.refills.append(num_prompts)
+        return num_prompts
+
+
+@pytest.mark.real
+async def test_the_buffer_cancels_a_stale_group_running_in_verls_ray_agent_loop_worker(
+        transfer_queue, compose_verl, start_llm_server, fixed):
+    import uuid
+
+    import numpy as np
+    from verl.trainer.ppo.v1 import agent_loop_tq
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.import_utils import load_extern_type
+
+    tq = transfer_queue
+    url = await start_llm_server()
+    cfg = compose_verl("prorl_dapo", "actor_rollout_ref.rollout.n=2", prompt_length=64, response_length=16)
+    worker = agent_loop_tq.AgentLoopWorkerTQ.options(
+        runtime_env={"env_vars": {"PRORL_SERVERS": url, "HF_HUB_OFFLINE": "1"}}).remote(cfg, None)
+    instance = {"data_source": "fixed", "id": "slow", "sleep": 120,
+                "trajectory": {"prompt_ids": list(range(20, 30)), "response_ids": [100, 101],
+                               "response_logprobs": [-0.5, -0.5], "loss_mask": [1, 1], "weight_versions": [0]}}
+    uid = str(uuid.uuid4())
+    batch = tu.get_tensordict({
+        "raw_prompt": np.array([np.array([{"role": "user", "content": "slow"}], dtype=object), None],
+                               dtype=object)[:-1],
+        "data_source": np.array(["fixed"], dtype=object),
+        "extra_info": np.array([{"index": 0, "instance": instance}], dtype=object),
+        "index": np.array([0], dtype=object), "uid": np.array([uid], dtype=object)})
+    tu.assign_non_tensor_data(batch, "global_steps", 1)
+    tq.kv_batch_put(keys=[uid], partition_id="train",
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}])
+    await worker.generate_sequences.remote(batch)
+    for _ in range(600):
+        if fixed.jobs["slow"] == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert fixed.jobs["slow"] == 2
+
+    sampler = cfg.trainer.v1.sampler
+    trainer = TrainerStandIn([worker])
+    buffer = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)(
+        trainer_mode=cfg.trainer.v1.trainer_mode, trainer_config={},
+        max_off_policy_threshold=sampler.max_off_policy_threshold,
+        max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
+        refill_fn=trainer._add_prompts_to_generate, poll_interval=0.1)
+    buffer._sync_metadata_from_transfer_queue()  # as every sample() starts
+    assert await asyncio.to_thread(buffer.cancel_stale, 1, "train") == 0  # step 2 may still train it
+    assert await asyncio.to_thread(buffer.cancel_stale, 2, "train") == 2  # step 3 may not: both rows cancelled
+    for _ in range(300):  # the group finishes now, not after the 120 s its jobs would have run
+        tags = (await tq.async_kv_list(partition_id="train"))["train"]
+        if tags[uid]["status"] in ("finished", "failure"):
+            break
+        await asyncio.sleep(0.1)
+    assert tags[uid]["status"] == "finished"
+    rows = tq.kv_batch_get(keys=[f"{uid}_{s}_0" for s in range(2)], partition_id="train",
+                           select_fields=["extra_fields"])["extra_fields"]
+    for fields in rows:
+        prorl = getattr(fields, "data", fields)["prorl"]
+        assert prorl["stale"] is True and prorl["failure_kind"] == "cancelled"
+    assert fixed.jobs["slow"] == 2  # cancelled, not re-submitted

@@ -25,6 +25,13 @@ dropped by DAPO's filter (every sample's metric equal) since the last training s
 the same way; training on what is there instead would train groups whose advantages are all 0, i.e. nothing).
 ``max_num_gen_batches: 0`` waits forever, as in verl.
 
+Async bookkeeping and stale work (issue #32). Every step's metrics say what happened to the rollouts
+(``training/prorl_async/``: completed, trained, discarded as stale, cancelled while stale, and the staleness
+histogram of the trained rows; see :data:`COMPLETED_METRIC`). After each step's sample the groups still in
+flight that verl's staleness rule must evict at the next step are cancelled in the agent loop workers
+(:mod:`trainer_plugins.verl.stale`; ``sampler_kwargs.cancel_stale: false`` turns it off); their rows come back
+marked ``extra_fields.prorl.stale`` and are evicted as stale, never counted as filtered or as faults.
+
 Set in ``config/prorl_base.yaml``::
 
     trainer.v1.sampler.custom_sampler: {path: pkg://trainer_plugins.verl.replay_buffer, name: ProRLReplayBuffer}
