@@ -37,7 +37,8 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
     """Check ``tree`` against the job results the trainer holds (``job_id`` -> result): every node's parent
     comes before it and its depth is its parent's end; every leaf names a trajectory of a held result, its path
     runs root to leaf, and its nodes' tokens, sampled runs, version runs and routed experts give that row's
-    ``prompt_ids + response_ids``, ``loss_mask`` and the version and route of each generated token; every
+    ``prompt_ids + response_ids``, ``loss_mask`` and the version and route of each generated token, and its
+    reward is the result's; every
     behaviour logprob is finite; the token counts are the tree's.
 
     Raises:
@@ -63,6 +64,8 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
         flat += len(ids)
         if leaf.prompt_len != len(t.prompt_ids) or leaf.length != len(ids):
             raise TreeCheckError(f"{where}: prompt length or length differs from the row")
+        if leaf.reward != res.reward:
+            raise TreeCheckError(f"{where}: reward {leaf.reward} differs from the result's {res.reward}")
         got_ids: list[int] = []
         got_mask: list[int] = []
         got_versions: list[Optional[int]] = []

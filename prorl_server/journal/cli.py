@@ -4,7 +4,7 @@
 
     prorl-journal regrade JOURNAL [--handler NAME] [--out FILE.jsonl] [--sandbox-runtime auto|bubblewrap|none]
                                   [--workers N] [--since UNIX_S] [--timeout-s S] [--config SETTINGS.yaml]
-    prorl-journal export JOURNAL --format jsonl|verl|trl --out PATH [--handler NAME] [--since UNIX_S]
+    prorl-journal export JOURNAL --format jsonl|verl|trl|trees --out PATH [--handler NAME] [--since UNIX_S]
                                  [--rewards REGRADE.jsonl]
     prorl-journal stats JOURNAL [--json]
     prorl-journal vacuum JOURNAL
@@ -276,6 +276,8 @@ def _export(args: argparse.Namespace) -> int:
             print("export: pyarrow is not installed: writing verl rows as JSON lines", file=sys.stderr)
             if path.endswith(".parquet"):
                 path = path[: -len(".parquet")] + ".jsonl"
+    if args.format == "trees":
+        return _export_trees(args, journal, matches, path)
     regraded = load_regraded(args.rewards) if args.rewards else {}
     counts: Counter = Counter()
     bar = _progress(count_finished(journal, args.since), f"export {args.format}", args.quiet)
@@ -319,6 +321,45 @@ def _export(args: argparse.Namespace) -> int:
     skipped = "".join(f"; {k} {v}" for k, v in counts.items() if k != "jobs" and v)
     print(f"export: {counts['jobs']} job(s) -> {w.rows} {args.format} row(s) in {path} "
           f"({'parquet' if parquet else 'jsonl'}){skipped}", file=sys.stderr)
+    return 0
+
+
+def _export_trees(args: argparse.Namespace, journal: Journal, matches: Any, path: str) -> int:
+    """``export --format trees``: one JSON line per group (``group_id`` of the request) with the group's verified
+    prefix tree, as ``GET /groups/{id}/tree`` answers it (:func:`prorl_server.tree.tree_of_results`). Two passes,
+    so one group's results are in memory at a time: the group of every finished job, then each group's results
+    read by job id. A group whose tree fails its invariants is left out with the reason."""
+    from prorl_server.journal.export import RowWriter
+    from prorl_server.tree import TreeInvariantError, tree_of_results
+
+    groups: dict[str, list[str]] = {}
+    try:
+        for job_id, handler, request, _ in finished_rows(journal, args.since):
+            if not matches(handler, request):
+                continue
+            try:
+                group_id = json.loads(request).get("group_id") if request else None
+            except ValueError:
+                group_id = None
+            if isinstance(group_id, str):
+                groups.setdefault(group_id, []).append(job_id)
+        counts: Counter = Counter()
+        with RowWriter(path) as w:
+            for group_id, members in groups.items():
+                ended = []
+                for job_id in members:
+                    row = journal.job(job_id)
+                    if row is not None and row[2] is not None:
+                        ended.append((job_id, row[2]))
+                try:
+                    w.write(tree_of_results(group_id, ended).model_dump(mode="json"))
+                except (TreeInvariantError, ValueError) as e:
+                    counts["invalid"] += 1
+                    print(f"export: group {group_id} left out: {e}", file=sys.stderr)
+    finally:
+        journal.close()
+    print(f"export: {len(groups)} group(s) -> {w.rows} tree(s) in {path} (jsonl)"
+          + ("".join(f"; {k} {v}" for k, v in counts.items())), file=sys.stderr)
     return 0
 
 
@@ -466,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the finished results as trainer rows: verl (one row per trajectory "
                        "segment; Parquet when pyarrow is installed), trl (one row per job) or jsonl (the results).")
     common(e)
-    e.add_argument("--format", required=True, choices=("jsonl", "verl", "trl"))
+    e.add_argument("--format", required=True, choices=("jsonl", "verl", "trl", "trees"),
+                   help="trees: one line per group (group_id) with its verified prefix tree (issue #34)")
     e.add_argument("--out", required=True, help="output file")
     e.add_argument("--rewards", metavar="REGRADE.jsonl", help="a prorl-journal regrade output: its re-graded "
                    "jobs are exported with their new reward, resolved and failure_kind (jsonl rows keep the old "

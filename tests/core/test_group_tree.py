@@ -217,3 +217,31 @@ def test_the_trainer_check_catches_a_changed_branch_token_and_a_dropped_loss_mas
     last.version_runs[0] = (last.version_runs[0][0], last.version_runs[0][1] - 1)
     with pytest.raises(TreeCheckError, match=f"job 'a' trajectory 0: loss mask differs at row position {last.depth + s}"):
         check_tree(bad, results)
+
+
+async def test_the_journal_exports_each_groups_verified_tree(tmp_path):
+    import json
+
+    from prorl_server.journal.cli import main
+    from prorl_server.journal.store import Journal
+    from prorl_server.types import ProcessRequest
+
+    path = tmp_path / "journal.db"
+    j = Journal(str(path))
+    j.start()
+    for i, (group, rows, filtered) in enumerate([("g", [grpo_row(0)], False), ("g", [grpo_row(1)], False),
+                                                 ("g", [grpo_row(2)], True), ("h", turn_rows(3), False)]):
+        req = ProcessRequest(instance={"data_source": "rows"}, job_id=f"j{i}", group_id=group)
+        j.job_submitted(req.job_id, "rows", req.model_dump_json().encode())
+        res = result(req.job_id, rows, reward=float(i))
+        res.filter, res.failure_kind = filtered, "sandbox" if filtered else None
+        j.job_result(req.job_id, res.model_dump_json().encode())
+    assert j.flush()
+    j.close()
+    out = tmp_path / "trees.jsonl"
+    assert await asyncio.to_thread(main, ["export", str(path), "--format", "trees", "--out", str(out), "--quiet"]) == 0
+    trees = {t["group_id"]: GroupTree.model_validate(t) for t in map(json.loads, out.read_text().splitlines())}
+    assert [leaf.job_id for leaf in trees["g"].leaves] == ["j0", "j1"]
+    assert [(m.job_id, m.reason) for m in trees["g"].missing] == [("j2", "filtered: sandbox")]
+    assert len(trees["h"].leaves) == 3 and trees["h"].complete
+    check_tree(trees["g"], {"j0": result("j0", [grpo_row(0)], 0.0), "j1": result("j1", [grpo_row(1)], 1.0)})
