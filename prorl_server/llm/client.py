@@ -16,7 +16,12 @@ duplicate nor lose tokens):
   failures :class:`LLMUnavailableError`.
 - a backend that is paused for weight sync: vLLM's ``/pause`` (mode ``abort``) ends in-flight requests with
   ``finish_reason="abort"`` and queues new ones until ``/resume``; an abort, or a 503 / "paused" answer, is
-  retried on the same backend (sticky: its prefix cache) after a back-off, up to ``pause_wait_s``.
+  retried on the same backend (sticky: its prefix cache) after a back-off, up to ``pause_wait_s``, under the
+  same ``X-Request-Id`` (a backend that kept the turn running, such as the verl relay while its replica sleeps,
+  hands it back). From the first such answer until the call ends the job's deadline is held
+  (:meth:`prorl_server.job.Job.hold_deadline`): a backend that is paused, asleep or training is the system's
+  time, not the model's (issue #32 part 5). Only the backend's answer starts the hold, and ``pause_wait_s``
+  bounds it.
 - 4xx (bad request, prompt too long): :class:`LLMRequestError`, not retried.
 
 Weight versions: each turn records the version of the weights that generated
@@ -117,6 +122,30 @@ class _BackendFailed(Exception):
 
 class _Paused(Exception):
     pass
+
+
+class _PauseHold:
+    """Holds the job's deadline (:meth:`prorl_server.job.Job.hold_deadline`, when the call's source is a job)
+    from a call's first paused answer until the call ends: the time a backend is paused, asleep or training is
+    the system's, never the model's. Only a backend's own answer starts it (nothing a sandbox writes reaches
+    here), and ``pause_wait_s`` bounds it."""
+
+    __slots__ = ("source", "key")
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.key: Optional[object] = None
+
+    def start(self) -> None:
+        hold = getattr(self.source, "hold_deadline", None)
+        if self.key is None and callable(hold):
+            self.key = object()  # this call's own hold: others (a swap, a CPU-pool wait) end on their own
+            hold(self.key)
+
+    def release(self) -> None:
+        if self.key is not None:
+            key, self.key = self.key, None
+            self.source.release_deadline(key)
 
 
 class SwapMark:
@@ -469,7 +498,15 @@ class LLMClient:
         body.update(prompt=prompt_ids, max_tokens=max_tokens, logprobs=top, return_tokens_as_token_ids=True,
                     n=1, stream=False, echo=False, add_special_tokens=False)
         timeout = self._timeout(timeout_s or self.request_timeout_s)
+        hold = _PauseHold(source)
+        try:
+            return await self._attempts(source, body, timeout, prompt_ids, params, top, hold)
+        finally:
+            hold.release()
 
+    async def _attempts(self, source: BackendSource, body: dict[str, Any], timeout: aiohttp.ClientTimeout,
+                        prompt_ids: list[int], params: Optional[str], top: int, hold: "_PauseHold") -> Completion:
+        """The attempts of one :meth:`complete` call (its failure handling, module docstring)."""
         exclude: set[str] = set()
         failures = 0
         failovers = 0
@@ -478,6 +515,7 @@ class LLMClient:
         http_s = 0.0
         backoff = self.pause_backoff_s
         last_error = "no attempt made"
+        resend_id: Optional[str] = None  # a paused backend's turn is sent again under the same request id
         while True:
             try:
                 b = await source.acquire(frozenset(exclude))
@@ -507,8 +545,9 @@ class LLMClient:
                 # Read as the request leaves: a trainer may re-register the backend (same object, new
                 # version) at any await before this point.
                 version_sent = b.weight_version
-                call = InFlightCall(f"{self._request_prefix}{next(self._request_seq)}", b,
+                call = InFlightCall(resend_id or f"{self._request_prefix}{next(self._request_seq)}", b,
                                     asyncio.current_task())
+                resend_id = None
                 calls = self.in_flight.setdefault(b.address, {})
                 calls[call.request_id] = call
                 t0 = time.perf_counter()
@@ -528,6 +567,10 @@ class LLMClient:
                     raise _Paused(len(_as_list(choice.get("token_ids")))
                                   or len(_as_list((choice.get("logprobs") or {}).get("tokens"))))
             except _Paused as p:
+                # The backend is paused, asleep or training: not the model's time (module docstring).
+                hold.start()
+                if call is not None:  # a backend that kept the turn (the verl relay) hands it back under its id
+                    resend_id = call.request_id
                 pause_retries += 1
                 self.counters["pause_retries"] += 1
                 self.counters["tokens_discarded"] += p.args[0] if p.args else 0

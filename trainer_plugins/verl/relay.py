@@ -51,12 +51,29 @@ the rollout server's LLM client does not fail over on a 4xx (no replica would ta
 ``failure_kind="configuration"`` and the trainer stops with the message (a wrong-but-loadable tokenizer on a
 rollout server otherwise spun as filtered, retried, evicted and refilled rows: 0 steps in 6 minutes).
 
+A sleeping or training replica (issue #32 part 5): verl parks a turn while its replicas are asleep or syncing
+weights (``_park_until_admitted``; in ``colocate`` the trainer sleeps them for every training step), and the
+rollout server's job deadline kept counting through it: a long multi-turn job ended as ``model_timeout``. Now a
+turn still inside verl after ``probe_after_s`` makes the relay ask verl whether its replicas admit work (one
+1-token turn, as :meth:`Relay.probe_version`, shared by every waiting turn); when that probe is not answered
+within ``probe_s``, the relay answers the turn HTTP 503 ``paused`` and keeps it running in verl under the
+request's ``X-Request-Id``. The rollout server's LLM client re-sends a paused turn under the same id (the relay
+hands the kept turn back: nothing is generated twice) and holds the job's deadline from the first paused answer
+until the turn is answered (``prorl_server/llm/client.py``). A turn verl aborted (``stop_reason="aborted"``)
+is answered ``finish_reason="abort"``, which holds the deadline the same way. The relay learns the state from
+verl alone (its own probe through ``server_manager``), never from anything a sandbox writes; up to
+``probe_after_s + probe_s`` of a parked turn is still counted before the paused answer. A replica too saturated
+to schedule a 1-token turn within ``probe_s`` is also answered paused: queueing is the system's time too. Kept
+turns nobody takes back are dropped ``KEPT_TTL_S`` after verl answers them (at most ``MAX_KEPT``).
+
 The relay has no authentication, like verl's own replica servers: it binds the node's address (Ray's node IP)
 unless ``host`` says otherwise.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -81,6 +98,10 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_p
                  "include_stop_str_in_output", "skip_special_tokens")
 #: contexts :class:`StickyKeys` remembers (one per job in flight; the oldest are forgotten first)
 STICKY_MAX_CONTEXTS = 65536
+#: turns answered "paused" and kept for their re-send (by X-Request-Id); the oldest go first past this
+MAX_KEPT = 4096
+#: seconds a kept turn verl has answered waits for its re-send before it is dropped
+KEPT_TTL_S = 120.0
 _HASH_MOD = (1 << 61) - 1
 _HASH_BASE = 1_000_003
 
@@ -143,6 +164,22 @@ class StickyKeys:
         self._lengths[length] -= 1
         if self._lengths[length] <= 0:
             del self._lengths[length]
+
+
+class _Kept:
+    """A turn answered "paused" and kept running in verl for its re-send: its task, the digest of its
+    request (prompt and sampling parameters: a re-send must be the same request), its sticky id and context."""
+
+    __slots__ = ("task", "digest", "request_id", "continues", "t0")
+
+    def __init__(self, task: asyncio.Future, digest: str, request_id: str, continues: Optional[tuple[int, int]],
+                 t0: float) -> None:
+        self.task, self.digest, self.request_id, self.continues, self.t0 = task, digest, request_id, continues, t0
+
+
+def _turn_digest(prompt: Sequence[int], sp: dict[str, Any]) -> str:
+    return hashlib.blake2b(json.dumps([list(prompt), sp], sort_keys=True, default=repr).encode(),
+                           digest_size=16).hexdigest()
 
 
 class RelayError(RuntimeError):
@@ -240,13 +277,16 @@ class Relay:
         check_tokenizer: compare each rollout server's tokenizer for this relay (``GET /tokenizer``) with
             ``tokenizer``'s, at its first registration (:mod:`trainer_plugins.tokenizer_check`); a mismatch is a
             :class:`RelayError` at start, and :attr:`refused` for a server that joins later.
+        probe_after_s: seconds a turn may stay inside verl before the relay asks whether the replicas admit
+            work (module docstring, "A sleeping or training replica").
+        probe_s: seconds verl has to answer that 1-token probe before the turn is answered HTTP 503 paused.
     """
 
     def __init__(self, server_manager: Any, *, servers: Sequence[str], headers: Optional[dict[str, str]] = None,
                  model: str, max_model_len: int, default_max_tokens: int, tokenizer: Any = None,
                  stop_token_ids: Sequence[int] = (), host: Optional[str] = None, port: int = 0,
                  heartbeat_s: Optional[float] = 30.0, probe_timeout_s: float = 30.0,
-                 check_tokenizer: bool = True) -> None:
+                 check_tokenizer: bool = True, probe_after_s: float = 1.0, probe_s: float = 1.0) -> None:
         if not servers and not isinstance(servers, Fleet):  # a fleet may have no member yet: they join
             raise ValueError("the relay needs at least one rollout server")
         self.server_manager = server_manager
@@ -282,6 +322,12 @@ class Relay:
         self._session: Optional[aiohttp.ClientSession] = None
         self._register_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self.probe_after_s = float(probe_after_s)
+        self.probe_s = float(probe_s)
+        self._kept: dict[str, _Kept] = {}  # X-Request-Id -> a turn answered "paused", for its re-send
+        self._probe: Optional[asyncio.Task] = None
+        self._probe_t0 = 0.0
+        self._probe_done_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -330,6 +376,9 @@ class Relay:
 
     async def close(self) -> None:
         """Stop serving (idempotent). The rollout servers' health probes then take the relay out."""
+        for k in list(self._kept.values()):
+            k.task.cancel()
+        self._kept.clear()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -456,6 +505,51 @@ class Relay:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "owned_by": "verl", "max_model_len": self.max_model_len}]})
 
+    # ------------------------------------------------------------------ sleeping replicas
+    async def _replicas_serving(self) -> bool:
+        """Whether verl's replicas admit work now: a 1-token probe turn (one at a time, shared by every waiting
+        turn) answered within ``probe_s`` of being sent; an answer less than ``probe_after_s`` old counts."""
+        now = time.monotonic()
+        if self._probe is not None and self._probe.done():
+            if now - self._probe_done_at < self.probe_after_s:
+                return True
+            self._probe = None
+        if self._probe is None:
+            self._probe_t0 = now
+            self._probe = self._spawn(self._probe_turn())
+        left = self.probe_s - (now - self._probe_t0)
+        if left > 0:
+            await asyncio.wait({self._probe}, timeout=left)
+        return self._probe.done()
+
+    async def _probe_turn(self) -> None:
+        token = next((t for t in (getattr(self.tokenizer, "eos_token_id", None), *self.stop_token_ids)
+                      if isinstance(t, int)), 0)
+        try:
+            await self.server_manager.generate(f"prorl-relay-probe-{uuid.uuid4().hex}", prompt_ids=[token],
+                                               sampling_params={"max_tokens": 1, "temperature": 0.0,
+                                                                "logprobs": True})
+        except Exception as e:  # an error is an answer: the turn's own call reports what went wrong
+            log.debug("relay %s: probe turn failed: %r", self.address, e)
+        finally:
+            self._probe_done_at = time.monotonic()
+            self.stats["probes"] += 1
+
+    def _keep(self, rid: str, kept: _Kept) -> None:
+        """Keep a turn answered "paused" for its re-send (dropped ``KEPT_TTL_S`` after verl answers it)."""
+        self._kept[rid] = kept
+        while len(self._kept) > MAX_KEPT:
+            old = self._kept.pop(next(iter(self._kept)))
+            old.task.cancel()
+        loop = asyncio.get_running_loop()
+
+        def expire(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: a kept turn nobody takes back is not an unhandled error
+            loop.call_later(KEPT_TTL_S, lambda: self._kept.pop(rid, None) if self._kept.get(rid) is kept else None)
+
+        kept.task.add_done_callback(expire)
+
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"address": self.address, "weight_version": self.version,
                                   "registered": self._registered, "stats": dict(self.stats),
@@ -484,14 +578,35 @@ class Relay:
         extra = req.model_extra or {}
         sp = {k: extra[k] for k in SAMPLING_KEYS if extra.get(k) is not None}
         sp.update(max_tokens=max_tokens, logprobs=True)
-        continues = None
-        request_id = req.request_id or req.user
-        if not request_id:
-            request_id, continues = self.sticky.key(prompt)
-        t0 = time.perf_counter()
+        rid = request.headers.get("X-Request-Id", "")[:128]
+        digest = _turn_digest(prompt, sp) if rid else ""
+        kept = self._kept.pop(rid, None) if rid else None
+        if kept is not None and kept.digest != digest:
+            kept = None  # the same id with another request: not the turn that was kept (it ends on its own)
+        if kept is not None:  # the re-send of a turn answered "paused": hand back the one verl is running
+            task, request_id, continues, t0 = kept.task, kept.request_id, kept.continues, kept.t0
+            self.stats["paused_resent"] += 1
+        else:
+            continues = None
+            request_id = req.request_id or req.user
+            if not request_id:
+                request_id, continues = self.sticky.key(prompt)
+            t0 = time.perf_counter()
+            task = asyncio.ensure_future(
+                self.server_manager.generate(request_id, prompt_ids=list(prompt), sampling_params=sp))
         try:
-            out = await self.server_manager.generate(request_id, prompt_ids=list(prompt), sampling_params=sp)
+            while rid and not task.done():
+                await asyncio.wait({task}, timeout=self.probe_after_s)
+                if task.done() or await self._replicas_serving():
+                    continue
+                self._keep(rid, _Kept(task, digest, request_id, continues, t0))
+                self.stats["paused_answers"] += 1
+                return _error(503, "verl's replicas are paused (asleep, training or syncing weights): the turn "
+                                   "is kept running; send it again with the same X-Request-Id", "BackendPaused")
+            out = await task
         except asyncio.CancelledError:
+            if rid not in self._kept or self._kept[rid].task is not task:
+                task.cancel()  # the rollout server gave up on this turn (its job ended)
             raise
         except Exception as e:
             status = request_fault_status(e)
