@@ -52,6 +52,8 @@ SOCKET_NAME = "exec.sock"
 CONFIG_NAME = "config.json"
 LOG_NAME = "launcher.log"
 SESSIONS_NAME = "sessions.json"
+#: What the execution server's interpreter runs (``python -S -c``; its ``sys.argv[1:]`` are the server's flags).
+SERVER_ENTRY = "from sandbox.exec_server import main; main()"
 # The execution server's directory inside bubblewrap/Singularity sandboxes.
 SANDBOX_RUN_DIR = "/run/prorl"
 _MAX_SOCKET_PATH = 100  # sockaddr_un.sun_path is 108 bytes
@@ -150,7 +152,8 @@ class LaunchContext:
     launch_fds: list[int] = dataclasses.field(default_factory=list)
 
     def server_argv(self) -> list[str]:
-        return [self.python, "-S", "-m", "sandbox.exec_server",
+        # ``-c`` rather than ``-m``: runpy would import importlib.util, contextlib and warnings at every start.
+        return [self.python, "-S", "-c", SERVER_ENTRY,
                 "--socket", os.path.join(self.sandbox_run_dir, SOCKET_NAME),
                 "--config", os.path.join(self.sandbox_run_dir, CONFIG_NAME)]
 

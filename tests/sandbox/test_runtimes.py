@@ -10,7 +10,7 @@ import pytest
 
 from sandbox import LoopbackAllocator, SandboxError, SandboxSpec, make_runtime
 from sandbox.bubblewrap import build_bwrap_command
-from sandbox.runtime import LaunchContext
+from sandbox.runtime import SERVER_ENTRY, LaunchContext
 
 
 def test_unknown_runtime_kind_is_a_clear_error(tmp_path):
@@ -46,7 +46,7 @@ def test_unprivileged_bwrap_isolates_everything_and_dies_with_parent():
     assert "--share-net" not in argv
     i = argv.index("--bind")
     assert argv[i:i + 6] == ["--bind", "/state/run/sb-1", "/run/prorl", "--bind", "/scratch/ws1", "/workspace"]
-    assert argv[argv.index("--") + 1:][:4] == ["/usr/bin/python3", "-S", "-m", "sandbox.exec_server"]
+    assert argv[argv.index("--") + 1:][:4] == ["/usr/bin/python3", "-S", "-c", SERVER_ENTRY]
     # Every host path is read-only except the two binds above.
     writable = [argv[k + 1] for k, a in enumerate(argv) if a == "--bind"]
     assert writable == ["/state/run/sb-1", "/scratch/ws1"]

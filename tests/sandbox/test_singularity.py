@@ -11,7 +11,7 @@ import pytest
 
 from sandbox import SandboxSpec
 from sandbox.errors import SandboxError, SandboxStartError
-from sandbox.runtime import LaunchContext
+from sandbox.runtime import SERVER_ENTRY, LaunchContext
 from sandbox.singularity import build_singularity_command, find_singularity
 
 FAKE_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_apptainer_exec.py")
@@ -19,7 +19,7 @@ FAKE_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_appta
 CTX = LaunchContext(sandbox_id="sb-1", run_dir="/state/run/sb-1", workspace="/scratch/ws1",
                     sandbox_run_dir="/run/prorl", sandbox_workspace="/workspace", python="/venv/bin/python",
                     pythonpath=["/proj", "/venv/lib/python3.11/site-packages"], address=None)
-SERVER = ["/venv/bin/python", "-S", "-m", "sandbox.exec_server", "--socket", "/run/prorl/exec.sock",
+SERVER = ["/venv/bin/python", "-S", "-c", SERVER_ENTRY, "--socket", "/run/prorl/exec.sock",
           "--config", "/run/prorl/config.json"]
 
 
