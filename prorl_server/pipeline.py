@@ -103,9 +103,11 @@ class Pipeline:
         self.queues: dict[str, asyncio.Queue[Job]] = {s: asyncio.Queue() for s in STAGES}
         self.active: dict[str, int] = {s: 0 for s in STAGES}
         self.jobs: dict[str, Job | FinishedJob] = {}  # live jobs and the records of the most recent finished ones
-        #: group id -> ids of its jobs in submit order, for ``GET /groups/{id}/tree`` (#34): the newest
-        #: ``keep_finished`` groups (at least 64), at most :data:`MAX_GROUP_JOBS` ids each
+        #: group id -> ids of its jobs in submit order, for ``GET /groups/{id}/tree`` (#34): the newest groups,
+        #: at most :data:`MAX_GROUP_JOBS` ids each and ``max(4096, keep_finished)`` ids in all (the results
+        #: themselves are kept, or not, by the retention bounds)
         self.groups: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
+        self._group_ids = 0  # ids in self.groups
         #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
@@ -225,9 +227,10 @@ class Pipeline:
         members = self.groups.pop(group_id, None) or []
         if job_id not in members and len(members) < MAX_GROUP_JOBS:
             members.append(job_id)
+            self._group_ids += 1
         self.groups[group_id] = members  # the newest group last
-        while len(self.groups) > max(64, self.keep_finished):
-            self.groups.popitem(last=False)
+        while self._group_ids > max(4096, self.keep_finished) and len(self.groups) > 1:
+            self._group_ids -= len(self.groups.popitem(last=False)[1])
 
     def get(self, job_id: str) -> Optional[Job | FinishedJob]:
         """The live job ``job_id``, or the record of a finished one still retained (or journalled), or None."""

@@ -245,3 +245,18 @@ async def test_the_journal_exports_each_groups_verified_tree(tmp_path):
     assert [(m.job_id, m.reason) for m in trees["g"].missing] == [("j2", "filtered: sandbox")]
     assert len(trees["h"].leaves) == 3 and trees["h"].complete
     check_tree(trees["g"], {"j0": result("j0", [grpo_row(0)], 0.0), "j1": result("j1", [grpo_row(1)], 1.0)})
+
+
+async def test_the_servers_group_index_is_bounded(client):
+    from prorl_server.app import PIPELINE
+    from prorl_server.pipeline import MAX_GROUP_JOBS
+
+    c = await client(keep_finished=100)
+    pipeline = c.server.app[PIPELINE]
+    for i in range(MAX_GROUP_JOBS + 10):  # a client that puts everything in one group
+        pipeline._join_group("big", f"j{i}")
+    assert len(pipeline.groups["big"]) == MAX_GROUP_JOBS
+    for i in range(6000):  # many small groups: the oldest are forgotten, never the newest
+        pipeline._join_group(f"g{i}", f"k{i}")
+    assert sum(map(len, pipeline.groups.values())) <= 4096
+    assert "big" not in pipeline.groups and "g5999" in pipeline.groups
