@@ -4,6 +4,8 @@
 #   bash trainer_plugins/verl/examples/run_cpu.sh            # from the repository root, in the project's venv
 #   STEPS=3 OUT=/tmp/prorl-verl-cpu bash trainer_plugins/verl/examples/run_cpu.sh
 #   DRY_RUN=1 bash trainer_plugins/verl/examples/run_cpu.sh  # compose and print verl's config (--cfg job), run nothing
+#   CONFIG=prorl_cispo bash trainer_plugins/verl/examples/run_cpu.sh trainer.v1.sampler.max_off_policy_threshold=3
+#       # another shipped config; arguments are extra Hydra overrides (benchmarks/learning_verl.py uses both)
 #
 # What it does (the same as run_gpu.sh, with the `shout` handler, which a tiny random model can score on):
 #   1. builds the tiny random Qwen2 model locally (prorl_server/dev/tiny_model.py) unless MODEL is set;
@@ -60,7 +62,7 @@ print(f"data: {out}/train.parquet (64 rows), {out}/val.parquet (8 rows)")
 PY
 
 VERL_ARGS=(
-    --config-path "$ROOT/trainer_plugins/verl/config" --config-name prorl_dapo
+    --config-path "$ROOT/trainer_plugins/verl/config" --config-name "${CONFIG:-prorl_dapo}"
     actor_rollout_ref.model.path="$MODEL"
     actor_rollout_ref.rollout.agent.agent_loop_config_path="$ROOT/trainer_plugins/verl/config/agent_loop.yaml"
     actor_rollout_ref.rollout.agent.num_workers=1
@@ -112,6 +114,7 @@ VERL_ARGS=(
     trainer.project_name=prorl trainer.experiment_name=run_cpu
     trainer.default_local_dir="$OUT/checkpoints"
     hydra.run.dir="$OUT/hydra"
+    "$@"
 )
 
 if [ "$DRY_RUN" = 1 ]; then
