@@ -55,7 +55,7 @@ A sleeping or training replica (issue #32 part 5): verl parks a turn while its r
 weights (``_park_until_admitted``; in ``colocate`` the trainer sleeps them for every training step), and the
 rollout server's job deadline kept counting through it: a long multi-turn job ended as ``model_timeout``. Now a
 turn still inside verl after ``probe_after_s`` makes the relay ask verl whether its replicas admit work (one
-1-token turn, as :meth:`Relay.probe_version`, shared by every waiting turn); when that probe is not answered
+1-token turn, as :meth:`Relay.probe_version`, shared by every waiting turn: at most one per ``probe_after_s``); when that probe is not answered
 within ``probe_s``, the relay answers the turn HTTP 503 ``paused`` and keeps it running in verl under the
 request's ``X-Request-Id``. The rollout server's LLM client re-sends a paused turn under the same id (the relay
 hands the kept turn back: nothing is generated twice) and holds the job's deadline from the first paused answer
