@@ -126,9 +126,12 @@ async def test_a_prefetched_group_past_the_bound_is_cancelled_and_submitted_agai
             return fixed.jobs["b"] == 4 and await _in_flight(url) == 2
 
         await _until(resubmitted)
-        out = await call(rollout, ["say c"] * 2, make_trainer(2, step=2))
+        trainer = make_trainer(2, step=2)
+        trainer._metrics = {"train": {}}  # GRPOTrainer's metrics of the step (trl 1.16), logged at its end
+        out = await call(rollout, ["say c"] * 2, trainer)
         assert out["prorl_prompt"] == ["say a"] * 2  # the pipeline keeps its order
         assert rollout.history[-1].stale_cancelled == 2  # counted in the step that followed the cancel
+        assert trainer._metrics["train"]["prorl/stale_cancelled"] == [2.0]
         assert rollout.cancel_stale() == 0  # nothing is past the bound now
     finally:
         rollout.close()

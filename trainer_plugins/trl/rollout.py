@@ -51,7 +51,8 @@ call takes its batch, and after every weight push (:class:`~trainer_plugins.trl.
 prefetched batch submitted more than the bound behind the trainer can no longer be trained: its running jobs are
 cancelled on the servers (``POST /cancel``) and its prompts submitted again. At the end of training
 (``on_train_end``) the prefetched batches cannot be trained at all and are cancelled. The jobs cancelled are
-counted per call (:attr:`RolloutStats.stale_cancelled`, logged) and in all (:attr:`ProRLRollout.stale_cancelled`);
+counted per call (:attr:`RolloutStats.stale_cancelled`, logged, and TRL's logged metric
+``prorl/stale_cancelled``) and in all (:attr:`ProRLRollout.stale_cancelled`);
 the callback also gives the bound to the servers' swap, which drops jobs staler than it.
 
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
@@ -466,6 +467,7 @@ class ProRLRollout:
         stats = rows.pop("_stats")
         stats.prompt_lag = lag
         stats.stale_cancelled, self._stale_since_call = self._stale_since_call, 0
+        _log_metric(trainer, "prorl/stale_cancelled", stats.stale_cancelled)
         if self.measure_ratio and trainer is not None:
             stats.ratio_dev = ratio_deviation(trainer, rows)
         stats.wall_s = time.monotonic() - t0
@@ -683,6 +685,15 @@ async def _cancel(task: "asyncio.Task") -> None:
     """Cancel a batch and wait until its jobs are cancelled on the servers."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def _log_metric(trainer: Any, name: str, value: float) -> None:
+    """Add ``value`` to the metrics ``GRPOTrainer`` logs at its next step (its ``_metrics["train"]``, trl 1.16:
+    averaged over the step's calls into ``trainer.state.log_history``); nothing for a trainer without them."""
+    metrics = getattr(trainer, "_metrics", None)
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if isinstance(train, dict):
+        train.setdefault(name, []).append(float(value))
 
 
 def versions_per_call(args: Any) -> int:
