@@ -116,9 +116,29 @@ SYSTEM_SITE_PATTERNS = ("/usr/lib/python3*/site-packages", "/usr/lib/python3*/di
 
 def system_site_dirs() -> list[str]:
     """Existing directories matching :data:`SYSTEM_SITE_PATTERNS` (not symbolic links: a link leads into what
-    is masked or bound anyway)."""
-    return sorted(p for pat in SYSTEM_SITE_PATTERNS for p in glob.glob(pat)
-                  if os.path.isdir(p) and not os.path.islink(p))
+    is masked or bound anyway). Every sandbox start asks; the globs list ``/usr/lib`` and friends (half of the
+    bwrap command line's cost), so the answer is kept while the modification times of the directories it
+    depends on (each pattern's parent, each ``python3*`` directory in them) are unchanged: adding or removing
+    a ``python3*`` or package directory changes one of them."""
+    stamps = _SITE_DIRS_CACHE.get("stamps")
+    if stamps is not None and all(_mtime(d) == m for d, m in stamps):
+        return list(_SITE_DIRS_CACHE["dirs"])
+    parents = sorted({os.path.dirname(os.path.dirname(pat)) for pat in SYSTEM_SITE_PATTERNS})
+    pythons = sorted(p for parent in parents for p in glob.glob(os.path.join(parent, "python3*")))
+    new_stamps = tuple((d, _mtime(d)) for d in (*parents, *pythons))
+    dirs = sorted(p for pat in SYSTEM_SITE_PATTERNS for p in glob.glob(pat) if os.path.isdir(p) and not os.path.islink(p))
+    _SITE_DIRS_CACHE.update(stamps=new_stamps, dirs=tuple(dirs))
+    return dirs
+
+
+_SITE_DIRS_CACHE: dict = {}
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def site_dirs() -> list[str]:

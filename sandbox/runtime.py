@@ -555,7 +555,9 @@ class SandboxRuntime(abc.ABC):
         proc = None
         try:
             try:
-                argv = self.build_command(spec, ctx)
+                # In a worker thread: it stats and lists host directories (~1 ms), which the event loop must not
+                # wait for, 64 times over when 64 sandboxes start at once.
+                argv = await asyncio.to_thread(self.build_command, spec, ctx)
                 if ctx.bounds.cgroup:
                     # The launcher enters the sandbox's cgroup before it runs anything, so every process of the
                     # sandbox is born inside it (the exec keeps its pid and create time).
