@@ -110,6 +110,7 @@ from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
                                   RolloutAuthError, process_request)
 from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
+from trainer_plugins.verl.prefix_grouper import prefix_grouper_refusal
 from trainer_plugins.verl.relay import RelayError, relay_for_loop
 from trainer_plugins.verl.stale import STALE_ROWS
 
@@ -243,6 +244,9 @@ class ProRLAgentLoop(AgentLoopBase):
         # where a worker's own environment may differ from the driver's.
         section = _jsonable(self.config.get("prorl") or {}) if hasattr(self.config, "get") else {}
         section = section if isinstance(section, dict) else {}
+        refusal = prefix_grouper_refusal(self.config)  # issue #34 part 4: trainer_plugins/verl/prefix_grouper.py
+        if refusal:
+            raise ValueError(refusal)
 
         def pick(value: Any, name: str, default: Any = None) -> Any:
             for v in (value, section.get(name)):
