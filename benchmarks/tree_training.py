@@ -1,0 +1,145 @@
+"""Tree-packed training vs one forward per row (issue #34), side by side in one run, on the project's tiny Qwen2
+on CPU (fp32, SDPA).
+
+Two groups of rows:
+
+- ``grpo``: a GRPO group of 8 samples x 4 turns (prompt, then generated turns and tool observations), sample i
+  following the group's first sample for its first ``i % 4`` turns and branching after;
+- ``rewrite``: 4 agents x 8 turns that send their whole history as the prompt of every turn (one row per turn:
+  what the model generated in turn k is prompt in turn k + 1).
+
+The rows are token ids shaped like those (random ids of the tiny vocabulary, not a vLLM rollout: the tree and
+the packing depend only on the tokens and their provenance). For each group: the tree the server builds and
+verifies (:func:`prorl_server.tree.group_tree`, its build time per 100k flat tokens), then one
+forward+backward of a per-row GRPO-style loss (``advantage * sum of the row's generated tokens' logprobs``)
+per row and packed from that tree (:mod:`trainer_plugins.trl.tree_pack`), the best of ``--repeats``; prints
+flat and tree tokens, the ratio, both times and the speed-up, the max logprob difference and the relative
+gradient difference, and ends with one JSON line.
+
+    .venv/bin/python benchmarks/tree_training.py [--repeats 3] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from prorl_server.tree import group_tree  # noqa: E402
+from prorl_server.types import JobResult, Trajectory  # noqa: E402
+from trainer_plugins.trl.tree_pack import pack, packed_row_logprobs, per_row_logprobs  # noqa: E402
+
+
+def _ids(rnd: random.Random, n: int) -> list[int]:
+    return [rnd.randrange(10, 4000) for _ in range(n)]
+
+
+def grpo_group(rnd: random.Random, samples: int = 8, turns: int = 4, prompt: int = 300, turn: int = 64,
+               obs: int = 48) -> list[tuple[str, JobResult]]:
+    p = _ids(rnd, prompt)
+    main = [(_ids(rnd, turn), _ids(rnd, obs)) for _ in range(turns)]
+    out = []
+    for i in range(samples):
+        ids, mask = [], []
+        for t in range(turns):
+            gen, ob = main[t] if t < i % turns else (_ids(rnd, turn), _ids(rnd, obs))
+            ids += gen
+            mask += [1] * len(gen)
+            if t < turns - 1:
+                ids += ob
+                mask += [0] * len(ob)
+        traj = Trajectory(prompt_ids=p, response_ids=ids, response_logprobs=[-1.0 * m for m in mask],
+                          loss_mask=mask, version_runs=[[1, sum(mask)]])
+        out.append((f"grpo-{i}", JobResult(job_id=f"grpo-{i}", trajectory_id=str(i), handler="bench",
+                                           reward=float(i % 2), trajectories=[traj])))
+    return out
+
+
+def rewrite_group(rnd: random.Random, agents: int = 4, turns: int = 8, prompt: int = 600, turn: int = 40,
+                  obs: int = 120) -> list[tuple[str, JobResult]]:
+    p = _ids(rnd, prompt)
+    out = []
+    for a in range(agents):
+        history, rows = list(p), []
+        for t in range(turns):
+            gen = _ids(rnd, turn)
+            rows.append(Trajectory(prompt_ids=list(history), response_ids=gen, response_logprobs=[-1.0] * turn,
+                                   loss_mask=[1] * turn, version_runs=[[1, turn]]))
+            history += gen + _ids(rnd, obs)
+        out.append((f"agent-{a}", JobResult(job_id=f"agent-{a}", trajectory_id=str(a), handler="bench",
+                                            reward=float(a % 2), trajectories=rows)))
+    return out
+
+
+def step(model, logps: list[torch.Tensor], masks: list[torch.Tensor], adv: list[float]) -> torch.Tensor:
+    """One backward of the per-row loss; returns the flattened gradient."""
+    model.zero_grad()
+    loss = sum(-a * (lp * m).sum() for lp, m, a in zip(logps, masks, adv))
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) -> dict:
+    t0 = time.perf_counter()
+    tree = group_tree(name, results)
+    build_s = time.perf_counter() - t0
+    rows = [t.prompt_ids + t.response_ids for _, r in results for t in r.trajectories]
+    # the loss mask of row position t >= 1 (what logprob index t - 1 predicts)
+    masks = [torch.tensor(([0] * len(t.prompt_ids) + t.loss_mask)[1:], dtype=torch.float32)
+             for _, r in results for t in r.trajectories]
+    adv = [r.reward - 0.5 for _, r in results for _ in r.trajectories]
+    packed = pack([(n.parent, n.token_ids) for n in tree.nodes], [leaf.path for leaf in tree.leaves])
+    times = {"rows": [], "packed": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ref = per_row_logprobs(model, rows)
+        g_ref = step(model, ref, masks, adv)
+        times["rows"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got, _ = packed_row_logprobs(model, packed)
+        g_got = step(model, got, masks, adv)
+        times["packed"].append(time.perf_counter() - t0)
+    delta = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(got, ref))
+    rel = float((g_got - g_ref).norm() / g_ref.norm())
+    rows_s, packed_s = min(times["rows"]), min(times["packed"])
+    out = {"group": name, "rows": len(rows), "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
+           "tree_token_ratio": round(tree.tree_token_ratio, 3),
+           "build_verify_ms_per_100k": round(build_s / tree.flat_tokens * 1e5 * 1e3, 2),
+           "rows_fwd_bwd_s": round(rows_s, 3), "packed_fwd_bwd_s": round(packed_s, 3),
+           "speedup": round(rows_s / packed_s, 2), "ideal": round(1 / tree.tree_token_ratio, 2),
+           "max_logprob_delta": delta, "grad_rel_delta": rel}
+    print(f"{name:8} rows {len(rows):3}  flat {tree.flat_tokens:6} -> tree {tree.tree_tokens:6} "
+          f"(ratio {tree.tree_token_ratio:.3f}, built+verified {out['build_verify_ms_per_100k']} ms/100k)  "
+          f"fwd+bwd rows {rows_s:.2f} s vs packed {packed_s:.2f} s: {out['speedup']}x (ideal {out['ideal']}x)  "
+          f"max |dlogp| {delta:.2g}  grad rel {rel:.2g}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    from prorl_server.dev.tiny_model import build
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(build(ROOT / ".cache" / "tiny-model"), attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    rnd = random.Random(args.seed)
+    results = [run("grpo", model, grpo_group(rnd), args.repeats), run("rewrite", model, rewrite_group(rnd),
+                                                                       args.repeats)]
+    print(json.dumps({"benchmark": "tree_training", "torch_threads": torch.get_num_threads(), "groups": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
