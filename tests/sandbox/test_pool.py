@@ -59,8 +59,9 @@ async def test_a_pooled_sandbox_that_died_while_waiting_is_never_handed_out(bwra
         await pool.wait_full(SPEC, 60)
         (victim,) = bwrap_runtime.handles
         # killed from outside while it waited (an OOM kill of the node, an admin's kill): its whole group
+        server = psutil.Process(victim._client.peer_pid)
         os.killpg(victim.pid, signal.SIGKILL)
-        await asyncio.sleep(0.2)
+        server.wait(10)
         got = await pool.acquire(SPEC)
         assert got.sandbox_id != victim.sandbox_id
         assert (await got.bash("echo alive")).output.strip() == "alive"
