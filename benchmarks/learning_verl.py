@@ -72,13 +72,19 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=10, help="steps averaged at each end")
     ap.add_argument("--out", default=None, help="run directory (default out/learning-verl-<config>)")
     ap.add_argument("--minutes", type=float, default=30.0, help="stop the run after this many minutes")
+    ap.add_argument("--lr", type=float, default=3e-3,
+                    help="actor learning rate (run_cpu.sh's 1e-4 shows the loop working, not learning, in 40 steps)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group)")
+    ap.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for verl")
     args = ap.parse_args()
     out = Path(args.out or ROOT / "out" / f"learning-verl-{args.config}")
-    env = {**os.environ, "STEPS": str(args.steps), "OUT": str(out), "CONFIG": args.config}
+    env = {**os.environ, "STEPS": str(args.steps), "OUT": str(out), "CONFIG": args.config, "N": str(args.n),
+           "BATCH": str(args.batch)}
     start = time.monotonic()
     steps: dict[int, dict[str, float]] = {}
-    cmd = ["bash", str(ROOT / "trainer_plugins/verl/examples/run_cpu.sh"), *args.overrides]
+    cmd = ["bash", str(ROOT / "trainer_plugins/verl/examples/run_cpu.sh"), f"actor_rollout_ref.actor.optim.lr={args.lr}",
+           *args.overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     timed_out = False
@@ -108,7 +114,8 @@ def main() -> int:
         return int(sum(steps[s].get(PREFIX + name, 0) for s in order))
 
     completed, discarded = total("rollouts_completed_total"), total("rollouts_discarded_stale_total")
-    summary = {"config": args.config, "steps": len(order), "wall_s": round(wall, 1), "rc": rc,
+    summary = {"config": args.config, "lr": args.lr, "n": args.n, "batch": args.batch, "steps": len(order),
+               "wall_s": round(wall, 1), "rc": rc,
                "timed_out": timed_out, "reward_first": first, "reward_last": last,
                "reward_gain": None if first is None else round(last - first, 4), "window": w,
                "completed": completed, "trained": total("rollouts_trained_total"),
