@@ -213,7 +213,7 @@ async def tokenizer(request: web.Request) -> web.Response:
 async def group_tree(request: web.Request) -> web.Response:
     """``GET /groups/{group_id}/tree``: the verified prefix tree of the rows of the group's ended jobs
     (:mod:`prorl_server.tree`, issue #34); the jobs without rows (running, filtered, expired) are named in
-    ``missing``. Results are parsed and the tree built and verified in a worker thread."""
+    ``missing``. Results are parsed, the tree built, verified and serialized in a worker thread."""
     from prorl_server.tree import TreeInvariantError, tree_of_results
 
     group_id = request.match_info["group_id"]
@@ -239,12 +239,12 @@ async def group_tree(request: web.Request) -> web.Response:
             ended.append((job_id, job.result.model_dump_json().encode()))
         else:
             missing.append((job_id, "ending"))
-    try:
-        tree = await asyncio.to_thread(tree_of_results, group_id, ended, missing)
+    try:  # parsed, built, verified and serialized in a worker thread: a big group never holds the loop
+        body = await asyncio.to_thread(lambda: tree_of_results(group_id, ended, missing).model_dump_json().encode())
     except TreeInvariantError as e:  # a bug of the build: never served
         log.error("group %s: its tree fails its invariants: %s", group_id, e)
         raise ApiError(500, "tree_invariant", f"the tree of group {group_id!r} fails its invariants: {e}") from None
-    return json_response(tree)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
