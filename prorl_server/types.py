@@ -383,32 +383,44 @@ class Segment(BaseModel):
     hash: str
 
 
-def _token_bytes(ids: list[int]) -> bytes:
-    """``ids`` as int64 little-endian (an id outside int64, which no tokenizer has, as its decimal text)."""
+def _int64_bytes(ids: list[int]) -> Optional[bytes]:
+    """``ids`` as int64 little-endian, or None when one is outside int64 (no tokenizer has such an id)."""
     import array
     import sys
 
     try:
         a = array.array("q", ids)
     except OverflowError:
-        return ",".join(map(str, ids)).encode()
+        return None
     if sys.byteorder != "little":
         a.byteswap()
     return a.tobytes()
 
 
+def _token_bytes(ids: list[int]) -> bytes:
+    """``ids`` as int64 little-endian (an id outside int64 makes it their decimal text)."""
+    b = _int64_bytes(ids)
+    return b if b is not None else ",".join(map(str, ids)).encode()
+
+
 def segment_hash(previous: str, kind: str, ids: list[int], provenance: Any = None) -> str:
     """The cumulative hash of one segment (:class:`Segment`): BLAKE2b with a 16-byte digest over
-    ``previous`` (hex, ``""`` for the first), ``kind``, the token ids and ``provenance`` written as compact
-    JSON (for sampled tokens ``{"v": version runs, "r": routed experts}``; null otherwise)."""
+    ``previous`` (hex, ``""`` for the first), ``kind``, the number of tokens, the token ids (int64
+    little-endian) and ``provenance`` written as compact JSON (for sampled tokens ``{"v": version runs, "r":
+    routed experts}``; null otherwise)."""
+    return _segment_hash(previous, kind, len(ids), _token_bytes(ids),
+                         json.dumps(provenance, separators=(",", ":"), default=repr).encode())
+
+
+def _segment_hash(previous: str, kind: str, n: int, token_bytes: Any, provenance_json: bytes) -> str:
     import hashlib
 
     h = hashlib.blake2b(digest_size=16)
     h.update(bytes.fromhex(previous))
     h.update(kind.encode() + b"\0")
-    h.update(len(ids).to_bytes(8, "little"))
-    h.update(_token_bytes(ids))
-    h.update(json.dumps(provenance, separators=(",", ":"), default=repr).encode())
+    h.update(n.to_bytes(8, "little"))
+    h.update(token_bytes)
+    h.update(provenance_json)
     return h.hexdigest()
 
 
@@ -427,9 +439,8 @@ def mask_runs(mask: list[int], n: int) -> list[tuple[int, int, bool]]:
     """The maximal runs ``(start, end, generated)`` of ``mask`` over its first ``n`` positions (a missing
     entry reads as 0; an entry counts as generated when it is 1), found with ``list.index`` (C speed), not a
     token at a time."""
-    m = list(mask[:n])
-    m += [0] * (n - len(m))
-    if not set(m) <= {0, 1}:
+    m = mask if len(mask) == n else list(mask[:n]) + [0] * (n - min(n, len(mask)))
+    if m.count(0) + m.count(1) != n:  # another value (2, True is 1): count it as not generated
         m = [1 if x == 1 else 0 for x in m]
     out: list[tuple[int, int, bool]] = []
     i = 0
@@ -498,23 +509,28 @@ class Trajectory(BaseModel):
         P = len(self.prompt_ids)
         out: list[Segment] = []
         h = ""
+        null = b"null"
         if P:
-            h = segment_hash(h, "prompt", self.prompt_ids)
+            h = _segment_hash(h, "prompt", P, _token_bytes(self.prompt_ids), null)
             out.append(Segment(start=0, end=P, kind="prompt", hash=h))
         runs = mask_runs(self.loss_mask, len(self.response_ids))
         n_sampled = sum(j - i for i, j, generated in runs if generated)
         versions = (self.version_runs if sum(n for _, n in self.version_runs) == n_sampled
                     else [[None, n_sampled]])  # unknown: sampled_runs_versions
         routes = getattr(self, "routed_experts", None)  # per generated token (#32 part 7), when recorded
+        whole = _int64_bytes(self.response_ids)  # sliced per segment: one conversion, not one per segment
+        response = memoryview(whole) if whole is not None else None
         k = 0  # generated tokens before this span
         for i, j, sampled in runs:
-            provenance = None
+            provenance = null
             if sampled:
-                provenance = {"v": runs_slice(versions, k, j - i),
-                              "r": routes[k:k + j - i] if isinstance(routes, list) else None}
+                provenance = json.dumps({"v": runs_slice(versions, k, j - i),
+                                         "r": routes[k:k + j - i] if isinstance(routes, list) else None},
+                                        separators=(",", ":"), default=repr).encode()
                 k += j - i
             kind = "sampled" if sampled else "observation"
-            h = segment_hash(h, kind, self.response_ids[i:j], provenance)
+            ids = response[i * 8:j * 8] if response is not None else _token_bytes(self.response_ids[i:j])
+            h = _segment_hash(h, kind, j - i, ids, provenance)
             out.append(Segment(start=P + i, end=P + j, kind=kind, hash=h))
         return out
 

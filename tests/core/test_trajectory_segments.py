@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from prorl_server.types import JobResult, Trajectory
+from prorl_server.types import JobResult, Trajectory, segment_hash
 
 
 def row(versions=((3, 3), (3, 2)), prompt=(1, 2, 3), **kw) -> Trajectory:
@@ -22,6 +22,12 @@ def test_segments_tile_the_token_stream_by_kind():
     assert [(s.start, s.end, s.kind) for s in segs] == [
         (0, 3, "prompt"), (3, 6, "sampled"), (6, 8, "observation"), (8, 10, "sampled")]
     assert len({s.hash for s in segs}) == 4 and all(len(s.hash) == 32 for s in segs)
+    # the documented chain: each hash over the previous one, the kind, the tokens and their provenance
+    t, h = row(), ""
+    stream = t.prompt_ids + t.response_ids
+    for s, provenance in zip(segs, [None, {"v": [[3, 3]], "r": None}, None, {"v": [[3, 2]], "r": None}]):
+        h = segment_hash(h, s.kind, stream[s.start:s.end], provenance)
+        assert s.hash == h
 
 
 def test_segments_travel_on_the_wire_and_are_recomputed_not_trusted():
@@ -85,3 +91,11 @@ async def test_a_conversation_trajectory_carries_segments_matching_its_loss_mask
     for s in t.segments[1:]:
         assert set(t.loss_mask[s.start - P:s.end - P]) == {1 if s.kind == "sampled" else 0}
     assert t.segments[-1].end == P + len(t.response_ids)
+
+
+def test_token_ids_outside_int64_still_hash():
+    big = Trajectory(prompt_ids=[2**70], response_ids=[1, 2**64], response_logprobs=[0.0, -1.0], loss_mask=[0, 1])
+    other = Trajectory(prompt_ids=[2**70], response_ids=[1, 2**64 + 1], response_logprobs=[0.0, -1.0],
+                       loss_mask=[0, 1])
+    assert [s.kind for s in big.segments] == ["prompt", "observation", "sampled"]
+    assert big.segments[-1].hash != other.segments[-1].hash
