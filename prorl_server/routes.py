@@ -158,7 +158,11 @@ def openapi_schema(routes: Iterable[Route], data_sources: Optional[list[str]] = 
     handler names and aliases this server serves (``instance.data_source`` is one of them)."""
     routes = list(routes)
     models = {m for r in routes for m in (r.request, r.response) if m is not None} | {ErrorResponse}
-    _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+    requests = {r.request for r in routes if r.request is not None}
+    # a response model's schema is what the server writes (computed fields such as Trajectory.segments
+    # included); a request model's is what it accepts
+    _, defs = models_json_schema([(m, "validation" if m in requests else "serialization")
+                                  for m in sorted(models, key=lambda m: m.__name__)],
                                  ref_template="#/components/schemas/{model}")
 
     def ref(m: Type[BaseModel]) -> dict[str, Any]:
