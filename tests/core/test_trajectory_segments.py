@@ -99,3 +99,12 @@ def test_token_ids_outside_int64_still_hash():
                        loss_mask=[0, 1])
     assert [s.kind for s in big.segments] == ["prompt", "observation", "sampled"]
     assert big.segments[-1].hash != other.segments[-1].hash
+
+
+def test_the_openapi_schema_says_what_the_server_writes():
+    from prorl_server.app import ROUTES
+    from prorl_server.routes import openapi_schema
+
+    schema = openapi_schema(ROUTES, data_sources=[])
+    assert "segments" in schema["components"]["schemas"]["Trajectory"]["properties"]
+    assert "/groups/{group_id}/tree" in schema["paths"] and "GroupTree" in schema["components"]["schemas"]
