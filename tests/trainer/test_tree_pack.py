@@ -162,3 +162,14 @@ def test_a_mask_leak_across_branches_is_caught_by_the_self_check_and_rows_are_fo
     assert torch.equal(got, ref)  # what the loss gets is the per-row forward's
     trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
     assert s.row_batches == 2  # off for the rest of the run
+
+
+def test_packed_entropies_equal_the_per_row_ones(model):
+    rows = group_rows()[:4]
+    tree = pack(*build_prefix_tree(rows))
+    with torch.no_grad():
+        _, ents = packed_row_logprobs(model, tree, compute_entropy=True)
+        for row, ent in zip(rows, ents):
+            logits = model(input_ids=torch.tensor([row])).logits[0, :-1]
+            logp = torch.log_softmax(logits, -1)
+            assert float((ent - (-(logp.exp() * logp).sum(-1))).abs().max()) <= 1e-4
