@@ -173,3 +173,30 @@ def test_packed_entropies_equal_the_per_row_ones(model):
             logits = model(input_ids=torch.tensor([row])).logits[0, :-1]
             logp = torch.log_softmax(logits, -1)
             assert float((ent - (-(logp.exp() * logp).sum(-1))).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_trls_grpo_trainer_trains_tree_packed(tiny_model_dir, tmp_path, bf16):
+    """TRL 1.16's own GRPOTrainer (generation with transformers on CPU, no vLLM) with the mixin: every loss
+    forward is packed and the first-batch self-check against TRL's own per-row forward passes, in fp32 and
+    under the bf16 autocast that GRPOConfig turns on by default."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    class Trainer(TreePackedLogps, trl.GRPOTrainer):
+        pass
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, learning_rate=1e-3, max_steps=2, beta=0.0, report_to=[],
+                          save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=bf16)
+    trainer = Trainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                      args=args, train_dataset=Dataset.from_list([{"prompt": "Say something about the sea."}] * 4),
+                      processing_class=transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer.train()
+    s = trainer.tree_pack_stats
+    assert s.fallback_reason is None and s.packed_batches >= 2 and s.row_batches == 0
+    assert s.self_check_delta <= (5e-2 if bf16 else 1e-5)
+    assert s.tree_token_ratio < 0.8  # the group's shared prompt is forwarded once

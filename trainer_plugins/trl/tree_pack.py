@@ -25,6 +25,7 @@ not packed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -207,8 +208,9 @@ def max_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> floa
     return worst if len(a) == len(b) else float("inf")
 
 
-#: Largest |packed - per-row| logprob the first-batch self-check accepts, by parameter dtype: fp32 and fp64
-#: agree to ~1e-6 and ~1e-15 (reassociation only); half precision rounds each layer's output.
+#: Largest |packed - per-row| logprob the first-batch self-check accepts, by compute dtype (the autocast dtype
+#: when TRL's autocast is on, else the parameters'): fp32 and fp64 agree to ~1e-6 and ~1e-15 (reassociation
+#: only); half precision rounds each layer's output.
 SELF_CHECK_BOUND = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -263,8 +265,16 @@ class TreePackedLogps:
         # TRL's batch_size bounds the rows forwarded together; it bounds the packed sequence (and its S x S
         # mask) the same way. TRL's sampler puts a prompt's rows next to each other, so chunks keep groups.
         step = batch_size or input_ids.size(0)
-        parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
-                                   temperature, compute_entropy, stats) for a in range(0, input_ids.size(0), step)]
+        accelerator = getattr(self, "accelerator", None)
+        # the same autocast as TRL's own forward (GRPOConfig's bf16 defaults to True, on CPU too)
+        autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+        with autocast:
+            parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
+                                       temperature, compute_entropy, stats)
+                     for a in range(0, input_ids.size(0), step)]
+            device_type = input_ids.device.type
+            compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                             else next(model.parameters()).dtype)
         logps = torch.cat([p[0] for p in parts])
         ents = torch.cat([p[1] for p in parts]) if compute_entropy else None
         if stats.self_check_delta is None:
@@ -273,7 +283,7 @@ class TreePackedLogps:
             keep = attention_mask[:, -logits_to_keep:].bool()
             delta = float((logps.detach() - ref)[keep].abs().max()) if keep.any() else 0.0
             stats.self_check_delta = delta
-            bound = SELF_CHECK_BOUND.get(next(model.parameters()).dtype, 1e-2)
+            bound = SELF_CHECK_BOUND.get(compute_dtype, 1e-2)
             if not delta <= bound:
                 stats.fallback_reason = (f"self-check: the packed forward's logprobs differ from the per-row "
                                          f"forward's by {delta:.3g} > {bound:g}; forwarding rows from now on")
