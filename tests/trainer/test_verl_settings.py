@@ -90,3 +90,21 @@ async def test_the_relay_reports_the_tokenizer_location_it_is_given(cfg, tokeniz
                 assert (await r.json())["data"][0]["id"] == str(location)
     finally:
         await reg.close_relays()
+
+
+def test_the_plugins_verl_patches_reach_every_ray_worker_and_the_docs_command():
+    """Issue #32 part 6: the docs' verl command lacked VERL_USE_EXTERNAL_MODULES, so verl's actor build failed with
+    an ImportError wherever TRL 1.x is installed; on a multi-node Ray cluster a shell variable never reaches the
+    other nodes' workers. The shipped configs pass it through Ray's runtime env (verl hands ray_kwargs.ray_init
+    to ray.init unresolved: a fixed value), and the docs' command sets it for the driver."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    base = OmegaConf.load(root / "trainer_plugins" / "verl" / "config" / "prorl_base.yaml")
+    env = OmegaConf.to_container(base.ray_kwargs.ray_init.runtime_env.env_vars, resolve=False)
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == "trainer_plugins.verl.cpu_platform"
+    assert importlib.util.find_spec(env["VERL_USE_EXTERNAL_MODULES"]) is not None  # not imported: it patches verl
+    docs = (root / "docs" / "training-verl.md").read_text()
+    commands = re.findall(r"^.*python -m verl\.trainer\.main_ppo.*$", docs, re.M)
+    assert commands and all("VERL_USE_EXTERNAL_MODULES=trainer_plugins.verl.cpu_platform" in c for c in commands
+                            if not c.lstrip().startswith(("#", "`"))), commands
