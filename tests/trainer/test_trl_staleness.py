@@ -135,3 +135,13 @@ async def test_a_prefetched_group_past_the_bound_is_cancelled_and_submitted_agai
         assert rollout.cancel_stale() == 0  # nothing is past the bound now
     finally:
         rollout.close()
+
+
+@pytest.mark.parametrize("kwargs", [dict(prefetch=1.5), dict(prefetch="2"), dict(prefetch=-1),
+                                    dict(prefetch=True, max_staleness=0), dict(prefetch=2, max_staleness=1.5),
+                                    dict(prefetch=2, max_staleness=-3)])
+def test_settings_that_would_be_truncated_or_cancel_every_batch_are_refused(kwargs):
+    """Red team: ``prefetch=1.5`` ran as 1 and ``"2"`` as 2 without a word, and ``max_staleness=0`` with prefetch
+    cancelled and re-sent every prefetched batch."""
+    with pytest.raises(ValueError, match="prefetch|max_staleness"):
+        ProRLRollout(["http://127.0.0.1:9"], [fixed_instance("a")], **kwargs)

@@ -282,12 +282,18 @@ class ProRLRollout:
         self._loop: Optional[_LoopThread] = None
         self._submitter_args = dict(unavailable_retry_s=unavailable_retry_s, request_timeout_s=request_timeout_s)
         self._jobs: Optional[JobSubmitter] = None
-        if int(prefetch) < 0:
-            raise ValueError("prefetch must be >= 0")
+        # bool is an int; 1.5 or "2" would be truncated or parsed without a word (red team): refused
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be False, True or an int >= 0, got {prefetch!r}")
         self.prefetch = int(prefetch)
-        if max_staleness is not None and int(max_staleness) < 0:
-            raise ValueError("max_staleness must be >= 0 or None")
-        self.max_staleness = None if max_staleness is None else int(max_staleness)
+        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        if max_staleness == 0 and self.prefetch:
+            raise ValueError(f"max_staleness=0 with prefetch={prefetch!r} would cancel every prefetched batch (each is "
+                             "at least one weight version behind): use prefetch=False to train on-policy, or "
+                             "max_staleness >= 1")
+        self.max_staleness = max_staleness
         #: weight versions one call spans (one per optimizer step), read from the trainer's config at each call
         self.versions_per_call = 1
         #: jobs cancelled on the servers because their prompt group could no longer be trained, in all
