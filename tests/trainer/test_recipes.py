@@ -95,3 +95,19 @@ def test_example_scripts_compose_verls_config(script, tmp_path):
     assert "trainer_mode: colocate_async" in proc.stdout and "default_agent_loop: prorl" in proc.stdout
     if script == "run_cpu.sh":
         assert "device: cpu" in proc.stdout and "param_dtype: fp32" in proc.stdout
+
+
+def test_run_gpu_refuses_a_python_without_cuda_naming_the_install_page(tmp_path):
+    """Issue #32 part 6: run_gpu.sh ran the project's CPU venv and failed deep inside verl; now a real run with a
+    torch that has no CUDA stops at once (exit 2) and names the GPU install section (this machine has no GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run_gpu.sh runs")
+    script = ROOT / "trainer_plugins" / "verl" / "examples" / "run_gpu.sh"
+    out = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(tmp_path), "DRY_RUN": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "GPU install" in out.stderr and "docs/training-verl.md" in out.stderr
+    assert "GPU install" in page("Training with verl")
+    assert not (tmp_path / "server.log").exists()  # nothing started

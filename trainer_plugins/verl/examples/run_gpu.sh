@@ -34,6 +34,14 @@ PROMPT_LEN=${PROMPT_LEN:-256}
 RESPONSE_LEN=${RESPONSE_LEN:-128}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
+# A real run needs verl's GPU stack; the project's venv (.ci/install) holds the CPU torch build, where verl would
+# fail much later and less clearly. DRY_RUN only composes the config and runs anywhere.
+if [ "$DRY_RUN" != 1 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "run_gpu.sh: $PY has no CUDA torch ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1))." >&2
+    echo "  Install verl 0.9.1's GPU stack in its own venv (docs/training-verl.md, \"GPU install\") and run with" >&2
+    echo "  PYTHON=/path/to/that/venv/bin/python; on this CPU venv use run_cpu.sh." >&2
+    exit 2
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # Ray workers import trainer_plugins from here
 export HF_HUB_OFFLINE=1
 # verl loads this module in every process; its patches that are not about the CPU (verl's TRL value-head import,
