@@ -37,6 +37,9 @@ _spec = importlib.util.spec_from_file_location("_verl_registration_helpers",
                                                Path(__file__).with_name("test_verl_registration.py"))
 reg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(reg)
+_kv_spec = importlib.util.spec_from_file_location("_prorl_kv_store", Path(__file__).with_name("kv_store.py"))
+kv_store = importlib.util.module_from_spec(_kv_spec)  # the shared TransferQueue stand-in
+_kv_spec.loader.exec_module(kv_store)
 cfg, turns, rollout_server = reg.cfg, reg.turns, reg.rollout_server  # fixtures
 
 from trainer_plugins.verl import relay as relay_module  # noqa: E402
@@ -126,7 +129,7 @@ class Spun(AssertionError):
     """The buffer kept evicting and refilling past the test's budget: the spin the breaker must stop."""
 
 
-class GroupStore:
+class GroupStore(kv_store.KVStore):
     """Stands in for TransferQueue's KV store (what verl's V1 replay buffer reads with ``kv_list`` /
     ``kv_batch_get`` / ``kv_clear``) and for verl's refill (``PPOTrainer._add_prompts_to_generate``): every
     group the buffer evicts is replaced by a fresh *finished* group from ``make_group`` (what the agent loop
@@ -134,8 +137,7 @@ class GroupStore:
 
     def __init__(self, make_group, budget: int = 400, n: int = 4) -> None:
         self.make_group, self.budget, self.n = make_group, budget, n
-        self.tags: dict[str, dict] = {}
-        self.rows: dict[str, dict] = {}
+        super().__init__()
         self.made = 0
 
     def add_groups(self, k: int) -> None:
@@ -148,17 +150,6 @@ class GroupStore:
             for s, fields in enumerate(self.make_group(self.made - 1, self.n)):
                 self.tags[f"{uid}_{s}_0"] = {"status": "finished", "global_steps": 1}
                 self.rows[f"{uid}_{s}_0"] = {"extra_fields": fields}
-
-    def kv_list(self, partition_id=None):
-        return {"train": {k: dict(v) for k, v in self.tags.items()}}
-
-    def kv_batch_get(self, keys, partition_id, select_fields=None):
-        return {f: [self.rows[k][f] for k in keys] for f in select_fields}
-
-    def kv_clear(self, keys, partition_id):
-        for k in [keys] if isinstance(keys, str) else keys:
-            self.tags.pop(k, None)
-            self.rows.pop(k, None)
 
 
 def row_fields(acc: float = 0.0, failure_kind=None, error=None) -> dict:
@@ -177,8 +168,7 @@ def group_buffer(monkeypatch):
 
     def make(make_group, initial: int = 8, **sampler_kwargs):
         store = GroupStore(make_group)
-        for name in ("kv_list", "kv_batch_get", "kv_clear"):
-            monkeypatch.setattr(tq, name, getattr(store, name))
+        store.install(monkeypatch, tq)
         buf = ProRLReplayBuffer(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=None,
                                 max_off_policy_strategy="drop", sampler_kwargs=sampler_kwargs,
                                 refill_fn=store.add_groups, poll_interval=0.0)

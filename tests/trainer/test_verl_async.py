@@ -14,24 +14,30 @@ current step, the trained rows cleared after the step).
 """
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("transfer_queue")
 
+_kv_spec = importlib.util.spec_from_file_location("_prorl_kv_store", Path(__file__).with_name("kv_store.py"))
+kv_store = importlib.util.module_from_spec(_kv_spec)  # the shared TransferQueue stand-in
+_kv_spec.loader.exec_module(kv_store)
+
 N = 4  # rollout.n in these tests
 B = 2  # data.train_batch_size (prompt groups a step trains)
 
 
-class StepStore:
+class StepStore(kv_store.KVStore):
     """Stands in for TransferQueue's KV store as verl's V1 replay buffer reads it (``kv_list``, ``kv_batch_get``,
     ``kv_clear``) and for verl's agent loop workers writing it: :meth:`submit` adds prompt groups sampled at
     ``step`` (``status`` ``finished``: every session stored, generated with the weights of ``version``; or
     ``running``: its sessions are still out). Rows carry what ``ProRLAgentLoop.to_outputs`` writes."""
 
     def __init__(self) -> None:
-        self.tags: dict[str, dict] = {}
-        self.rows: dict[str, dict] = {}
+        super().__init__()
         self.made = 0
         self.step = 1
 
@@ -61,17 +67,6 @@ class StepStore:
         self.submit(k, self.step)
         return k
 
-    def kv_list(self, partition_id=None):
-        return {"train": {k: dict(v) for k, v in self.tags.items()}}
-
-    def kv_batch_get(self, keys, partition_id, select_fields=None):
-        return {f: [self.rows[k][f] for k in keys] for f in select_fields}
-
-    def kv_clear(self, keys, partition_id):
-        for k in [keys] if isinstance(keys, str) else keys:
-            self.tags.pop(k, None)
-            self.rows.pop(k, None)
-
 
 def shipped_buffer(compose_verl, monkeypatch, name: str, store: StepStore):
     """``ProRLReplayBuffer`` built from the shipped config ``name`` as verl's ``PPOTrainer._build_replay_buffer``
@@ -82,8 +77,7 @@ def shipped_buffer(compose_verl, monkeypatch, name: str, store: StepStore):
 
     cfg = compose_verl(name, f"data.train_batch_size={B}", f"actor_rollout_ref.rollout.n={N}")
     sampler = cfg.trainer.v1.sampler
-    for fn in ("kv_list", "kv_batch_get", "kv_clear"):
-        monkeypatch.setattr(tq, fn, getattr(store, fn))
+    store.install(monkeypatch, tq)
     cls = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)
     return cls(trainer_mode=cfg.trainer.v1.trainer_mode, trainer_config={},
                max_off_policy_threshold=sampler.max_off_policy_threshold,

@@ -11,7 +11,9 @@ from it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +31,10 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 from verl.utils.import_utils import resolve_config_path  # noqa: E402
+
+_kv_spec = importlib.util.spec_from_file_location("_prorl_kv_store", Path(__file__).with_name("kv_store.py"))
+kv_store = importlib.util.module_from_spec(_kv_spec)  # the shared TransferQueue stand-in
+_kv_spec.loader.exec_module(kv_store)
 
 
 PROMPT_LEN, RESPONSE_LEN, N = 64, 16, 2
@@ -75,26 +81,11 @@ def v1_batch(step: int = 3):
     return batch
 
 
-class KVStore:
+class KVStore(kv_store.KVStore):
     """Stands for TransferQueue's KV store (a Ray controller and storage actors): keeps what
     ``AgentLoopWorkerTQ`` writes through ``tq.async_kv_put`` / ``tq.async_kv_batch_put``, tags and rows, and
     answers the synchronous ``kv_list`` / ``kv_batch_get`` / ``kv_clear`` verl's replay buffer reads it with
     (one partition)."""
-
-    def __init__(self) -> None:
-        self.tags: dict[str, dict] = {}
-        self.rows: dict[str, object] = {}
-
-    def kv_list(self, partition_id=None):
-        return {"train": {k: dict(v) for k, v in self.tags.items()}}
-
-    def kv_batch_get(self, keys, partition_id, select_fields=None):
-        return {f: [self.rows[k][f] for k in keys] for f in select_fields}
-
-    def kv_clear(self, keys, partition_id):
-        for k in [keys] if isinstance(keys, str) else keys:
-            self.tags.pop(k, None)
-            self.rows.pop(k, None)
 
     async def kv_put(self, key, partition_id, fields=None, tag=None):
         self.tags[key] = {**self.tags.get(key, {}), **(tag or {})}
@@ -122,8 +113,7 @@ def tq_worker(v1_cfg, tokenizer, monkeypatch):
     store = KVStore()
     monkeypatch.setattr(agent_loop_tq.tq, "async_kv_put", store.kv_put)
     monkeypatch.setattr(agent_loop_tq.tq, "async_kv_batch_put", store.kv_batch_put)
-    for name in ("kv_list", "kv_batch_get", "kv_clear"):
-        monkeypatch.setattr(agent_loop_tq.tq, name, getattr(store, name))
+    store.install(monkeypatch, agent_loop_tq.tq)
     w.store = store
     return w
 
