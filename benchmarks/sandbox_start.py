@@ -32,21 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prorl_server.stats import percentile  # noqa: E402
 from sandbox import Limits, SandboxSpec, make_runtime  # noqa: E402
+from tool_latency import bwrap_floor  # noqa: E402 (benchmarks/, the script's folder): the bare bwrap floor
 
 SPEC = SandboxSpec(network="none", limits=Limits(max_processes=256, max_memory_bytes=8 << 30))
-
-
-async def bwrap_floor(n: int, python: bool) -> list[float]:
-    """Bare bwrap of the host root (no bounds, no Python view), spawned from asyncio and waited for (ms)."""
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
-    cmd += [sys.executable, "-S", "-c", "pass"] if python else ["/bin/true"]
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(*cmd)
-        await proc.wait()
-        out.append((time.perf_counter() - t0) * 1000)
-    return out
 
 
 class ArgvRecorder:
