@@ -280,6 +280,12 @@ _INSTANCE_SCHEMA = {
                                    "the data source's shipped dataset, by id (e.g. HumanEval/0)"}}}
 
 
+#: Most named components a result carries (``outcome`` plus a handler's process terms).
+MAX_REWARD_COMPONENTS = 32
+#: What a reward component's name looks like: a lower-case identifier of at most 64 characters.
+REWARD_COMPONENT_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+
+
 class ProcessRequest(BaseModel):
     """Body of ``POST /process`` and ``POST /jobs``.
 
@@ -303,6 +309,11 @@ class ProcessRequest(BaseModel):
     job_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
     timeout_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
     group_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
+    reward_weights: Optional[Annotated[dict[Annotated[str, Field(pattern=REWARD_COMPONENT_PATTERN)],
+                                            Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                                       _at_most(MAX_REWARD_COMPONENTS)]] = Field(
+        default=None, description="weights of the handler's process reward terms (name -> weight); a term not "
+        "named here has weight 0, so the reward is the outcome alone unless a request opts in")
 
     @field_validator("instance")
     @classmethod
@@ -598,6 +609,23 @@ class TokenStats(BaseModel):
                           rerendered_chars=self.rerendered_chars + other.rerendered_chars)
 
 
+class RewardComponent(BaseModel):
+    """One named term of a job's reward (issue #35 part 2; NeMo Gym's ``reward_components``, verifiers' weighted
+    rubric): ``reward`` is the sum of ``weight * value`` over a result's components (``math.fsum``, checked by the
+    server to 1e-12 before it answers, :mod:`prorl_server.rewards`).
+
+    ``value``: the term's value for the whole job (finite). ``weight``: its weight (finite; a process term is
+    weighted 0 unless the request opts in through ``reward_weights``). ``per_turn``: the value split over the
+    result's ``turns`` (length ``len(turns)``, summing to ``value``), or null: the whole value belongs to the
+    last turn."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    value: float
+    weight: float = 1.0
+    per_turn: Optional[list[float]] = None
+
+
 class JobResult(BaseModel):
     """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure).
 
@@ -629,6 +657,9 @@ class JobResult(BaseModel):
     backend: Optional[str] = None
     weight_version: Optional[int] = None
     token_stats: Optional[TokenStats] = None
+    #: name -> :class:`RewardComponent`: ``outcome`` (the task's score) and the handler's process terms;
+    #: ``reward`` is their weighted sum (a handler that sets none gets ``{"outcome": {value: reward, weight: 1}}``)
+    reward_components: dict[str, RewardComponent] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
