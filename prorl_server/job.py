@@ -155,6 +155,10 @@ class Job(Generic[S]):
             else {}
         self.reward: float = 0.0
         self.resolved: bool = False
+        #: name -> RewardComponent the handler's eval reported (prorl_server.rewards.compose_reward); None: the
+        #: reward is the outcome alone. ``reward_weights``: the request's weights of the process terms.
+        self.reward_components: Optional[dict[str, Any]] = None
+        self.reward_weights: dict[str, float] = {}
         self.filter: bool = False
         # why the job failed (prorl_server.failures.FAILURE_KINDS); a handler may set it (then the stage ends
         # the job) or raise InfrastructureError; it implies filter unless it is one of SCORED_KINDS

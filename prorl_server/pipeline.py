@@ -28,6 +28,8 @@ from prorl_server.balancer import BackendPool, NoBackendError
 from prorl_server.failures import SCORED_KINDS, classify, is_filtered
 from prorl_server.job import Job, JobServices
 from prorl_server.metrics import Metrics
+from prorl_server.plugin.handler import InstanceValidationError
+from prorl_server.rewards import finalize
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,11 @@ class Pipeline:
                 f"handler {name!r} needs sandboxes and this rollout server has no sandbox runtime; start it with "
                 "--sandbox-runtime bubblewrap (or singularity), or sandbox_runtime: auto where bwrap is installed")
         instance = handler.prepare_instance(req.instance)  # by-id completion + the handler's instance model
+        unknown = sorted(set(req.reward_weights or {}) - set(handler.reward_terms))
+        if unknown:  # a weight the handler would never apply: the trainer's mistake, said at once
+            raise InstanceValidationError(
+                f"reward_weights: {unknown} name no process term of the {name} handler (it has "
+                f"{list(handler.reward_terms) or 'none'})", "reward_weights")
         # A pool that had backends and has none in rotation now is being swapped (clear -> add around a
         # weight update) or waiting for its health probe: the job waits for a backend in acquire.
         if handler.needs_llm and not self.pool.ever_registered:
@@ -204,6 +211,7 @@ class Pipeline:
                   handler=handler, handler_name=name,
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   services=self.services, group_id=req.group_id)
+        job.reward_weights = dict(req.reward_weights or {})
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         if req.group_id is not None:
@@ -530,9 +538,9 @@ class Pipeline:
                 # the row is written; once it is, the resubmission gets this result)
                 why = self.journal.failed or self.journal.last_error or f"no commit within {self.journal_flush_s:g} s"
                 log.error("journal: the result of job %s could not be recorded (%s)", job.job_id, why)
-                result = result.model_copy(update={
+                result = finalize(result.model_copy(update={
                     "failure_kind": "internal", "filter": True, "reward": 0.0, "resolved": False,
-                    "error": f"the server's journal could not record this result ({why}): resubmit the job"})
+                    "error": f"the server's journal could not record this result ({why}): resubmit the job"}), None)
                 job.result_json_cache = None
         job.result = result
         job.status = JobState.done
@@ -569,7 +577,7 @@ class Pipeline:
         job.critical_error, job.error, job.traceback = stage, error, tb
         job.failure_kind, job.reward, job.resolved = "internal", 0.0, False
         if not job.done.done():
-            job.result = job.build_result()
+            job.result = finalize(job.build_result(), None)
             job.status = JobState.done
             self.in_flight -= 1
             self.metrics.jobs_in_flight.set(self.in_flight)
@@ -693,7 +701,9 @@ async def handler_result(job: Job) -> JobResult:
     """The result of an ending job as its handler builds it (``final_result``), with the reward invariants the
     server enforces whatever the handler returns (docs/reward-integrity.md, I3): a failure kind the job
     declared is on the result, a filtered kind is ``filter: true``, a scored kind (the model's doing) scores
-    0.0, unresolved. A ``final_result`` that raises (SystemExit included: it must not stop the server) or
+    0.0, unresolved; ``reward`` is the weighted sum of ``reward_components`` and each turn record carries its
+    share (:func:`prorl_server.rewards.finalize`: components that do not make the reward are a handler fault,
+    filtered). A ``final_result`` that raises (SystemExit included: it must not stop the server) or
     returns something else falls back to :meth:`Job.build_result`, its error kept in ``job.error``.
 
     Shared by the pipeline's finish and the journal's re-grading (:mod:`prorl_server.journal.regrade`).
@@ -719,4 +729,6 @@ async def handler_result(job: Job) -> JobResult:
         result = result.model_copy(update={"filter": True})
     if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
         result = result.model_copy(update={"reward": 0.0, "resolved": False})
-    return result
+    # named components (#35 part 2): checked against the reward, or the job fails as the handler's fault
+    return finalize(result, result.reward_components or job.reward_components,
+                    getattr(job.handler, "reward_terms", ()))

@@ -310,7 +310,7 @@ class ProcessRequest(BaseModel):
     timeout_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
     group_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
     reward_weights: Optional[Annotated[dict[Annotated[str, Field(pattern=REWARD_COMPONENT_PATTERN)],
-                                            Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                                            Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]],
                                        _at_most(MAX_REWARD_COMPONENTS)]] = Field(
         default=None, description="weights of the handler's process reward terms (name -> weight); a term not "
         "named here has weight 0, so the reward is the outcome alone unless a request opts in")

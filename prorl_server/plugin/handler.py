@@ -82,6 +82,13 @@ class AgentHandler:
             defaults (``job.state.sandbox``, ``job.state.solution``), so a typo is an AttributeError and a type
             checker sees the fields (``Job[MyState]``). The default, ``dict``, keeps handlers written for the
             string-keyed ``job.state["..."]`` working.
+        reward_terms: the process reward terms the handler may report beside ``outcome`` (issue #35 part 2;
+            :mod:`prorl_server.rewards`): its eval calls :func:`~prorl_server.rewards.compose_reward` with the
+            outcome and these terms, each weighted by the request's ``reward_weights`` (0 when not named there, so
+            the reward is the outcome unless a request opts in). A request weighting another name is refused
+            (422 on ``reward_weights``); a component not declared here, non-finite, or whose weighted sum is not
+            the reward fails the job as a handler fault. A handler that sets only ``job.reward`` gets one
+            ``outcome`` component of weight 1.
     """
 
     name: ClassVar[str] = ""
@@ -91,6 +98,7 @@ class AgentHandler:
     instance_model: ClassVar[Optional[type[BaseModel]]] = None
     settings_model: ClassVar[Optional[type[BaseModel]]] = None
     state_model: ClassVar[Callable[[], Any]] = dict
+    reward_terms: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ settings and instances
     @property
@@ -156,7 +164,9 @@ class AgentHandler:
         """Run the agent (LLM calls, tool calls); fill ``job.messages`` and ``job.trajectories``."""
 
     async def eval(self, job: "Job") -> None:
-        """Score the job: set ``job.reward`` (float) and ``job.resolved``."""
+        """Score the job: set ``job.reward`` (float) and ``job.resolved``, or, with process terms,
+        ``job.resolved`` and :func:`prorl_server.rewards.compose_reward` (which sets ``job.reward`` to the
+        weighted sum of ``outcome`` and the terms)."""
 
     async def init_exception(self, job: "Job", exc: BaseException) -> None:
         """Called when ``init`` raised. The default records nothing extra (the pipeline sets the error and

@@ -1,0 +1,223 @@
+"""Named reward components (issue #35 part 2): the composition a handler reports, the check the server makes
+before it answers, the split over turns, and the host-computed process terms the shipped handlers share.
+
+A result's ``reward`` is the weighted sum of its ``reward_components`` (:class:`~prorl_server.types.RewardComponent`,
+``math.fsum`` of ``weight * value``): ``outcome`` (the task's score, weight 1) and the process terms a handler
+declares in ``AgentHandler.reward_terms``. A process term's weight is 0 unless the request names it in
+``reward_weights``, so by default ``reward`` is the outcome alone, bit for bit, as before components existed.
+The design follows NeMo Gym's ``reward_components`` and verifiers' weighted rubrics; the process terms are the
+dense penalties of MiniMax's Forge (tool-invocation errors, language mixing).
+
+Every process term here is computed on the host from what the server recorded (the turn records and the
+generated text of the assistant messages), never from anything the policy wrote into a sandbox, and every one
+is a penalty (value in [-1, 0]): a constant, empty or silent answer can earn no process credit that a right
+answer does not also get. ``prorl-journal regrade`` recomputes them from the same record
+(:func:`prorl_server.pipeline.handler_result` applies :func:`finalize` in both places).
+"""
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+
+from pydantic import ValidationError
+
+from prorl_server.types import JobResult, RewardComponent
+
+if TYPE_CHECKING:
+    from prorl_server.job import Job
+
+#: The component every result has: the task's own score (weight 1).
+OUTCOME = "outcome"
+#: Largest ``|reward - sum(weight * value)|`` the server accepts, relative to ``max(1, sum |weight * value|)``.
+TOLERANCE = 1e-12
+#: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn
+#: (~3 ms for a turn of non-ASCII text at the bound; an ASCII turn costs one ``str.isascii`` call).
+MAX_MIXING_CHARS = 16384
+
+#: Process term: the share of the job's turns whose tool calls did not parse, negated (value in [-1, 0]).
+TOOL_CALL_ERRORS = "tool_call_errors"
+#: Process term: the mean over assistant turns of the share of letters outside the turn's main script,
+#: negated (value in [-1, 0]).
+LANGUAGE_MIXING = "language_mixing"
+#: The process terms every tool-using shipped handler declares.
+STANDARD_TERMS: tuple[str, ...] = (TOOL_CALL_ERRORS, LANGUAGE_MIXING)
+
+
+class RewardComponentError(ValueError):
+    """A handler's components do not make its reward: a non-finite or malformed component, a name it did not
+    declare, a ``per_turn`` of the wrong length or sum, or a weighted sum that is not ``reward``. The message
+    names the component. The job fails as a handler fault (``failure_kind="handler"``, filtered)."""
+
+
+def weighted_sum(components: Mapping[str, RewardComponent]) -> float:
+    """``math.fsum(weight * value)`` over ``components`` (correctly rounded, so independent of their order)."""
+    return math.fsum(c.weight * c.value for c in components.values())
+
+
+def compose_reward(job: "Job", outcome: float, terms: Optional[Mapping[str, RewardComponent]] = None, *,
+                   outcome_per_turn: Optional[list[float]] = None) -> float:
+    """Set ``job.reward_components`` to ``outcome`` (weight 1; ``outcome_per_turn``: its split over the job's
+    turns, None: all of it on the last turn) plus ``terms``, and ``job.reward`` to their weighted sum, which it
+    returns. Call it at the end of ``eval`` instead of setting ``job.reward``.
+
+    Raises:
+        ValueError: ``terms`` names ``outcome``.
+    """
+    if terms and OUTCOME in terms:
+        raise ValueError("the outcome is its own argument, not a term")
+    components = {OUTCOME: RewardComponent(value=float(outcome), weight=1.0, per_turn=outcome_per_turn),
+                  **(terms or {})}
+    job.reward_components = components
+    job.reward = weighted_sum(components)
+    return job.reward
+
+
+def turn_records(job: "Job") -> list[Any]:
+    """The job's turn records (``job.turns``: one per generated turn, in order), or [] without them."""
+    turns = getattr(job, "turns", None)
+    return list(turns) if isinstance(turns, list) else []
+
+
+def process_terms(job: "Job", names: Iterable[str] = STANDARD_TERMS) -> dict[str, RewardComponent]:
+    """The standard process terms ``names`` (of :data:`STANDARD_TERMS`) of ``job``, each weighted with the
+    request's ``reward_weights`` (0 when not named there), computed from its turn records and messages.
+
+    Raises:
+        ValueError: a name that is not a standard term.
+    """
+    weights = getattr(job, "reward_weights", None) or {}
+    out: dict[str, RewardComponent] = {}
+    for name in names:
+        if name == TOOL_CALL_ERRORS:
+            value, per_turn = tool_call_error_share(turn_records(job))
+        elif name == LANGUAGE_MIXING:
+            value, per_turn = language_mixing(job.messages, len(turn_records(job)))
+        else:
+            raise ValueError(f"{name!r} is not a standard process term ({', '.join(STANDARD_TERMS)})")
+        out[name] = RewardComponent(value=value, weight=float(weights.get(name, 0.0)), per_turn=per_turn)
+    return out
+
+
+def tool_call_error_share(turns: list[Any]) -> tuple[float, Optional[list[float]]]:
+    """``(value, per_turn)`` of :data:`TOOL_CALL_ERRORS`: turn i gets ``-1/n`` when its tool calls had a parse
+    error (``tool_call_errors > 0`` in its record, counted by the server's tool-call parser), else 0; the value
+    is their sum. ``(0.0, None)`` for a job without turn records."""
+    n = len(turns)
+    if not n:
+        return 0.0, None
+    per = [-1.0 / n if (getattr(t, "tool_call_errors", 0) or 0) > 0 else 0.0 for t in turns]
+    return math.fsum(per), per
+
+
+_NOT_ASCII = re.compile(r"[\x00-\x7f]+")
+_ASCII_LETTERS = re.compile(r"[^A-Za-z]+")
+#: Unicode scripts that one language writes together, as one group (Japanese mixes Han and kana).
+_SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
+                 "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
+
+
+def mixing_share(text: str) -> float:
+    """The share of the letters of ``text`` (its first :data:`MAX_MIXING_CHARS` characters) that are not in its
+    most frequent script, in [0, 1); 0.0 for text with no letter or in one script. A letter's script is the
+    first word of its Unicode name (``LATIN``, ``CYRILLIC``, ``GREEK``, ``ARABIC``, ``HANGUL``, ...; Han, kana
+    and Bopomofo count as one CJK script), from the standard library's ``unicodedata``."""
+    text = text[:MAX_MIXING_CHARS]
+    if text.isascii():  # the common case, at C speed: every letter is Latin
+        return 0.0
+    counts = {"LATIN": len(_ASCII_LETTERS.sub("", text))}
+    for ch in _NOT_ASCII.sub("", text):
+        if ch.isalpha():
+            word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
+            group = _SCRIPT_GROUP.get(word, word)
+            counts[group] = counts.get(group, 0) + 1
+    total = sum(counts.values())
+    return 0.0 if total == 0 else 1.0 - max(counts.values()) / total
+
+
+def language_mixing(messages: list[dict[str, Any]], n_turns: int) -> tuple[float, Optional[list[float]]]:
+    """``(value, per_turn)`` of :data:`LANGUAGE_MIXING`: minus the mean :func:`mixing_share` of the assistant
+    messages' text (the generated text, recorded by the server). ``per_turn`` when there is one assistant
+    message per turn (``n_turns``, the tool agent loop), else None (the value is the last turn's)."""
+    texts = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+    texts = [t if isinstance(t, str) else "" for t in texts]
+    if not texts:
+        return 0.0, ([0.0] * n_turns if n_turns else None)
+    per = [-mixing_share(t) / len(texts) for t in texts]
+    return math.fsum(per), (per if len(per) == n_turns else None)
+
+
+def _fault(result: JobResult, why: str) -> JobResult:
+    return result.model_copy(update={
+        "reward": 0.0, "resolved": False, "failure_kind": "handler", "filter": True,
+        "critical_error": result.critical_error or "eval",
+        "error": f"reward components: {why}",
+        "reward_components": {OUTCOME: RewardComponent(value=0.0, weight=1.0)}})
+
+
+def _check(result: JobResult, raw: Any, declared: Iterable[str], n_turns: int) -> dict[str, RewardComponent]:
+    """``raw`` (name -> RewardComponent or its dict) validated against ``result`` (see
+    :class:`RewardComponentError`)."""
+    if not isinstance(raw, Mapping):
+        raise RewardComponentError(f"must be a mapping of name to component, not {type(raw).__name__}")
+    allowed = {OUTCOME, *declared}
+    comps: dict[str, RewardComponent] = {}
+    for name, c in raw.items():
+        if name not in allowed:
+            raise RewardComponentError(f"component {str(name)[:64]!r} is not one the handler declares "
+                                       f"(AgentHandler.reward_terms: {sorted(allowed)})")
+        try:
+            comp = RewardComponent.model_validate(c.model_dump() if isinstance(c, RewardComponent) else c)
+        except ValidationError as e:
+            raise RewardComponentError(f"component {name!r} is malformed or not finite: "
+                                       f"{e.errors(include_url=False)[0]['msg']}") from None
+        if comp.per_turn is not None:
+            if len(comp.per_turn) != n_turns:
+                raise RewardComponentError(f"component {name!r} has {len(comp.per_turn)} per-turn values for "
+                                           f"{n_turns} turns")
+            if abs(math.fsum(comp.per_turn) - comp.value) > TOLERANCE * max(1.0, math.fsum(map(abs, comp.per_turn))):
+                raise RewardComponentError(f"component {name!r}: its per-turn values sum to "
+                                           f"{math.fsum(comp.per_turn)!r}, not its value {comp.value!r}")
+        comps[name] = comp
+    if OUTCOME not in comps:
+        raise RewardComponentError(f"there is no {OUTCOME!r} component")
+    total = weighted_sum(comps)
+    scale = max(1.0, math.fsum(abs(c.weight * c.value) for c in comps.values()))
+    if not math.isfinite(total) or abs(total - result.reward) > TOLERANCE * scale:
+        terms = " + ".join(f"{c.weight!r} * {n}={c.value!r}" for n, c in comps.items())
+        raise RewardComponentError(f"reward {result.reward!r} is not the weighted sum of the components "
+                                   f"({terms} = {total!r})")
+    return comps
+
+
+def finalize(result: JobResult, raw: Any, declared: Iterable[str] = ()) -> JobResult:
+    """``result`` with its ``reward_components`` checked and each turn record's ``reward`` filled.
+
+    ``raw``: what the handler reported (``job.reward_components``, or the components its own ``final_result``
+    put on the result); None: ``{"outcome": {value: reward, weight: 1}}``, as for a handler written before
+    components. A failed job (a ``failure_kind``) keeps only its outcome: a failure earns no process term.
+    Components that do not make the reward (:class:`RewardComponentError`) fail the job as a handler fault:
+    reward 0.0, ``failure_kind="handler"``, ``filter: true``, ``error`` naming the component.
+
+    Turn ``i``'s ``reward`` is ``sum(weight * per_turn[i])`` over the components with ``per_turn``, the last turn
+    also taking ``weight * value`` of those without, and the rounding rest, so the turns sum to ``reward``.
+    """
+    turns = list(getattr(result, "turns", None) or [])
+    if result.failure_kind is not None or raw is None:
+        comps = {OUTCOME: RewardComponent(value=result.reward, weight=1.0)}
+    else:
+        try:
+            comps = _check(result, raw, declared, len(turns))
+        except RewardComponentError as e:
+            result, comps = _fault(result, str(e)), None
+            turns = list(getattr(result, "turns", None) or [])
+    if comps is None:
+        comps = dict(result.reward_components)
+    update: dict[str, Any] = {"reward_components": comps}
+    if turns:
+        shares = [math.fsum(c.weight * c.per_turn[i] for c in comps.values() if c.per_turn is not None)
+                  for i in range(len(turns))]
+        shares[-1] = result.reward - math.fsum(shares[:-1])
+        update["turns"] = [t.model_copy(update={"reward": s}) for t, s in zip(turns, shares)]
+    return result.model_copy(update=update)

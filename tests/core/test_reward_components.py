@@ -1,0 +1,121 @@
+"""Named reward components (issue #35 part 2): ``reward`` is the weighted sum of the result's
+``reward_components``, checked by the server before it answers; a handler whose components do not make its reward
+(or are not finite, or not declared) fails the job as a handler fault, filtered, with the component named; a
+handler that sets only a scalar reward gets one ``outcome`` component of weight 1; process terms weigh 0 unless
+the request opts in through ``reward_weights``, which may name only terms the handler declares.
+
+The server is real (create_app, pipeline, HTTP); ``ComposedHandler`` is a test double for a task handler that
+reports components, told by its instance what to report (including the faults a buggy handler makes).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from handlers.arithmetic import ArithmeticHandler
+from prorl_server.app import create_app
+from prorl_server.config import ServerSettings
+from prorl_server.plugin.handler import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
+from prorl_server.rewards import compose_reward, mixing_share
+from prorl_server.types import RewardComponent
+
+
+class ComposedHandler(AgentHandler):
+    """Reports ``outcome`` plus the process terms ``instance["terms"]`` (name -> value), weighted by the request's
+    ``reward_weights``; ``instance["fault"]`` makes it report what a buggy handler would: ``"off_by"`` (a reward
+    that is not the weighted sum), ``"nan"`` (a non-finite term), ``"undeclared"`` (a term it never declared),
+    ``"no_outcome"`` (no outcome component)."""
+
+    name = "composed"
+    needs_llm = False
+    reward_terms = ("brevity", "politeness")
+
+    async def eval(self, job) -> None:
+        inst = job.instance
+        terms = {n: RewardComponent(value=v, weight=job.reward_weights.get(n, 0.0))
+                 for n, v in inst.get("terms", {}).items()}
+        job.resolved = inst["outcome"] == 1.0
+        compose_reward(job, inst["outcome"], terms)
+        fault = inst.get("fault")
+        if fault == "off_by":
+            job.reward += 0.25
+        elif fault == "nan":
+            job.reward_components["brevity"] = {"value": float("nan"), "weight": 0.0}
+        elif fault == "undeclared":
+            job.reward_components["sneaky"] = RewardComponent(value=1.0, weight=0.0)
+        elif fault == "no_outcome":
+            del job.reward_components["outcome"]
+            job.reward = 0.0
+
+
+@pytest.fixture
+async def client(aiohttp_client):
+    registry = HandlerRegistry()
+    registry.register(ComposedHandler)
+    registry.register(ArithmeticHandler)
+    return await aiohttp_client(create_app(ServerSettings(health_interval_s=3600), registry=registry))
+
+
+async def _process(client, instance: dict, **body) -> dict:
+    r = await client.post("/process", json={"instance": instance, **body})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+def _weighted(components: dict) -> float:
+    return math.fsum(c["weight"] * c["value"] for c in components.values())
+
+
+async def test_the_reward_is_the_weighted_sum_of_the_components_and_process_terms_weigh_0_unless_asked(client):
+    inst = {"data_source": "composed", "outcome": 1.0, "terms": {"brevity": -0.5, "politeness": -0.25}}
+    default = await _process(client, inst)
+    # default: existing training unchanged, the reward is the outcome bit for bit
+    assert default["reward"] == 1.0 and default["resolved"] is True and default["filter"] is False
+    assert default["reward_components"] == {
+        "outcome": {"value": 1.0, "weight": 1.0, "per_turn": None},
+        "brevity": {"value": -0.5, "weight": 0.0, "per_turn": None},
+        "politeness": {"value": -0.25, "weight": 0.0, "per_turn": None}}
+
+    opted = await _process(client, inst, reward_weights={"brevity": 0.2, "politeness": 0.1})
+    assert opted["failure_kind"] is None and opted["filter"] is False
+    assert opted["reward"] == _weighted(opted["reward_components"]) == math.fsum([1.0, 0.2 * -0.5, 0.1 * -0.25])
+    assert opted["reward_components"]["brevity"]["weight"] == 0.2
+
+
+async def test_a_handler_that_sets_only_a_scalar_reward_gets_one_outcome_component_of_weight_1(client):
+    res = await _process(client, {"data_source": "arithmetic", "expression": "6*7", "answer": 42})
+    assert res["failure_kind"] is None
+    assert res["reward_components"] == {"outcome": {"value": res["reward"], "weight": 1.0, "per_turn": None}}
+
+
+@pytest.mark.parametrize("fault, names", [("off_by", "not the weighted sum"), ("nan", "'brevity'"),
+                                          ("undeclared", "'sneaky'"), ("no_outcome", "'outcome'")])
+async def test_components_that_do_not_make_the_reward_are_a_filtered_handler_fault_naming_them(client, fault,
+                                                                                               names):
+    res = await _process(client, {"data_source": "composed", "outcome": 1.0, "terms": {"brevity": -0.5},
+                                  "fault": fault}, reward_weights={"brevity": 0.5})
+    assert res["failure_kind"] == "handler" and res["filter"] is True, res
+    assert res["reward"] == 0.0 and res["resolved"] is False and res["critical_error"] == "eval"
+    assert res["error"].startswith("reward components:") and names in res["error"], res["error"]
+    assert res["reward_components"] == {"outcome": {"value": 0.0, "weight": 1.0, "per_turn": None}}
+
+
+async def test_weights_for_terms_the_handler_does_not_declare_are_refused_at_submit(client):
+    r = await client.post("/process", json={"instance": {"data_source": "composed", "outcome": 1.0},
+                                            "reward_weights": {"outcome_bonus": 1.0}})
+    assert r.status == 422
+    body = await r.json()
+    assert body["error"]["field"] == "reward_weights" and "outcome_bonus" in body["error"]["message"]
+    for bad in ({"Brevity": 1.0}, {"brevity": 1e9}, {"brevity": "1"}):  # a name, a bound, a type
+        r = await client.post("/process", json={"instance": {"data_source": "composed", "outcome": 1.0},
+                                                "reward_weights": bad})
+        assert r.status == 422 and (await r.json())["error"]["field"].startswith("reward_weights"), bad
+
+def test_language_mixing_share_counts_letters_outside_the_main_script():
+    assert mixing_share("") == 0.0 and mixing_share("plain English, 123 !") == 0.0
+    assert mixing_share("日本語のテキスト") == 0.0  # Han and kana are one script group
+    assert mixing_share("Привет world") == pytest.approx(5 / 11)  # 6 Cyrillic letters, 5 Latin
+    assert mixing_share("café naïve") == 0.0  # accented Latin is Latin
+    assert 0.0 < mixing_share("hello 你好") < 0.5
