@@ -626,6 +626,45 @@ class RewardComponent(BaseModel):
     per_turn: Optional[list[float]] = None
 
 
+class TurnRecord(BaseModel):
+    """What one model turn cost (issue #35 part 1; SkyRL's per-trajectory LLM/environment time, Forge's
+    completion time split into the model's seconds and the system's).
+
+    ``trajectory_index``: index into the result's ``trajectories``. ``response_start`` / ``response_end``: the
+    turn's sampled tokens as the half-open span ``[start, end)`` of that trajectory's ``response_ids`` (token
+    positions); over a result, the spans tile the tokens with ``loss_mask`` 1 exactly (one span per turn, no
+    gap, no overlap; an empty span for a turn that sampled nothing). ``weight_version``: the policy version
+    that generated the turn (null: the backend had none). ``finish_reason``: vLLM's (``stop``, ``length``,
+    ``abort``...). ``tool_calls``: tool calls the turn made; ``tool_call_errors``: those whose call text did
+    not parse (the model's fault, a process term of part 2).
+
+    Times are seconds of the host's monotonic clock (``time.monotonic``), never a value the sandbox wrote:
+    ``t_llm_s`` generation (request sent to last token received, retries on the same backend included);
+    ``t_tool_s`` the turn's tool calls summed; ``t_tool_critical_s`` their critical path (the longest call of a
+    batch run in parallel, the sum of batches run in sequence; equals ``t_tool_s`` when calls run one by one);
+    ``t_wait_s`` the system's time charged to this turn: waiting for a backend (queue, a weight-swap or pause
+    hold, failover to another backend) and, on the first turn, the job's queue and sandbox start before it.
+    Time outside any turn (the handler's own setup, eval) stays in :class:`Timing` (``init_s``, ``eval_s``).
+    ``reward``: the turn's share of the result's ``reward`` (the last turn carries the whole reward unless the
+    handler splits it per turn); ``sum(t.reward for t in turns) == reward`` for every finished result.
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    trajectory_index: int = Field(default=0, ge=0)
+    response_start: int = Field(default=0, ge=0)
+    response_end: int = Field(default=0, ge=0)
+    weight_version: Optional[int] = None
+    finish_reason: Optional[str] = None
+    tool_calls: int = Field(default=0, ge=0)
+    tool_call_errors: int = Field(default=0, ge=0)
+    t_llm_s: float = Field(default=0.0, ge=0)
+    t_tool_s: float = Field(default=0.0, ge=0)
+    t_tool_critical_s: float = Field(default=0.0, ge=0)
+    t_wait_s: float = Field(default=0.0, ge=0)
+    reward: float = 0.0
+
+
 class JobResult(BaseModel):
     """What a job returns, successful or not. ``reward`` is always a float (0.0 on failure).
 
@@ -660,6 +699,8 @@ class JobResult(BaseModel):
     #: name -> :class:`RewardComponent`: ``outcome`` (the task's score) and the handler's process terms;
     #: ``reward`` is their weighted sum (a handler that sets none gets ``{"outcome": {value: reward, weight: 1}}``)
     reward_components: dict[str, RewardComponent] = Field(default_factory=dict)
+    #: one :class:`TurnRecord` per model turn, in the order generated (empty for a job that generated nothing)
+    turns: list[TurnRecord] = Field(default_factory=list)
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
