@@ -80,9 +80,12 @@ def turn_records(job: "Job") -> list[Any]:
     return list(turns) if isinstance(turns, list) else []
 
 
-def process_terms(job: "Job", names: Iterable[str] = STANDARD_TERMS) -> dict[str, RewardComponent]:
+def process_terms(job: "Job", names: Iterable[str] = STANDARD_TERMS,
+                  texts: Optional[list[str]] = None) -> dict[str, RewardComponent]:
     """The standard process terms ``names`` (of :data:`STANDARD_TERMS`) of ``job``, each weighted with the
     request's ``reward_weights`` (0 when not named there), computed from its turn records and messages.
+    ``texts``: the generated text of each turn, when the messages are not the server's own record of it (a
+    gateway session's history is what the agent program sent: :func:`generated_texts` decodes the tokens).
 
     Raises:
         ValueError: a name that is not a standard term.
@@ -93,7 +96,8 @@ def process_terms(job: "Job", names: Iterable[str] = STANDARD_TERMS) -> dict[str
         if name == TOOL_CALL_ERRORS:
             value, per_turn = tool_call_error_share(turn_records(job))
         elif name == LANGUAGE_MIXING:
-            value, per_turn = language_mixing(job.messages, len(turn_records(job)))
+            msgs = job.messages if texts is None else [{"role": "assistant", "content": t} for t in texts]
+            value, per_turn = language_mixing(msgs, len(turn_records(job)))
         else:
             raise ValueError(f"{name!r} is not a standard process term ({', '.join(STANDARD_TERMS)})")
         out[name] = RewardComponent(value=value, weight=float(weights.get(name, 0.0)), per_turn=per_turn)
@@ -109,6 +113,18 @@ def tool_call_error_share(turns: list[Any]) -> tuple[float, Optional[list[float]
         return 0.0, None
     per = [-1.0 / n if (getattr(t, "tool_call_errors", 0) or 0) > 0 else 0.0 for t in turns]
     return math.fsum(per), per
+
+
+#: Tokens of one turn :func:`generated_texts` decodes (its start): with at most ~4 characters a token, the
+#: :data:`MAX_MIXING_CHARS` that :func:`mixing_share` reads.
+MAX_MIXING_TOKENS = 4096
+
+
+def generated_texts(trajectories: list[Any], tokenizer: Any) -> list[str]:
+    """The text of each generated span (one a turn: the runs of ``loss_mask`` 1, in order) of ``trajectories``,
+    decoded from the recorded token ids with ``tokenizer`` (its first :data:`MAX_MIXING_TOKENS` tokens each)."""
+    return [tokenizer.decode(ids[:MAX_MIXING_TOKENS], skip_special_tokens=True)
+            for t in trajectories for _, ids in t.spans()]
 
 
 _NOT_ASCII = re.compile(r"[\x00-\x7f]+")

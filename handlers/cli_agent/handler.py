@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 from handlers.code.task import SOLUTION, evaluate_solution, grading_limits, sandbox_spec
 from prorl_server.plugin import (AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError,
                                  NotRegradableError)
+from prorl_server.rewards import STANDARD_TERMS, compose_reward, generated_texts, process_terms
 from sandbox import Bind, ToolError
 
 GATEWAY_DIR = "/run/prorl-gateway"
@@ -198,6 +199,7 @@ class CliAgentState:
     complete_grace_s: float = DEFAULT_COMPLETE_GRACE_S
     solution: Optional[str] = None  # eval="code": the solution file the agent left
     reward_info: Optional[dict[str, Any]] = None  # eval="reward_info": what the agent posted to its session
+    generated_texts: Optional[list[str]] = None  # each turn's text, decoded from the tokens the server generated
 
 
 class CliAgentHandler(AgentHandler):
@@ -225,6 +227,7 @@ class CliAgentHandler(AgentHandler):
     instance_model = CliAgentInstance
     settings_model = CliAgentSettings
     state_model = CliAgentState
+    reward_terms = STANDARD_TERMS  # tool-call parse errors, language mixing: weight 0 unless the request asks
 
     def __init__(self, command: Optional[str] = None, eval: Optional[str] = None,
                  sandbox_image: Optional[str] = None) -> None:
@@ -323,6 +326,13 @@ class CliAgentHandler(AgentHandler):
         job.trajectories = session.trajectories()
         job.messages = result["messages"]
         state.reward_info = session.reward_info
+        if job.llm is not None and job.trajectories:
+            # the language-mixing term reads the tokens the server generated, never the history the agent
+            # program (which runs the model's commands in its sandbox) sent back; the session loaded this
+            # tokenizer already, so this is a cache hit
+            with contextlib.suppress(Exception):
+                state.generated_texts = generated_texts(job.trajectories,
+                                                        await job.llm.tokenizer(await job.backend()))
         job.extra["gateway"] = {**session.summary(), **info}
         await _raise_if_not_the_models(handle, session, end, info)
 
@@ -348,6 +358,8 @@ class CliAgentHandler(AgentHandler):
             job.reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
             job.resolved = bool(info.get("resolved", job.reward >= 1.0))
             job.extra["eval"] = {"reward_info": info}
+        # the outcome, plus the opted-in process terms (host-computed: turn records and generated tokens)
+        compose_reward(job, job.reward, process_terms(job, texts=state.generated_texts or []))
 
 
 #: Seconds of the job's budget kept for the eval stage when the agent's time is clamped to it (besides the

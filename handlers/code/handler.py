@@ -9,7 +9,8 @@
   never reaches; the host relays the tests' calls as plain data (:mod:`handlers.code.grading`). Reward 1.0 if
   every test passes, else 0.0; ``extra["eval"]`` says which test failed, the error, or that a time limit was
   hit. A failure of the grader's sandbox raises :class:`~handlers.code.grading.GraderError` (the eval stage
-  fails).
+  fails). That score is the ``outcome`` component; the process terms ``tool_call_errors`` and ``language_mixing``
+  (:mod:`prorl_server.rewards`, weight 0 unless the request's ``reward_weights`` names them) are added to it.
 
 Settings (``handlers: {code: {max_turns, eval_timeout_s, eval_call_timeout_s}}``,
 :class:`~handlers.code.task.CodeSettings`) give the defaults an instance may override.
@@ -23,6 +24,7 @@ from handlers.code.task import (DEFAULT_EVAL_TIMEOUT_S, SOLUTION, CodeInstance, 
                                 grading_limits, instance_by_id, sandbox_spec)
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
+from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import ToolError
 
 __all__ = ["CodeHandler", "DEFAULT_EVAL_TIMEOUT_S", "SOLUTION", "evaluate_solution", "sandbox_spec"]
@@ -54,6 +56,7 @@ class CodeHandler(AgentHandler):
     instance_model = CodeInstance
     settings_model = CodeSettings
     state_model = CodeState
+    reward_terms = STANDARD_TERMS  # tool-call parse errors, language mixing: weight 0 unless the request asks
 
     def instance_by_id(self, instance_id: str) -> Optional[dict[str, Any]]:
         return instance_by_id(instance_id)
@@ -92,7 +95,8 @@ class CodeHandler(AgentHandler):
         limits = grading_limits(job.instance, self.settings)
         reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.solution,
                                                limits.timeout_s, limits.call_timeout_s)
-        job.reward, job.resolved = reward, reward == 1.0
+        job.resolved = reward == 1.0
+        compose_reward(job, reward, process_terms(job))  # the outcome, plus the opted-in process terms
         job.extra["eval"] = info
 
 

@@ -9,7 +9,9 @@
   (``job.run_cpu``), never on the event loop; an answer whose scoring runs past
   ``MathHandler.score_timeout_s`` scores 0.0 (the worker is replaced); a worker that dies scoring the answer
   is the answer's doing: reward 0.0, ``failure_kind="model_crashed_grader"``, not filtered (who acted
-  decides: :mod:`prorl_server.failures`).
+  decides: :mod:`prorl_server.failures`). That score is the ``outcome`` component; the process terms
+  ``tool_call_errors`` and ``language_mixing`` (:mod:`prorl_server.rewards`, penalties in [-1, 0], weight 0
+  unless the request's ``reward_weights`` names them) are added to ``reward``, never to ``resolved``.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from handlers.math.scoring import score
 from prorl_server.cpu_pool import CpuTimeoutError, WorkerCrashedError
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
+from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import Limits, SandboxSpec
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "
@@ -103,6 +106,7 @@ class MathHandler(AgentHandler):
     instance_model = MathInstance
     settings_model = MathSettings
     state_model = MathState
+    reward_terms = STANDARD_TERMS  # tool-call parse errors, language mixing: weight 0 unless the request asks
 
     async def init(self, job) -> None:
         job.state.sandbox = await job.open_sandbox(
@@ -147,5 +151,6 @@ class MathHandler(AgentHandler):
             return
         except Exception as e:  # the scorer raised on the answer: its 0.0
             reward, info = 0.0, {"reason": f"scoring raised {type(e).__name__} on the answer"}
-        job.reward, job.resolved = reward, reward >= 1.0
+        job.resolved = reward >= 1.0
+        compose_reward(job, reward, process_terms(job))  # the outcome, plus the opted-in process terms
         job.extra["eval"] = info

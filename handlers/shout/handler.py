@@ -18,9 +18,14 @@ that learns to favour the capital-letter tokens raises it towards 1.0.
 What the policy could game: nothing outside its own last turn enters the reward (earlier turns and the
 feedback do not), and the reward is a pure function of that text, so the only way up is more capitals and
 fewer lower-case letters in it, which is the task.
+
+Reward components (:mod:`prorl_server.rewards`): ``outcome`` is that share, placed on the last turn;
+``turn_scores`` (the mean capital share of the turns that answered the feedback, each on its own turn) and
+``language_mixing`` are process terms of weight 0 unless the request's ``reward_weights`` names them.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -29,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.llm.conversation import Conversation
 from prorl_server.plugin import AgentHandler, NotRegradableError
-from prorl_server.types import TokenStats
+from prorl_server.rewards import LANGUAGE_MIXING, compose_reward, process_terms, turn_records
+from prorl_server.types import RewardComponent, TokenStats
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -71,6 +77,9 @@ class ShoutHandler(AgentHandler):
     needs_llm = True
     instance_model = ShoutInstance  # a malformed instance is refused at submit (422)
     state_model = ShoutState
+    #: process terms (weight 0 unless the request's reward_weights names them): the language mixing of the
+    #: model's turns, and ``turn_scores``, the mean capital share of the turns that answered the feedback
+    reward_terms = (LANGUAGE_MIXING, "turn_scores")
 
     async def init(self, job) -> None:
         job.state.instance = ShoutInstance.model_validate(job.instance)
@@ -123,9 +132,20 @@ class ShoutHandler(AgentHandler):
         last = next((m.get("content") or "" for m in reversed(job.messages) if m.get("role") == "assistant"), "")
         reached = job.state.turns >= inst.turns
         share, cased = capital_share(last) if reached else (0.0, 0)
-        job.reward = share
         job.resolved = reached and cased >= inst.min_letters and share == 1.0
         job.extra.setdefault("shout", {}).update(capital_share=share, cased_letters=cased)
+        # Per-turn placement: the outcome is the last turn's; each turn that answered the feedback scores its
+        # own capital share (host-computed from the generated text the server recorded, as the outcome is).
+        texts = [m.get("content") or "" for m in job.messages if m.get("role") == "assistant"]
+        aligned = len(texts) == len(turn_records(job)) and texts
+        answers = [capital_share(t)[0] / (len(texts) - 1) for t in texts[1:]]
+        per_turn = [0.0, *answers] if len(texts) > 1 else ([0.0] * len(texts))
+        terms = process_terms(job, (LANGUAGE_MIXING,))
+        weight = float(job.reward_weights.get("turn_scores", 0.0))
+        terms["turn_scores"] = RewardComponent(value=math.fsum(per_turn), weight=weight,
+                                               per_turn=per_turn if aligned else None)
+        compose_reward(job, share, terms,
+                       outcome_per_turn=[0.0] * (len(texts) - 1) + [share] if aligned else None)
 
 
 def load_dataset(arg: Optional[str] = None, limit: Optional[int] = None, seed: int = 0) -> list[dict]:

@@ -28,7 +28,9 @@ Instance::
   directory (no symlink followed) and parses it as XML; pytest's output is never read for the verdict.
   Reward 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test is in the report and passed (a missing one counts
   as failed), else 0.0; ``extra["eval"]`` has each test's status, whether the patch applied, which paths were
-  restored and why, and the output tail.
+  restored and why, and the output tail. That score is the ``outcome`` component; the process terms
+  ``tool_call_errors`` and ``language_mixing`` (:mod:`prorl_server.rewards`, weight 0 unless the request's
+  ``reward_weights`` names them) are added to it.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from prorl_server.cpu_pool import CpuTimeoutError
 from prorl_server.plugin import (AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError,
                                  NotRegradableError, preparing_sandbox)
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
+from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import Limits, SandboxSpec, ToolError
 
 REPO_SRC = "/repo_src"
@@ -165,6 +168,7 @@ class SweHandler(AgentHandler):
     instance_model = SweInstance
     settings_model = SweSettings
     state_model = SweState
+    reward_terms = STANDARD_TERMS  # tool-call parse errors, language mixing: weight 0 unless the request asks
 
     async def init(self, job) -> None:
         inst = job.instance
@@ -207,6 +211,11 @@ class SweHandler(AgentHandler):
                                  "repository; the result does not record the patch, so it cannot be re-graded")
 
     async def eval(self, job) -> None:
+        await self._grade(job)
+        if job.failure_kind is None:  # the outcome, plus the opted-in process terms (a failure earns none)
+            compose_reward(job, job.reward, process_terms(job))
+
+    async def _grade(self, job) -> None:
         inst = job.instance
         patch = job.state.patch
         info: dict[str, Any] = {"patch_bytes": len(patch.encode("utf-8", "surrogateescape")),

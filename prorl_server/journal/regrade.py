@@ -72,11 +72,12 @@ class RegradeOutcome:
     changed: Optional[bool] = None
     reason: Optional[str] = None
     result: Optional[JobResult] = field(default=None, repr=False)
+    old_components: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     def row(self) -> dict[str, Any]:
         """The JSON line ``prorl-journal regrade`` writes: every field but ``result``, plus, once eval ran, the new
         result's ``critical_error`` and ``filter`` and its ``extra["eval"]`` (what the grader said) when there is
-        one."""
+        one, and the old and new ``reward_components`` (#35 part 2: equal when the grader reproduces them)."""
         out = {k: getattr(self, k) for k in ("job_id", "handler", "status", "old_reward", "new_reward", "changed",
                                               "old_resolved", "new_resolved", "old_failure_kind", "failure_kind",
                                               "reason")}
@@ -84,6 +85,8 @@ class RegradeOutcome:
             out["critical_error"], out["filter"] = self.result.critical_error, self.result.filter
             if "eval" in self.result.extra:
                 out["eval"] = self.result.extra["eval"]
+            out["old_reward_components"] = self.old_components
+            out["new_reward_components"] = _components(self.result)
         return out
 
 
@@ -202,7 +205,10 @@ class Regrader:
             out.status, out.reason = "eval_failed", new.error or f"failure_kind {new.failure_kind}"
         else:
             out.status = "regraded"
-            out.changed = new.reward != old.reward or new.resolved != old.resolved
+            out.old_components = _components(old)
+            # a result recorded before components existed (none recorded) is compared on its reward alone
+            out.changed = (new.reward != old.reward or new.resolved != old.resolved
+                           or bool(old.reward_components) and _components(new) != out.old_components)
         return out
 
     def _job(self, old: JobResult, request: dict[str, Any], instance: dict[str, Any], handler: AgentHandler,
@@ -215,6 +221,7 @@ class Regrader:
         job.trajectories = [t.model_copy(deep=True) for t in old.trajectories]
         job.token_stats = old.token_stats
         job.timing = old.timing.model_copy()
+        job.reward_weights = dict(request.get("reward_weights") or {})  # the process terms' weights, as asked
         job.extra = {k: v for k, v in copy.deepcopy(old.extra).items() if k != "eval"}
         # The model acted iff turns were generated: what decides a scored failure kind (prorl_server.failures).
         turns = sum(t.num_turns for t in old.trajectories) or sum(1 for t in old.trajectories if any(t.loss_mask))
@@ -266,6 +273,12 @@ class Regrader:
         # what the run stage decided stays as recorded
         return result.model_copy(update={"timing": timing, "backend": old.backend,
                                          "weight_version": old.weight_version})
+
+
+def _components(result: JobResult) -> dict[str, Any]:
+    """``result``'s ``reward_components`` as JSON data (a result recorded before components: its outcome alone)."""
+    comps = result.reward_components or {"outcome": {"value": result.reward, "weight": 1.0, "per_turn": None}}
+    return {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in comps.items()}
 
 
 def _caused_by_no_runtime(e: Optional[BaseException]) -> Optional[NoSandboxRuntimeError]:
