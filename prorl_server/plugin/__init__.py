@@ -6,6 +6,9 @@
 - :class:`HandlerRegistry` / :func:`register_handler` (handlers also register through the
   ``prorl_server.handlers`` entry-point group; datasets through ``prorl_server.datasets``, whose loaders
   raise :class:`DatasetError`);
+- named reward components (:mod:`prorl_server.rewards`): :func:`compose_reward` (the outcome plus process terms,
+  weighted by the request's ``reward_weights``), the standard host-computed terms (:func:`process_terms`,
+  :data:`STANDARD_TERMS`) and :class:`RewardComponent`;
 - :mod:`prorl_server.plugin.toolkit`: sandbox tools as agent tools and the shared tool-using agent loop
   (:func:`~prorl_server.plugin.toolkit.run_agent` with an :class:`AgentConfig`).
 """
@@ -15,8 +18,11 @@ from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, Inf
                                          InstanceValidationError, InvalidInstanceError, NotRegradableError)
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, register_handler
 from prorl_server.failures import preparing_sandbox
+from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.types import RewardComponent
 
 __all__ = ["AgentConfig", "AgentHandler", "DatasetError", "HandlerRegistry", "HandlerSettingsError",
            "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "NotRegradableError",
-           "UnknownHandlerError", "preparing_sandbox",
+           "UnknownHandlerError", "preparing_sandbox", "RewardComponent", "STANDARD_TERMS", "compose_reward",
+           "process_terms",
            "register_handler"]
