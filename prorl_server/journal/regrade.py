@@ -222,6 +222,7 @@ class Regrader:
         job.token_stats = old.token_stats
         job.timing = old.timing.model_copy()
         job.reward_weights = dict(request.get("reward_weights") or {})  # the process terms' weights, as asked
+        job.turns = [t.model_copy() for t in old.turns]  # the turn records the process terms read
         job.extra = {k: v for k, v in copy.deepcopy(old.extra).items() if k != "eval"}
         # The model acted iff turns were generated: what decides a scored failure kind (prorl_server.failures).
         turns = sum(t.num_turns for t in old.trajectories) or sum(1 for t in old.trajectories if any(t.loss_mask))

@@ -119,3 +119,46 @@ def test_language_mixing_share_counts_letters_outside_the_main_script():
     assert mixing_share("Привет world") == pytest.approx(5 / 11)  # 6 Cyrillic letters, 5 Latin
     assert mixing_share("café naïve") == 0.0  # accented Latin is Latin
     assert 0.0 < mixing_share("hello 你好") < 0.5
+
+
+def _result(reward: float, n_turns: int):
+    from prorl_server.types import JobResult, TurnRecord
+
+    return JobResult(job_id="j", trajectory_id="t", handler="composed", reward=reward,
+                     turns=[TurnRecord(response_start=i, response_end=i + 1) for i in range(n_turns)])
+
+
+def test_turn_rewards_carry_the_per_turn_components_and_sum_to_the_reward():
+    from prorl_server.rewards import finalize
+
+    comps = {"outcome": RewardComponent(value=1.0, weight=1.0),  # no split: the last turn's
+             "brevity": RewardComponent(value=-0.6, weight=0.5, per_turn=[-0.1, -0.2, -0.3])}
+    res = finalize(_result(math.fsum([1.0, 0.5 * -0.6]), 3), comps, ("brevity",))
+    assert res.failure_kind is None
+    assert [t.reward for t in res.turns] == pytest.approx([-0.05, -0.1, 1.0 - 0.15], abs=1e-15)
+    assert math.fsum(t.reward for t in res.turns) == pytest.approx(res.reward, abs=1e-15)
+    # a scalar-only handler: the last turn carries the whole reward
+    plain = finalize(_result(0.75, 2), None)
+    assert [t.reward for t in plain.turns] == [0.0, 0.75]
+
+
+def test_a_per_turn_split_that_does_not_fit_the_turns_is_a_handler_fault():
+    from prorl_server.rewards import finalize
+
+    wrong_len = {"outcome": RewardComponent(value=1.0, weight=1.0, per_turn=[0.5, 0.5])}
+    res = finalize(_result(1.0, 3), wrong_len)
+    assert res.failure_kind == "handler" and res.filter and "'outcome' has 2 per-turn values for 3 turns" in res.error
+    assert [t.reward for t in res.turns] == [0.0, 0.0, 0.0]
+    wrong_sum = {"outcome": RewardComponent(value=1.0, weight=1.0, per_turn=[0.5, 0.25, 0.0])}
+    res = finalize(_result(1.0, 3), wrong_sum)
+    assert res.failure_kind == "handler" and "per-turn values sum to 0.75" in res.error
+
+
+def test_tool_call_errors_penalise_the_turns_whose_calls_did_not_parse():
+    from prorl_server.rewards import tool_call_error_share
+    from prorl_server.types import TurnRecord
+
+    turns = [TurnRecord(tool_calls=1), TurnRecord(tool_calls=0, tool_call_errors=2), TurnRecord(tool_calls=1)]
+    assert tool_call_error_share(turns) == (-1 / 3, [0.0, -1 / 3, 0.0])
+    assert tool_call_error_share([TurnRecord(), TurnRecord()]) == (0.0, [0.0, 0.0])  # silence earns nothing
+    assert tool_call_error_share([]) == (0.0, None)
