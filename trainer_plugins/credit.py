@@ -1,0 +1,132 @@
+"""Per-turn credit for multi-turn rollouts (issue #35 part 4): what each sampled token is credited with.
+
+A job result splits its reward over its model turns (``JobResult.turns``: each turn's ``trajectory_index``,
+its sampled tokens as the span ``[response_start, response_end)`` of that trajectory's ``response_ids``, and
+its ``reward`` share; the shares sum to ``result.reward``). Two layouts come out of it, used by both trainer
+plugins (verl's ``rm_scores``, TRL's rows):
+
+- **per-token rewards** (:func:`token_rewards`): each turn's reward on its last sampled token, 0 elsewhere, as
+  SkyRL and verl's own ``rm_scores`` place a step's reward. Summed over a row they give the row's share of the
+  reward, so a trainer that reduces ``rm_scores`` to one score per row (GRPO, RLOO) sees what it saw before.
+- **reward-to-go** (:func:`turn_returns`, :func:`token_returns`): every token of turn ``k`` carries
+  ``G_k = r_k + gamma * G_{k+1}`` (the return from its turn on; REINFORCE with reward-to-go, Sutton & Barto,
+  *Reinforcement Learning: An Introduction*, 2nd ed., section 13.3; Williams 1992), the discount counted in
+  turns, not tokens. A turn's action cannot change the rewards earned before it, so dropping them keeps the
+  policy-gradient estimate unbiased and lowers its variance; with a baseline that does not depend on the
+  trajectory's own actions (a leave-one-out group mean, :func:`rloo_baseline`) it stays unbiased when the
+  policy decides when to stop. Per-turn-index normalisation (MT-GRPO's, verl issue #7244) subtracts one
+  group mean per turn the trajectory took, so the number of terms is the trajectory's own choice: biased;
+  ``tests/trainer/test_turn_credit_mdp.py`` measures both.
+
+numpy only: the plugins import this without torch, verl or TRL.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["turn_returns", "token_rewards", "token_returns", "rloo_baseline", "row_turns"]
+
+
+def turn_returns(turn_rewards: np.ndarray | Sequence[float], gamma: float = 1.0) -> np.ndarray:
+    """Discounted reward-to-go per turn: ``G_k = r_k + gamma * G_{k+1}``, ``G_{K-1} = r_{K-1}``.
+
+    ``turn_rewards``: shape ``(..., K)`` (K turns on the last axis; an episode that ended earlier is padded
+    with zeros after its last turn, which leaves its returns unchanged). ``gamma``: discount per turn, in
+    ``[0, 1]``. Returns float64 of the same shape.
+
+    Raises: ValueError: ``gamma`` outside ``[0, 1]`` or not finite, or a non-finite reward.
+    """
+    gamma = float(gamma)
+    if not (0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    r = np.asarray(turn_rewards, dtype=np.float64)
+    if not np.all(np.isfinite(r)):
+        raise ValueError("turn rewards must be finite")
+    out = np.empty_like(r)
+    acc = np.zeros(r.shape[:-1], dtype=np.float64)
+    for k in range(r.shape[-1] - 1, -1, -1):
+        acc = r[..., k] + gamma * acc
+        out[..., k] = acc
+    return out
+
+
+def _check_spans(response_length: int, spans: Sequence[tuple[int, int]], n_rewards: int) -> None:
+    if len(spans) != n_rewards:
+        raise ValueError(f"{len(spans)} turn spans for {n_rewards} turn rewards")
+    prev_end = 0
+    for start, end in spans:
+        if not (prev_end <= start < end <= response_length):
+            raise ValueError(f"turn span [{start}, {end}) is empty, overlaps the previous turn or lies outside "
+                             f"the {response_length} response tokens")
+        prev_end = end
+
+
+def token_rewards(response_length: int, spans: Sequence[tuple[int, int]],
+                  rewards: Sequence[float]) -> list[float]:
+    """Per-token rewards of one row: turn ``k``'s reward on token ``spans[k][1] - 1`` (its last sampled token),
+    0.0 elsewhere.
+
+    ``response_length``: the row's number of response tokens R. ``spans``: the row's turns in order, each
+    ``(response_start, response_end)`` (token indices, end exclusive, non-empty, non-overlapping, within R).
+    ``rewards``: one per span. Returns a list of R floats summing to ``sum(rewards)``.
+
+    Raises: ValueError: spans and rewards differ in number, or a span is empty, out of order or out of range.
+    """
+    _check_spans(response_length, spans, len(rewards))
+    out = [0.0] * response_length
+    for (_, end), r in zip(spans, rewards):
+        out[end - 1] += float(r)
+    return out
+
+
+def token_returns(response_length: int, spans: Sequence[tuple[int, int]], rewards: Sequence[float],
+                  gamma: float = 1.0, tail: float = 0.0) -> list[float]:
+    """Per-token reward-to-go of one row: every token of turn ``k``'s span carries ``G_k``
+    (:func:`turn_returns` over ``rewards``, plus ``gamma ** (K - k) * tail``); tokens outside every span
+    (prompt-side observations, tool output: ``loss_mask`` 0) carry 0.0.
+
+    ``tail``: the return of the turns after this row (a trajectory split into several rows: the later rows'
+    return, so a row's last turn is credited with what followed it). Other arguments as :func:`token_rewards`.
+    Returns a list of R floats.
+
+    Raises: ValueError: as :func:`token_rewards` and :func:`turn_returns`.
+    """
+    _check_spans(response_length, spans, len(rewards))
+    g = turn_returns(list(rewards) + [float(tail)], gamma)[:-1] if rewards else []
+    out = [0.0] * response_length
+    for (start, end), value in zip(spans, g):
+        out[start:end] = [float(value)] * (end - start)
+    return out
+
+
+def rloo_baseline(values: np.ndarray, group_size: int) -> np.ndarray:
+    """Leave-one-out group mean (RLOO, Kool et al. 2019; Ahmadian et al. 2024): for each sample, the mean of
+    the other ``group_size - 1`` members of its group. It does not depend on the sample's own actions, so
+    subtracting it keeps a policy-gradient estimate unbiased.
+
+    ``values``: shape ``(B, ...)`` with ``B`` a multiple of ``group_size`` and groups contiguous
+    (``values[g * group_size:(g + 1) * group_size]``). Returns float64 of the same shape.
+
+    Raises: ValueError: ``group_size < 2`` or ``B`` not a multiple of it.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    if group_size < 2 or v.shape[0] % group_size:
+        raise ValueError(f"{v.shape[0]} samples do not form groups of {group_size} (>= 2)")
+    g = v.reshape(v.shape[0] // group_size, group_size, *v.shape[1:])
+    loo = (g.sum(axis=1, keepdims=True) - g) / (group_size - 1)
+    return loo.reshape(v.shape)
+
+
+def row_turns(turns: Iterable[object], trajectory_index: int) -> tuple[list[tuple[int, int]], list[float]]:
+    """The spans and rewards of the turns of one trajectory row, in order, from a job result's ``turns``
+    (objects or dicts with ``trajectory_index``, ``response_start``, ``response_end``, ``reward``)."""
+    spans, rewards = [], []
+    for t in turns:
+        get = t.get if isinstance(t, dict) else (lambda k, _t=t: getattr(_t, k))
+        if int(get("trajectory_index")) == trajectory_index:
+            spans.append((int(get("response_start")), int(get("response_end"))))
+            rewards.append(float(get("reward")))
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    return [spans[i] for i in order], [rewards[i] for i in order]
