@@ -16,6 +16,7 @@ answer does not also get. ``prorl-journal regrade`` recomputes them from the sam
 """
 from __future__ import annotations
 
+import collections
 import math
 import re
 import unicodedata
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 OUTCOME = "outcome"
 #: Largest ``|reward - sum(weight * value)|`` the server accepts, relative to ``max(1, sum |weight * value|)``.
 TOLERANCE = 1e-12
-#: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn
-#: (~3 ms for a turn of non-ASCII text at the bound; an ASCII turn costs one ``str.isascii`` call).
+#: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn (an
+#: ASCII turn costs one ``str.isascii`` call; other text a C-speed count, then one Unicode-name lookup per
+#: distinct character).
 MAX_MIXING_CHARS = 16384
 
 #: Process term: the share of the job's turns whose tool calls did not parse, negated (value in [-1, 0]).
@@ -143,11 +145,12 @@ def mixing_share(text: str) -> float:
     if text.isascii():  # the common case, at C speed: every letter is Latin
         return 0.0
     counts = {"LATIN": len(_ASCII_LETTERS.sub("", text))}
-    for ch in _NOT_ASCII.sub("", text):
+    # each distinct character's Unicode name is looked up once (Counter counts at C speed)
+    for ch, k in collections.Counter(_NOT_ASCII.sub("", text)).items():
         if ch.isalpha():
             word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
             group = _SCRIPT_GROUP.get(word, word)
-            counts[group] = counts.get(group, 0) + 1
+            counts[group] = counts.get(group, 0) + k
     total = sum(counts.values())
     return 0.0 if total == 0 else 1.0 - max(counts.values()) / total
 
