@@ -10,7 +10,8 @@ Config file (JSON): ``workspace`` (path inside the sandbox), ``run_dir`` (bound,
 the kernel's ipc files and the shell's command file), ``env`` (environment of shell and kernel), ``limits``
 (:class:`sandbox.spec.Limits` as a dict), ``sessions_file`` (optional; where to record the shell's session for
 a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to drop to before anything runs),
-``ready_fd`` (optional: an inherited descriptor to write one byte to, then close, once the socket listens).
+``ready_fd`` (optional: an inherited pipe's write end to write one byte to once the socket listens; the server
+exits when that write finds no reader, and later when the host's read end closes: the host died or closed it).
 
 SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
 Imports are kept minimal (no asyncio, no pydantic) because this module's start time is the sandbox's start time.
@@ -159,21 +160,31 @@ class ExecServer:
         self._listener = lst
         self.loop.add_reader(lst.fileno(), self._accept)
         if self._ready_fd is not None:
-            # Tell the host it may connect now (it waits on this pipe instead of polling the socket); closed at
-            # once so that no tool process inherits it.
+            # Tell the host it may connect now (it waits on this pipe instead of polling the socket). No reader
+            # means the host died while this sandbox started, maybe before bwrap armed --die-with-parent (its
+            # PR_SET_PDEATHSIG then names init): nobody will ever use or close this sandbox, so it ends itself.
             try:
                 os.write(self._ready_fd, b"1")
+            except BrokenPipeError:
+                self.shutdown_tools()
+                return
             except OSError:
                 pass
-            try:
-                os.close(self._ready_fd)
-            except OSError:
-                pass
-            self._ready_fd = None
+            else:
+                # Kept for the sandbox's life, never inherited by a tool: the host holds the read end until it
+                # closes the sandbox, so an error on this end (EPOLLERR: no reader left) means the host is gone,
+                # whatever bwrap's parent-death signal saw.
+                os.set_inheritable(self._ready_fd, False)
+                self.loop.add_reader(self._ready_fd, self._host_gone)
         try:
             self.loop.run_forever()
         finally:
             self.shutdown_tools()
+
+    def _host_gone(self) -> None:
+        """The host's end of the readiness pipe closed (the host closed the sandbox or died): stop serving."""
+        self.loop.remove_reader(self._ready_fd)
+        self.loop.stop()
 
     def _accept(self) -> None:
         try:

@@ -218,6 +218,8 @@ class SandboxHandle:
         #: Pending while the host verifies, after an eviction at the free-space floor, what the kill freed: the
         #: reason a call raises (``host_disk`` or ``disk_quota``) is known only then.
         self._verdict: Optional[asyncio.Future] = None
+        #: The readiness pipe, whose read end is held until close (its closing ends the execution server).
+        self._ready: Optional["_ReadyPipe"] = None
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -361,6 +363,8 @@ class SandboxHandle:
                                        sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir,
                                                                   self.sandbox_id),
                                        pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
+        if self._ready is not None:
+            self._ready.close()
         if self.bounds.cgroup and not survivors:
             await asyncio.to_thread(bounds.remove_cgroup, self.bounds.cgroup, self.bounds.cgroup_version)
         for lease in self._leases:
@@ -588,6 +592,7 @@ class SandboxRuntime(abc.ABC):
             handle = SandboxHandle(self, sandbox_id=sandbox_id, spec=spec, proc=proc,
                                    create_time=record["create_time"], client=client, ctx=ctx, leases=leases,
                                    workspace_created=created, started_at=started_at)
+            handle._ready = ready
             self._handles[sandbox_id] = handle
             handle.start_steps = steps
             lap("record")
@@ -606,7 +611,7 @@ class SandboxRuntime(abc.ABC):
             raise
         try:
             await client.call("ping", {}, self.start_timeout_s)
-            ready.close()
+            ready._unwatch()  # the read end stays open while the sandbox lives (see _ReadyPipe)
             lap("ready")
             # The sandbox's pid namespace as the host sees it at the verified peer (not as the sandbox reports
             # it: with an image, the image's own loader and libraries run the execution server).
@@ -1082,7 +1087,13 @@ class _ReadyPipe:
     number, config ``ready_fd``); the server writes a byte to it once it listens, and the end of every process
     holding it (the sandbox's death) closes it. ``event`` is set at either, so the host connects once instead of
     polling the socket: at 64 concurrent starts a 1 ms poll of each socket took more CPU than the starts. What a
-    sandbox writes there is never read, only waited for; the connection is checked as before."""
+    sandbox writes there is never read, only waited for; the connection is checked as before.
+
+    The read end stays open (unwatched) while the sandbox lives and closes with it: the execution server exits
+    when its ready write finds no reader, or later when the read end closes, so a sandbox never outlives a
+    SIGKILLed server, even one caught before bwrap armed ``--die-with-parent`` (its parent-death signal then
+    names init). It is close-on-exec and the server's process pool forks from a clean forkserver, so only this
+    process holds it."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
@@ -1095,7 +1106,12 @@ class _ReadyPipe:
 
     def _fire(self) -> None:
         self.event.set()
-        self.close()
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and self.read_fd >= 0:
+            self._loop.remove_reader(self.read_fd)
+        self._loop = None
 
     def close_write(self) -> None:
         if self.write_fd >= 0:
@@ -1106,8 +1122,7 @@ class _ReadyPipe:
         """Idempotent: stop watching and close both ends."""
         self.close_write()
         if self.read_fd >= 0:
-            if self._loop is not None:
-                self._loop.remove_reader(self.read_fd)
+            self._unwatch()
             os.close(self.read_fd)
             self.read_fd = -1
 

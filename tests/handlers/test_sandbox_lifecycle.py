@@ -105,11 +105,11 @@ def test_server_signal_leaves_no_sandbox_process(tmp_path, sig):
     script.write_text(SERVER)
     ready = tmp_path / "ready.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}  # this server's own ownership records
-    # No warm pool: its background refills could be mid-start when the signal lands, and a sandbox killed in its
-    # launcher shell (before bwrap sets --die-with-parent) outlives the server until the next start's reap (what
-    # tests/sandbox/test_pool.py checks for pooled sandboxes). This test is about the job's own sandbox.
+    # With the warm pool on (its default): a refill may be mid-start when the signal lands, and its sandbox must go
+    # with the server too (the execution server ends itself when its host's readiness pipe has no reader; see
+    # tests/sandbox/test_pool.py::test_a_server_killed_mid_refill_leaves_no_sandbox_process).
     proc = subprocess.Popen([sys.executable, str(script), "--port", "0", "--ready-file", str(ready),
-                             "--sandbox-runtime", "bubblewrap", "--sandbox-pool-size", "0", "--log-level", "warning"],
+                             "--sandbox-runtime", "bubblewrap", "--log-level", "warning"],
                             env=env)
     try:
         for _ in range(400):

@@ -197,3 +197,70 @@ async def test_the_server_pools_its_handlers_sandboxes_and_counts_on_metrics(run
     finally:
         await c._close_sandboxes()
     assert c.runtime.handles == []
+
+
+# Fault injection: stands for a launcher that the scheduler holds up before bwrap arms --die-with-parent (the
+# window a SIGKILL of the server can land in: bwrap's PR_SET_PDEATHSIG then names init, not the dead server).
+SLOW_LAUNCHER = """#!/bin/sh
+if [ "$1" != "--help" ]; then echo $$ >> {pids}; sleep {delay}; fi
+exec {bwrap} "$@"
+"""
+
+# A server whose pool refill is under way (its launcher held up) when the test SIGKILLs it.
+REFILLING_SERVER = r"""
+import asyncio, json, sys
+from sandbox import Limits, SandboxSpec, make_runtime
+from sandbox.pool import SandboxPool
+
+async def main():
+    rt = make_runtime("bubblewrap", **json.loads(sys.argv[1]))
+    pool = SandboxPool(rt, size=1)
+    pool.register(SandboxSpec(network="none", limits=Limits(max_processes=256)))
+    await asyncio.sleep(1000)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_server_killed_mid_refill_leaves_no_sandbox_process(runtime_options, short_tmp):
+    pids_file = os.path.join(short_tmp, "launchers")
+    launcher = os.path.join(short_tmp, "slow-bwrap")
+    with open(launcher, "w") as f:
+        f.write(SLOW_LAUNCHER.format(pids=pids_file, delay=1, bwrap=shutil.which("bwrap")))
+    os.chmod(launcher, 0o755)
+    options = {**runtime_options, "bwrap": launcher, "uid_lease_dir": os.path.join(short_tmp, "uids")}
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", REFILLING_SERVER, json.dumps(options),
+                                                  cwd=REPO)
+    seen: set[psutil.Process] = set()
+    try:
+        for _ in range(600):
+            if os.path.exists(pids_file) and open(pids_file).read().strip():
+                break
+            await asyncio.sleep(0.05)
+        server.kill()  # while the refill's launcher is held up, before bwrap's --die-with-parent
+        await server.wait()
+        pid = int(open(pids_file).read().split()[0])
+        seen.add(psutil.Process(pid))
+        deadline = asyncio.get_running_loop().time() + 15
+        while asyncio.get_running_loop().time() < deadline:
+            for p in list(seen):
+                try:
+                    seen.update(p.children(recursive=True))
+                except psutil.Error:
+                    pass
+            alive = [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive:
+                break
+            await asyncio.sleep(0.1)
+        # the launcher did go on into the sandbox (else this proves nothing) and nothing of it outlived the server
+        assert len(seen) > 1, "the held-up launcher never started its sandbox"
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        if server.returncode is None:
+            server.kill()
+        for p in seen:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        await make_runtime("bubblewrap", **options).reap_orphans()
