@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 from handlers.code.task import SOLUTION, evaluate_solution, grading_limits, sandbox_spec
 from prorl_server.plugin import (AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError,
                                  NotRegradableError)
-from prorl_server.rewards import STANDARD_TERMS, compose_reward, generated_texts, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, generated_texts, process_terms
 from sandbox import Bind, ToolError
 
 GATEWAY_DIR = "/run/prorl-gateway"

@@ -24,7 +24,7 @@ from handlers.code.task import (DEFAULT_EVAL_TIMEOUT_S, SOLUTION, CodeInstance, 
                                 grading_limits, instance_by_id, sandbox_spec)
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import ToolError
 
 __all__ = ["CodeHandler", "DEFAULT_EVAL_TIMEOUT_S", "SOLUTION", "evaluate_solution", "sandbox_spec"]

@@ -25,7 +25,7 @@ from handlers.math.scoring import score
 from prorl_server.cpu_pool import CpuTimeoutError, WorkerCrashedError
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import Limits, SandboxSpec
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "

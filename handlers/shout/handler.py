@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.llm.conversation import Conversation
 from prorl_server.plugin import AgentHandler, NotRegradableError
-from prorl_server.rewards import LANGUAGE_MIXING, compose_reward, process_terms, turn_records
+from prorl_server.plugin import LANGUAGE_MIXING, compose_reward, process_terms, turn_records
 from prorl_server.types import RewardComponent, TokenStats
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."

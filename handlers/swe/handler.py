@@ -51,7 +51,7 @@ from prorl_server.cpu_pool import CpuTimeoutError
 from prorl_server.plugin import (AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError,
                                  NotRegradableError, preparing_sandbox)
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
 from sandbox import Limits, SandboxSpec, ToolError
 
 REPO_SRC = "/repo_src"

@@ -18,11 +18,12 @@ from prorl_server.plugin.handler import (AgentHandler, HandlerSettingsError, Inf
                                          InstanceValidationError, InvalidInstanceError, NotRegradableError)
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, register_handler
 from prorl_server.failures import preparing_sandbox
-from prorl_server.rewards import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.rewards import (LANGUAGE_MIXING, STANDARD_TERMS, TOOL_CALL_ERRORS, compose_reward, generated_texts,
+                                  process_terms, turn_records)
 from prorl_server.types import RewardComponent
 
 __all__ = ["AgentConfig", "AgentHandler", "DatasetError", "HandlerRegistry", "HandlerSettingsError",
            "InfrastructureError", "InstanceValidationError", "InvalidInstanceError", "NotRegradableError",
            "UnknownHandlerError", "preparing_sandbox", "RewardComponent", "STANDARD_TERMS", "compose_reward",
-           "process_terms",
+           "process_terms", "LANGUAGE_MIXING", "TOOL_CALL_ERRORS", "generated_texts", "turn_records",
            "register_handler"]

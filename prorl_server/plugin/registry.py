@@ -50,12 +50,23 @@ class HandlerRegistry:
         """Register a handler class or instance under ``name`` (default: its ``name``) and aliases.
 
         Raises:
-            ValueError: no name given and the handler has none.
+            ValueError: no name given and the handler has none, or its ``reward_terms`` are not distinct
+                lower-case identifiers other than ``outcome`` (at most 31: ``MAX_REWARD_COMPONENTS`` with it).
         """
+        import re
+
+        from prorl_server.types import MAX_REWARD_COMPONENTS, REWARD_COMPONENT_PATTERN
+
         inst = handler() if isinstance(handler, type) else handler
         key = name or inst.name
         if not key:
             raise ValueError(f"handler {inst!r} has no name")
+        terms = tuple(getattr(inst, "reward_terms", ()))
+        bad = [t for t in terms if not isinstance(t, str) or not re.fullmatch(REWARD_COMPONENT_PATTERN, t)
+               or t == "outcome"]
+        if bad or len(set(terms)) != len(terms) or len(terms) >= MAX_REWARD_COMPONENTS:
+            raise ValueError(f"handler {key!r}: reward_terms {terms!r} must be distinct lower-case identifiers other "
+                             f"than 'outcome', at most {MAX_REWARD_COMPONENTS - 1} (bad: {bad!r})")
         self._handlers[key] = inst
         for alias in (*inst.aliases, *aliases):
             self._aliases[alias] = key

@@ -162,3 +162,13 @@ def test_tool_call_errors_penalise_the_turns_whose_calls_did_not_parse():
     assert tool_call_error_share(turns) == (-1 / 3, [0.0, -1 / 3, 0.0])
     assert tool_call_error_share([TurnRecord(), TurnRecord()]) == (0.0, [0.0, 0.0])  # silence earns nothing
     assert tool_call_error_share([]) == (0.0, None)
+
+
+@pytest.mark.parametrize("terms", [("outcome",), ("Bad Name",), ("a", "a"), tuple(f"t{i}" for i in range(32))])
+def test_a_handler_declaring_unusable_reward_terms_is_refused_at_registration(terms):
+    class Bad(ComposedHandler):
+        name = "bad_terms"
+        reward_terms = terms
+
+    with pytest.raises(ValueError, match="reward_terms"):
+        HandlerRegistry().register(Bad)
