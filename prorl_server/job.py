@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Optional, TypeVar
 
-from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory
+from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory, TurnRecord
 from prorl_server.cpu_pool import ANSWER_CPU_BUDGET_S
 from prorl_server.failures import is_filtered, preparing_sandbox
 
@@ -168,6 +168,8 @@ class Job(Generic[S]):
         self.turns_generated = 0
         self.messages: list[dict[str, Any]] = []
         self.trajectories: list[Trajectory] = []
+        #: one per generated turn, in order (:class:`TurnRecord`; set with the trajectories they index)
+        self.turns: list[TurnRecord] = []
         # the drift report of the job's conversations, summed (AgentResult.apply_to, a gateway session's end)
         self.token_stats: Optional[TokenStats] = None
         self.extra: dict[str, Any] = {}
@@ -434,5 +436,5 @@ class Job(Generic[S]):
             filter=bool(self.filter) or is_filtered(self.failure_kind), failure_kind=self.failure_kind,
             messages=self.messages, trajectories=self.trajectories,
             timing=self.timing, backend=self._backend_address, weight_version=self._weight_version,
-            token_stats=self.token_stats, extra=self.extra,
+            token_stats=self.token_stats, turns=list(self.turns), extra=self.extra,
         )

@@ -30,6 +30,7 @@ from prorl_server.job import Job, JobServices
 from prorl_server.metrics import Metrics
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.rewards import finalize
+from prorl_server.turn_records import charge_run_time
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
 log = logging.getLogger(__name__)
@@ -730,5 +731,6 @@ async def handler_result(job: Job) -> JobResult:
     if result.failure_kind in SCORED_KINDS and (result.reward != 0.0 or result.resolved):
         result = result.model_copy(update={"reward": 0.0, "resolved": False})
     # named components (#35 part 2): checked against the reward, or the job fails as the handler's fault
+    result = charge_run_time(result)  # the turns' times add up to run_s (#35 part 1)
     return finalize(result, result.reward_components or job.reward_components,
                     getattr(job.handler, "reward_terms", ()))

@@ -324,6 +324,7 @@ class CliAgentHandler(AgentHandler):
             state.solution = await asyncio.to_thread(_read_workspace_file, handle.workspace, SOLUTION)
         result = gw.finalize(session, reason=end)
         job.trajectories = session.trajectories()
+        job.turns = session.turn_records()
         job.messages = result["messages"]
         state.reward_info = session.reward_info
         if job.llm is not None and job.trajectories:
@@ -384,6 +385,7 @@ def _keep_what_the_model_did(job: Any, session: Any) -> None:
     model caused is scored on what it did (and a filtered one shows it)."""
     try:
         job.trajectories = session.trajectories()
+        job.turns = session.turn_records()
     except Exception:  # a session in a state that cannot be read: the failure itself matters more
         pass
 

@@ -111,6 +111,7 @@ class ShoutHandler(AgentHandler):
         conv.finish(finish)
         job.messages = conv.messages
         job.trajectories = conv.trajectories()
+        job.turns = list(conv.turns)
         job.add_token_stats(TokenStats(**conv.token_stats()))
         job.state.turns = conv.num_turns
         job.extra["shout"] = {"turns": conv.num_turns, "finish_reason": finish}

@@ -35,7 +35,7 @@ from prorl_server.llm.client import (BackendSource, Completion, LLMRequestError,
                                      PoolBackends)
 from prorl_server.llm.tool_parser import ParsedTurn
 from prorl_server.llm.turn import AUTO, ContextFullError, ContextUnknownError, ToolParserUnavailableError, TurnEngine
-from prorl_server.types import TokenStats, Trajectory
+from prorl_server.types import TokenStats, Trajectory, TurnRecord
 
 if TYPE_CHECKING:
     from prorl_server.balancer import BackendPool
@@ -164,6 +164,8 @@ class Session:
     last_finish: Optional[str] = None
     # drift report of the conversations that gateway splits closed, and those splits by reason code
     past_stats: TokenStats = field(default_factory=TokenStats)
+    # turn records of the conversations that gateway splits closed (trajectory_index into trajectories())
+    past_turns: list[TurnRecord] = field(default_factory=list)
 
     @property
     def ref(self) -> str:
@@ -180,6 +182,15 @@ class Session:
         out = list(self.done)
         if self.conv is not None and self.conv.num_turns:
             out += self.conv.trajectories()
+        return out
+
+    def turn_records(self) -> list[TurnRecord]:
+        """One :class:`~prorl_server.types.TurnRecord` per turn of the session's conversations, indexing
+        :meth:`trajectories` (an ``n > 1`` branch trajectory, a copy of its base plus one choice, has none)."""
+        out = [t.model_copy() for t in self.past_turns]
+        if self.conv is not None and self.conv.num_turns:
+            base = len(self.done)
+            out += [t.model_copy(update={"trajectory_index": t.trajectory_index + base}) for t in self.conv.turns]
         return out
 
     def token_stats(self) -> TokenStats:
@@ -203,6 +214,7 @@ class Session:
         """``summary()`` plus ``trajectories`` (wire :class:`Trajectory` dicts) and ``messages`` (the open
         conversation's, as served)."""
         return {**self.summary(), "trajectories": [t.model_dump() for t in self.trajectories()],
+                "turns": [t.model_dump() for t in self.turn_records()],
                 "messages": [dict(m) for m in self.history]}
 
 
@@ -315,7 +327,7 @@ class Gateway:
         if s.conv is not None and s.last_finish is not None:
             s.conv.finish(s.last_finish)
         if state == "aborted":
-            s.conv, s.done, s.history = None, [], []
+            s.conv, s.done, s.history, s.past_turns = None, [], [], []
         else:  # the drift report goes with the tokens: into the job's result, or to on_token_stats
             stats = s.token_stats()
             if s.job is not None:
@@ -429,6 +441,9 @@ class Gateway:
             except (NoBackendError, LLMUnavailableError) as e:
                 raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
             sampling = self._sampling(req, tok)
+            if s.conv is not None and s.conv.turns and not s.awaiting:
+                # since the last answer the agent program ran (its tool calls): the model's side, #35
+                s.conv.record_tools(s.conv.since_last_turn())
             await self._advance(s, req, tok, info.max_model_len)
             conv = s.conv
             assert conv is not None
@@ -617,6 +632,7 @@ class Gateway:
             if trajs:
                 trajs[-1].finish_reason = "split"
                 trajs[-1].split_reason = reason
+                s.past_turns = s.turn_records()
                 s.done.extend(trajs)
             s.split_reasons.append(reason)
             s.past_stats += TokenStats(**s.conv.token_stats()) + TokenStats(splits={reason.split(":", 1)[0]: 1})

@@ -44,7 +44,7 @@ from prorl_server.failures import InfrastructureError
 from prorl_server.llm.client import Backends, LLMClient, backend_source
 from prorl_server.llm.tool_parser import ParsedTurn, ToolCall, ToolCallError, ToolParser
 from prorl_server.llm.turn import AUTO, ContextFullError, TurnEngine
-from prorl_server.types import TokenStats, Trajectory
+from prorl_server.types import TokenStats, Trajectory, TurnRecord
 from sandbox.errors import SandboxError, ToolError, ToolTimeout
 
 if TYPE_CHECKING:
@@ -142,7 +142,9 @@ class AgentResult:
     ``metrics``: counters (``tool_calls``, ``tool_errors``, ``malformed_tool_calls``, ``unknown_tool_calls``,
     ``tool_timeouts``, ``llm_failovers``, ``llm_pause_retries``, ``splits``, ...) and seconds
     (``llm_http_s``, ``tool_s``, ``overhead_s`` = everything else the loop spent). ``token_stats``: the
-    conversation's drift report (:class:`~prorl_server.types.TokenStats`).
+    conversation's drift report (:class:`~prorl_server.types.TokenStats`). ``turns``: one
+    :class:`~prorl_server.types.TurnRecord` per generated turn (spans, counts, times; tools run one after another,
+    so each turn's ``t_tool_critical_s`` equals its ``t_tool_s``).
     """
 
     messages: list[dict]
@@ -154,12 +156,14 @@ class AgentResult:
     backend: Optional[str] = None
     metrics: dict[str, float] = field(default_factory=dict)
     token_stats: TokenStats = field(default_factory=TokenStats)
+    turns: list[TurnRecord] = field(default_factory=list)
 
     def apply_to(self, job: "Job") -> None:
-        """Write messages, trajectories and metrics into a job (``job.extra["agent"]``), and add
+        """Write messages, trajectories, turn records and metrics into a job (``job.extra["agent"]``), and add
         :attr:`token_stats` to the job's (a job that runs several conversations reports their sum)."""
         job.messages = self.messages
         job.trajectories = self.trajectories
+        job.turns = [t.model_copy() for t in self.turns]
         job.add_token_stats(self.token_stats)
         job.extra["agent"] = {"finish_reason": self.finish_reason, "num_turns": self.num_turns,
                               "answer": self.answer, "weight_versions": self.weight_versions, **self.metrics}
@@ -287,9 +291,11 @@ class AgentLoop:
                     if finish_call is None and conv.num_turns >= cfg.max_turns:
                         finish_reason = "max_turns"
                         break
-                    t_tools = time.perf_counter()
+                    t_tools = time.monotonic()
                     new = await self._run_tools(parsed, m, hint, deadline)
-                    m["tool_s"] += time.perf_counter() - t_tools
+                    dt = time.monotonic() - t_tools
+                    m["tool_s"] += dt
+                    conv.record_tools(dt)  # one call after another: the critical path is their sum
                     if finish_call is not None:
                         answer = finish_call.arguments
                         finish_reason = "stop"
@@ -318,7 +324,8 @@ class AgentLoop:
         m["overhead_s"] = time.perf_counter() - t_start - m["llm_http_s"] - m["tool_s"]
         return AgentResult(messages=conv.messages, trajectories=trajectories, finish_reason=finish_reason,
                            num_turns=conv.num_turns, answer=answer, weight_versions=versions,
-                           backend=backend_address, metrics=m, token_stats=TokenStats(**conv.token_stats()))
+                           backend=backend_address, metrics=m, token_stats=TokenStats(**conv.token_stats()),
+                           turns=list(conv.turns))
 
     async def _run_tools(self, parsed: ParsedTurn, m: dict[str, float], hint: str = _CALL_FORMAT["hermes"],
                          deadline: Optional[float] = None) -> list[dict]:

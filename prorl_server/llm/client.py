@@ -239,6 +239,9 @@ class Completion:
     (:mod:`prorl_server.weight_swap`) has an old-version prefix and a new-version suffix; ``[[None, T]]`` when
     the split is unknown (the backend could not say how far the request had got at the pause), ``[]`` when
     T is 0.
+    ``llm_s``: seconds of the kept attempt's HTTP exchange (the model's generation: what
+    :attr:`prorl_server.types.TurnRecord.t_llm_s` reports); ``wait_s``: the rest of the call, the system's
+    (waiting for a backend or a weight swap, paused and failed attempts, back-off), host monotonic clock.
     """
 
     token_ids: list[int]
@@ -254,6 +257,8 @@ class Completion:
     text: str = ""
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     version_runs: list[list[Optional[int]]] = field(default_factory=list)
+    llm_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -499,10 +504,13 @@ class LLMClient:
                     n=1, stream=False, echo=False, add_special_tokens=False)
         timeout = self._timeout(timeout_s or self.request_timeout_s)
         hold = _PauseHold(source)
+        t_call = time.monotonic()
         try:
-            return await self._attempts(source, body, timeout, prompt_ids, params, top, hold)
+            comp = await self._attempts(source, body, timeout, prompt_ids, params, top, hold)
         finally:
             hold.release()
+        comp.wait_s = max(0.0, time.monotonic() - t_call - comp.llm_s)
+        return comp
 
     async def _attempts(self, source: BackendSource, body: dict[str, Any], timeout: aiohttp.ClientTimeout,
                         prompt_ids: list[int], params: Optional[str], top: int, hold: "_PauseHold") -> Completion:
@@ -551,6 +559,7 @@ class LLMClient:
                 calls = self.in_flight.setdefault(b.address, {})
                 calls[call.request_id] = call
                 t0 = time.perf_counter()
+                t_sent = time.monotonic()
                 try:
                     data = await self._post(b.address, body, timeout, call.request_id)
                 except asyncio.CancelledError:
@@ -604,6 +613,7 @@ class LLMClient:
             completion = self._completion(data, choice, b, version_sent, http_s, failures + pause_retries + 1,
                                           failovers, pause_retries, top_logprobs=bool(top),
                                           splits=call.splits if call is not None else ())
+            completion.llm_s = time.monotonic() - t_sent
             if self.journal is not None:
                 owner = getattr(source, "journal_owner", None)
                 if owner is not None:

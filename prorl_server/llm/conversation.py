@@ -40,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from prorl_server.llm.chat_templates import FamilySpec, detect_family, family_spec, synthetic_assistant
-from prorl_server.types import Trajectory
+from prorl_server.types import Trajectory, TurnRecord
 
 if TYPE_CHECKING:
     from prorl_server.llm.client import Completion
@@ -300,6 +301,11 @@ class Conversation:
         self._split_reasons: Counter[str] = Counter()
         self._continued = 0
         self._rerendered_chars = 0
+        #: one :class:`~prorl_server.types.TurnRecord` per generated turn (``trajectory_index``: the segment's
+        #: index in :meth:`trajectories`); their times partition this conversation's life from its creation to
+        #: the last :meth:`add_completion` / :meth:`record_tools` (host ``time.monotonic``)
+        self.turns: list[TurnRecord] = []
+        self._mark = time.monotonic()
 
     @classmethod
     async def create(cls, tokenizer: Any, messages: Sequence[dict], **kwargs: Any) -> "Conversation":
@@ -356,6 +362,16 @@ class Conversation:
         if content is None:
             content = self.tok.decode(ids)
         seg = self._seg
+        start = len(seg.ids) - seg.prompt_len
+        now = time.monotonic()
+        llm_s = max(0.0, min(completion.llm_s, now - self._mark))
+        # everything since the previous turn's end that was not generation is the system's: the client's
+        # waits (completion.wait_s: queue, swap hold, failover), rendering the observations in between
+        self.turns.append(TurnRecord(
+            trajectory_index=len(self._done), response_start=start, response_end=start + len(ids),
+            weight_version=completion.weight_versions[-1] if completion.weight_versions else None,
+            finish_reason=completion.finish_reason, t_llm_s=llm_s, t_wait_s=now - self._mark - llm_s))
+        self._mark = now
         seg.ids.extend(ids)
         seg.logprobs.extend(completion.logprobs)
         seg.mask.extend([1] * len(ids))
@@ -516,6 +532,27 @@ class Conversation:
         """
         return {"family": self.tok.family.name, "turns": self.num_turns, "splits": dict(self._split_reasons),
                 "continued": self._continued, "rerendered_chars": self._rerendered_chars}
+
+    def since_last_turn(self) -> float:
+        """Seconds (host ``time.monotonic``) since the latest turn was appended or charged with its tools."""
+        return time.monotonic() - self._mark
+
+    def record_tools(self, t_tool_s: float, t_tool_critical_s: Optional[float] = None) -> None:
+        """Charge the latest turn with its tool calls: ``t_tool_s`` seconds (their sum), ``t_tool_critical_s``
+        their critical path (default ``t_tool_s``: run one after another). The rest of the time since the turn
+        was appended is its ``t_wait_s``. Does nothing before the first turn. Times: host ``time.monotonic``
+        seconds measured by the caller around the calls, never a value a tool returned."""
+        if not self.turns:
+            return
+        now = time.monotonic()
+        span = now - self._mark
+        t_tool_s = max(0.0, min(t_tool_s, span))
+        crit = t_tool_s if t_tool_critical_s is None else max(0.0, min(t_tool_critical_s, t_tool_s))
+        rec = self.turns[-1]
+        rec.t_tool_s += t_tool_s
+        rec.t_tool_critical_s += crit
+        rec.t_wait_s += span - t_tool_s
+        self._mark = now
 
     # ------------------------------------------------------------------ results
     def finish(self, reason: str) -> None:

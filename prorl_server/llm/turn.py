@@ -264,8 +264,11 @@ class TurnEngine:
         if accept is not None:
             accept(comp)
         msg = conv.add_completion(comp)
-        return Turn(completion=comp, message=msg,
-                    parsed=_parse(parser, conv, msg["content"]) if parser is not None else None)
+        parsed = _parse(parser, conv, msg["content"]) if parser is not None else None
+        if parsed is not None and conv.turns:  # the turn record's counts (#35): the model's calls, parse errors
+            conv.turns[-1].tool_calls = len(parsed.calls)
+            conv.turns[-1].tool_call_errors = len(parsed.errors)
+        return Turn(completion=comp, message=msg, parsed=parsed)
 
 
 def _parse(parser: ToolParser, conv: Conversation, text: str) -> ParsedTurn:
