@@ -163,7 +163,7 @@ def language_mixing(messages: list[dict[str, Any]], n_turns: int) -> tuple[float
     texts = [t if isinstance(t, str) else "" for t in texts]
     if not texts:
         return 0.0, ([0.0] * n_turns if n_turns else None)
-    per = [-mixing_share(t) / len(texts) for t in texts]
+    per = [(0.0 - mixing_share(t)) / len(texts) for t in texts]  # 0.0, never -0.0, for a clean turn
     return math.fsum(per), (per if len(per) == n_turns else None)
 
 

@@ -78,6 +78,13 @@ async def test_shout_process_terms_give_the_empty_answer_no_credit_the_right_one
     assert empty["reward_components"]["turn_scores"]["value"] == 0.0 == empty["reward"]
     assert right["reward_components"]["turn_scores"]["value"] == 1.0 and right["reward"] == 1.5
     assert right["reward"] > wrong["reward"] and right["reward"] > empty["reward"]
+    # each turn record carries its share: the outcome and the turn scores on the turn that earned them, the
+    # mixing penalty on the turn that mixed; the turns add up to the reward
+    for r in res.values():
+        assert len(r["turns"]) == 2 and math.fsum(t["reward"] for t in r["turns"]) == pytest.approx(r["reward"],
+                                                                                                  abs=1e-12)
+    assert [t["reward"] for t in wrong["turns"]] == pytest.approx([0.5 * -(5 / 11) / 2, 0.2 + 0.5 * 0.2])
+    assert [t["reward"] for t in right["turns"]] == [0.0, 1.5]
 
 
 async def test_regrade_reproduces_the_components_byte_for_byte(aiohttp_client, scripted_policy, tmp_path):
