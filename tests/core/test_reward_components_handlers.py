@@ -22,6 +22,7 @@ from prorl_server.config import ServerSettings
 from prorl_server.journal.cli import main
 from prorl_server.journal.regrade import Regrader
 from prorl_server.journal.store import Journal
+from prorl_server.plugin import AgentHandler
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.types import JobResult, ProcessRequest, Trajectory
 
@@ -147,3 +148,64 @@ async def test_math_wrong_constant_and_empty_answers_get_no_process_credit():
     # a right answer that mixes scripts pays for it, and still beats every wrong answer with clean turns
     assert mixed_right.reward_components["language_mixing"].value < 0.0
     assert max(res.reward for n, res in got.items() if n != "right") < mixed_right.reward < 1.0
+
+
+class ToolAgentHandler(AgentHandler):
+    """The shipped tool handlers' reward path (math, code, swe: the generic agent loop, then
+    ``compose_reward(job, outcome, process_terms(job))``) with one host tool, ``probe``, instead of a sandbox (a
+    real sandbox makes this the real tier): the outcome is 1.0 when the finish tool's answer is ``"42"``."""
+
+    name = "tool_agent_terms"
+    needs_llm = True
+    reward_terms = ("tool_call_errors", "language_mixing")
+
+    async def run(self, job):
+        from prorl_server.plugin import AgentConfig
+        from prorl_server.plugin.toolkit import run_agent
+
+        async def probe(args):
+            return "ok"
+
+        tools = {"probe": ({"type": "object", "properties": {}}, probe)}
+        await run_agent(job, [{"role": "user", "content": "Probe, then finish with 42."}], tools,
+                        AgentConfig(max_turns=4))
+
+    async def eval(self, job):
+        from prorl_server.plugin import compose_reward, process_terms
+
+        answer = (job.extra["agent"].get("answer") or {}).get("answer")
+        job.resolved = answer == "42"
+        compose_reward(job, 1.0 if job.resolved else 0.0, process_terms(job))
+
+
+def _call(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@pytest.mark.parametrize("first, answer, outcome, errors", [
+    ('<tool_call>\n{"name": "probe", "arguments": {\n</tool_call>', "42", 1.0, 1),  # right, after a malformed call
+    (_call("probe"), "42", 1.0, 0),                                                   # right, clean
+    ("", "", 0.0, 0), (_call("probe"), "0", 0.0, 0)])                                 # empty, wrong constant
+async def test_tool_call_parse_errors_cost_only_the_turn_that_made_them(aiohttp_client, scripted_policy, first,
+                                                                        answer, outcome, errors):
+    def script(prompt: str, turn: int) -> str:
+        return first if turn == 0 else _call("finish", answer=answer)
+
+    registry = HandlerRegistry()
+    registry.register(ToolAgentHandler)
+    app = create_app(ServerSettings(backends=[await scripted_policy(script)], health_interval_s=3600),
+                     registry=registry)
+    client = await aiohttp_client(app)
+    r = await client.post("/process", json={"instance": {"data_source": "tool_agent_terms"},
+                                            "sampling_params": {"max_tokens": 256},
+                                            "reward_weights": {"tool_call_errors": 1.0}})
+    res = await r.json()
+    assert res["failure_kind"] is None, res["error"]
+    term = res["reward_components"]["tool_call_errors"]
+    n = len(res["turns"])
+    assert n >= 1 and [t["tool_call_errors"] > 0 for t in res["turns"]].count(True) == errors
+    assert term["value"] == pytest.approx(-errors / n) and term["weight"] == 1.0 and term["value"] <= 0.0
+    assert res["reward"] == pytest.approx(outcome - errors / n, abs=1e-12)
+    assert math.fsum(t["reward"] for t in res["turns"]) == pytest.approx(res["reward"], abs=1e-12)
+    if errors:  # the penalty sits on the turn that made the malformed call
+        assert res["turns"][0]["reward"] == pytest.approx(-1 / n)
