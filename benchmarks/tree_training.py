@@ -34,7 +34,9 @@ import torch  # noqa: E402
 
 from prorl_server.tree import group_tree  # noqa: E402
 from prorl_server.types import JobResult, Trajectory  # noqa: E402
-from trainer_plugins.trl.tree_pack import pack, packed_row_logprobs, per_row_logprobs  # noqa: E402
+from prorl_server.types import GroupTree  # noqa: E402
+from trainer_plugins.trl.tree_pack import (build_prefix_tree, pack, packed_row_logprobs,  # noqa: E402
+                                           per_row_logprobs)
 
 
 def _ids(rnd: random.Random, n: int) -> list[int]:
@@ -86,10 +88,32 @@ def step(model, logps: list[torch.Tensor], masks: list[torch.Tensor], adv: list[
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def build_cost(name: str, results: list[tuple[str, JobResult]], repeats: int) -> tuple[GroupTree, dict]:
+    """The server's build+verify of the group's tree (:func:`group_tree`: rows, provenance runs, radix tree,
+    verification) beside the baseline, a trainer's build from the rows' tokens alone with a Python step per
+    token (:func:`trainer_plugins.trl.tree_pack.build_prefix_tree`, no provenance, no verification): the best of
+    ``repeats``, in ms per 100k flat tokens."""
+    ours, base = [], []
+    rows = [t.prompt_ids + t.response_ids for _, r in results for t in r.trajectories]
+    for _ in range(max(repeats, 15)):  # cheap, and noisy on shared cores: the best of 15 at least
+        t0 = time.perf_counter()
+        tree = group_tree(name, results)
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        build_prefix_tree(rows)
+        base.append(time.perf_counter() - t0)
+    per = 1e5 * 1e3 / tree.flat_tokens
+    return tree, {"build_verify_ms_per_100k": round(min(ours) * per, 2),
+                  "baseline_token_build_ms_per_100k": round(min(base) * per, 2)}
+
+
 def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) -> dict:
-    t0 = time.perf_counter()
-    tree = group_tree(name, results)
-    build_s = time.perf_counter() - t0
+    tree, cost = build_cost(name, results, repeats)
+    print(f"{name:8} build: server build+verify {cost['build_verify_ms_per_100k']} ms/100k flat tokens vs "
+          f"baseline token-only build {cost['baseline_token_build_ms_per_100k']} ms/100k", flush=True)
+    if model is None:
+        return {"group": name, "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
+                "tree_token_ratio": round(tree.tree_token_ratio, 3), **cost}
     rows = [t.prompt_ids + t.response_ids for _, r in results for t in r.trajectories]
     # the loss mask of row position t >= 1 (what logprob index t - 1 predicts)
     masks = [torch.tensor(([0] * len(t.prompt_ids) + t.loss_mask)[1:], dtype=torch.float32)
@@ -111,7 +135,7 @@ def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) ->
     rows_s, packed_s = min(times["rows"]), min(times["packed"])
     out = {"group": name, "rows": len(rows), "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
            "tree_token_ratio": round(tree.tree_token_ratio, 3),
-           "build_verify_ms_per_100k": round(build_s / tree.flat_tokens * 1e5 * 1e3, 2),
+           **cost,
            "rows_fwd_bwd_s": round(rows_s, 3), "packed_fwd_bwd_s": round(packed_s, 3),
            "speedup": round(rows_s / packed_s, 2), "ideal": round(1 / tree.tree_token_ratio, 2),
            "max_logprob_delta": delta, "grad_rel_delta": rel}
@@ -126,14 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--build-only", action="store_true", help="only the tree's build+verify cost (no model)")
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM
+    model = None
+    if not args.build_only:
+        from transformers import AutoModelForCausalLM
 
-    from prorl_server.dev.tiny_model import build
+        from prorl_server.dev.tiny_model import build
 
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(build(ROOT / ".cache" / "tiny-model"), attn_implementation="sdpa",
-                                                 dtype=torch.float32)
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_pretrained(build(ROOT / ".cache" / "tiny-model"),
+                                                     attn_implementation="sdpa", dtype=torch.float32)
     rnd = random.Random(args.seed)
     results = [run("grpo", model, grpo_group(rnd), args.repeats), run("rewrite", model, rewrite_group(rnd),
                                                                        args.repeats)]

@@ -260,3 +260,40 @@ async def test_the_servers_group_index_is_bounded(client):
         pipeline._join_group(f"g{i}", f"k{i}")
     assert sum(map(len, pipeline.groups.values())) <= 4096
     assert "big" not in pipeline.groups and "g5999" in pipeline.groups
+
+
+def test_a_node_that_gives_a_token_it_did_not_generate_a_logprob_is_never_served():
+    """The behaviour logprob of a prompt or observation token is 0.0: a node that says otherwise would put a
+    logprob where the row has none."""
+    results = [("a", result("a", [grpo_row(0)])), ("b", result("b", [grpo_row(1)]))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    tree = build_tree("g", rows)
+    verify_tree(tree, rows)
+    tree.nodes[0].logprobs[3] = -0.5  # node 0 is the shared prompt
+    with pytest.raises(ValueError, match="did not generate a behaviour logprob"):
+        verify_tree(tree, rows)
+
+
+def test_routed_experts_split_equal_tokens_and_give_back_each_rows_routes():
+    """Rows with equal tokens and versions but other expert routes for one generated token share the tree up
+    to that token only, and each leaf's path gives back its own routes. (The trajectories stand for ones with
+    ``routed_experts`` recorded, a field issue #32 part 7 adds to the wire.)"""
+    from types import SimpleNamespace
+
+    def traj(route_of_third):
+        row = grpo_row(0)
+        n = sum(row["loss_mask"])
+        routes = [[k % 4, 1] for k in range(n)]
+        routes[2] = route_of_third
+        return SimpleNamespace(**row, routed_experts=routes)
+
+    results = [(j, SimpleNamespace(reward=0.0, trajectories=[traj(r)])) for j, r in (("a", [0, 1]), ("b", [3, 2]))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    tree = build_tree("g", rows)
+    verify_tree(tree, rows)
+    first_sampled = len(PROMPT)
+    a, b = (leaf.path for leaf in tree.leaves)
+    assert a[:-1] == b[:-1] and a[-1] != b[-1] and tree.nodes[a[-1]].depth == first_sampled + 2
+    for leaf, (_, res) in zip(tree.leaves, results):
+        got = [r for nid in leaf.path for r in (tree.nodes[nid].routed_experts or [])]
+        assert got == res.trajectories[0].routed_experts
