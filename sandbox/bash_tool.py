@@ -14,11 +14,12 @@ foreground process group, then a fresh shell. Output beyond ``max_output_bytes``
 from __future__ import annotations
 
 import os
-import re
-import signal
 import termios
 import time
-from functools import partial
+# The C modules behind `signal` and `functools`: those import enum and collections (milliseconds at every
+# sandbox start), and this module needs one constant and `partial` of them.
+from _functools import partial
+from _signal import SIGKILL
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class BashSession:
         self._proc = None
         self._ready = False
         self._nonce = os.urandom(8).hex().encode()
-        self._marker = re.compile(rb"\x1e" + self._nonce + rb":(\d+)\x1f")
+        self._marker = None  # compiled on spawn: `re` is not imported on the server's start path
         self._pending: Optional[tuple] = None
         self._current: Optional[dict[str, Any]] = None
         self._timer: Optional[Timer] = None
@@ -69,6 +70,10 @@ class BashSession:
         if self._proc is not None:
             return
         import ptyprocess  # lazily: keeps the execution server's start fast
+        import re
+
+        if self._marker is None:
+            self._marker = re.compile(rb"\x1e" + self._nonce + rb":(\d+)\x1f")
 
         self._proc = ptyprocess.PtyProcess.spawn(
             ["/bin/bash", "--noediting", "--norc", "--noprofile", "-i"], cwd=self._workspace, env=self._env,
@@ -241,7 +246,7 @@ class BashSession:
         try:
             fg = os.tcgetpgrp(self._proc.fd)
             if fg > 0 and fg != self._proc.pid:
-                os.killpg(fg, signal.SIGKILL)
+                os.killpg(fg, SIGKILL)
         except OSError:
             pass
         self._timer = self._loop.call_later(KILL_GRACE_S, self._on_kill_ignored)
@@ -295,7 +300,7 @@ def _ansi_c_quote(raw: bytes) -> bytes:
 def _kill_session(sid: int) -> None:
     """SIGKILL every process whose session id is ``sid`` (the shell leads its own session)."""
     try:
-        os.killpg(sid, signal.SIGKILL)
+        os.killpg(sid, SIGKILL)
     except OSError:
         pass
     try:
@@ -305,6 +310,6 @@ def _kill_session(sid: int) -> None:
     for pid in pids:
         try:
             if os.getsid(pid) == sid:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, SIGKILL)
         except OSError:
             pass

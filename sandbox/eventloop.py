@@ -1,16 +1,18 @@
 """A minimal single-threaded event loop (``selectors`` + timers) for the in-sandbox execution server.
 
 Why not asyncio: importing asyncio costs ~45 ms on this class of machine, which alone would break the
-bubblewrap start target (p50 < 50 ms); this loop imports in ~2 ms. The execution server needs only file
-descriptor readiness, timers and a thread-safe wake-up (for the IPython thread, which does run asyncio,
-lazily, on first use).
+bubblewrap start target (issue #36: p50 < 20 ms); this loop imports in well under 1 ms. The execution server
+needs only file descriptor readiness, timers and a thread-safe wake-up (for the IPython thread, which does run
+asyncio, lazily, on first use). It polls with ``select.poll`` and wakes through an ``os.pipe``, not through
+``selectors`` and ``socket``: those import ``enum`` and ``collections`` and build enum classes of every
+socket constant (~7 ms a start).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-import selectors
-import socket
+import os
+import select
 import _thread  # not `threading`: a lock is all that is needed, and its import is not free
 import time
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
@@ -37,29 +39,29 @@ class EventLoop:
     """Readers, writers, timers (monotonic seconds) and ``call_soon_threadsafe``."""
 
     def __init__(self) -> None:
-        self._sel = selectors.DefaultSelector()
+        self._poll = select.poll()
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._ready: list[Callable[[], None]] = []
         self._lock = _thread.allocate_lock()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe()  # close-on-exec, as every descriptor Python opens
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._readers: dict[int, Callable[[], None]] = {}
         self._writers: dict[int, Callable[[], None]] = {}
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._poll.register(self._wake_r, select.POLLIN)
         self._stopping = False
 
     # -- fds
     def _update(self, fd: int) -> None:
-        events = (selectors.EVENT_READ if fd in self._readers else 0) | (
-            selectors.EVENT_WRITE if fd in self._writers else 0)
-        try:
-            self._sel.unregister(fd)
-        except KeyError:
-            pass
+        events = (select.POLLIN if fd in self._readers else 0) | (select.POLLOUT if fd in self._writers else 0)
         if events:
-            self._sel.register(fd, events)
+            self._poll.register(fd, events)  # registers or modifies
+        else:
+            try:
+                self._poll.unregister(fd)
+            except KeyError:
+                pass
 
     def add_reader(self, fd: int, cb: Callable[[], None]) -> None:
         self._readers[fd] = cb
@@ -87,16 +89,16 @@ class EventLoop:
         with self._lock:
             self._ready.append(cb)
         try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+        except OSError:
             pass  # the wake-up pipe is already full: the loop will run the callback anyway
 
     def stop(self) -> None:
         """Stop after the current iteration. Safe in a signal handler (no lock; one byte to the wake-up pipe)."""
         self._stopping = True
         try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+        except OSError:
             pass
 
     def run_forever(self) -> None:
@@ -106,18 +108,22 @@ class EventLoop:
                 heapq.heappop(self._timers)
             if self._timers:
                 timeout = max(0.0, self._timers[0][0] - time.monotonic())
-            for key, events in self._sel.select(timeout):
-                fd = key.fd
-                if key.fileobj is self._wake_r:
+            try:
+                polled = self._poll.poll(None if timeout is None else timeout * 1000.0)  # ms, rounded up
+            except InterruptedError:  # a signal handler ran (PEP 475 retries only without one that raised)
+                polled = []
+            for fd, events in polled:
+                if fd == self._wake_r:
                     try:
-                        while self._wake_r.recv(4096):
+                        while os.read(self._wake_r, 4096):
                             pass
-                    except (BlockingIOError, OSError):
+                    except OSError:
                         pass
                     continue
-                if events & selectors.EVENT_READ and fd in self._readers:
+                # as selectors does: an error or hang-up wakes readers and writers alike
+                if events & ~select.POLLOUT and fd in self._readers:
                     self._readers[fd]()
-                if events & selectors.EVENT_WRITE and fd in self._writers:
+                if events & ~select.POLLIN and fd in self._writers:
                     self._writers[fd]()
             with self._lock:
                 ready, self._ready = self._ready, []
@@ -130,6 +136,5 @@ class EventLoop:
                     t.callback()
 
     def close(self) -> None:
-        self._sel.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

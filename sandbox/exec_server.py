@@ -19,13 +19,14 @@ Imports are kept minimal (no asyncio, no pydantic) because this module's start t
 from __future__ import annotations
 
 import binascii
-import json
 import os
-import signal
-import socket
 import sys
-from collections import OrderedDict
-from functools import partial
+# The C modules behind `socket`, `signal` and `functools`: those import enum and collections and build enum
+# classes of every constant (~7 ms at every sandbox start); the server needs a Unix socket, two handlers and
+# `partial`.
+import _signal
+import _socket
+from _functools import partial
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ DEFAULT_DOWNLOAD_MAX_BYTES = 32 * 1024 * 1024
 
 
 class _Conn:
-    def __init__(self, server: "ExecServer", sock: socket.socket) -> None:
+    def __init__(self, server: "ExecServer", sock: _socket.socket) -> None:
         self.server = server
         self.sock = sock
         self.fd = sock.fileno()
@@ -124,8 +125,8 @@ class ExecServer:
         self._ipython = None
         self._editor = None
         self._running: dict[Any, Optional[_Conn]] = {}
-        self._recent: "OrderedDict[Any, dict]" = OrderedDict()
-        self._listener: Optional[socket.socket] = None
+        self._recent: dict[Any, dict] = {}  # oldest first (dicts keep insertion order)
+        self._listener: Optional[_socket.socket] = None
         self._warmed = False
         ready_fd = config.get("ready_fd")
         self._ready_fd = ready_fd if isinstance(ready_fd, int) and ready_fd > 2 else None
@@ -152,7 +153,7 @@ class ExecServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         lst.bind(self.socket_path)
         os.chmod(self.socket_path, 0o600)
         lst.listen(16)
@@ -188,9 +189,10 @@ class ExecServer:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listener.accept()
+            fd, _ = self._listener._accept()  # accept4(SOCK_CLOEXEC): no tool inherits a connection
         except BlockingIOError:
             return
+        sock = _socket.socket(fileno=fd)
         sock.setblocking(False)
         conn = _Conn(self, sock)
         self.loop.add_reader(conn.fd, conn.on_readable)
@@ -256,7 +258,7 @@ class ExecServer:
                else {"id": rid, "ok": False, "error": _error_dict(exc)})
         self._recent[rid] = msg
         while len(self._recent) > RECENT_RESULTS:
-            self._recent.popitem(last=False)
+            del self._recent[next(iter(self._recent))]
         conn = self._running.pop(rid, None)
         if conn is not None and not conn.closed:
             conn.send(protocol.encode(msg))
@@ -331,8 +333,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "--socket" not in opts or "--config" not in opts:
         sys.stderr.write("usage: python -m sandbox.exec_server --socket PATH --config PATH\n")
         raise SystemExit(2)
-    with open(opts["--config"]) as f:
-        config = json.load(f)
+    with open(opts["--config"], "rb") as f:
+        config = protocol.loads(f.read())
     if config.get("run_as"):
         _drop_privileges(*config["run_as"])
     os.chdir(config["workspace"])
@@ -344,8 +346,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         # leave a half-made process object behind (whose finaliser sleeps).
         server.loop.stop()
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    _signal.signal(_signal.SIGTERM, on_term)
+    _signal.signal(_signal.SIGHUP, on_term)
     server.serve_forever()
 
 

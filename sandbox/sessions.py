@@ -10,7 +10,6 @@ namespace and the process group the host recorded itself.
 """
 from __future__ import annotations
 
-import json
 import os
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False
@@ -29,6 +28,8 @@ def start_ticks(pid: int) -> Optional[int]:
 
 def record_session(path: str, name: str, pid: int) -> None:
     """Add/replace entry ``name`` in the sessions file at ``path`` (atomic replace)."""
+    import json  # here, not at the top: the execution server imports this module at every start, json costs ~10 ms
+
     try:
         with open(path) as f:
             data = json.load(f)
@@ -61,6 +62,8 @@ def live_session_ids(path: str, sandbox_id: str) -> set[int]:
     """Session ids recorded in ``path`` whose leader is still the same process (pid and start time) and carries
     the marker of ``sandbox_id`` (:func:`carries_marker`). The file is written by the sandbox's own execution
     server, so code in the sandbox can forge it: an entry naming any other process is ignored."""
+    import json
+
     try:
         with open(path) as f:
             data = json.load(f)

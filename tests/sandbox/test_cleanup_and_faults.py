@@ -184,6 +184,9 @@ async def test_crashed_server_sandboxes_are_reaped_and_nothing_else(runtime_opti
                     "create_time": process_identity(decoy2.pid), "owner_pid": os.getpid(),
                     "owner_create_time": process_identity(os.getpid())})
 
+    # A local execution server ends itself and its tools when its host is gone (the readiness pipe): stopped, it
+    # stands for one that cannot (hung), whose processes only the next server's reap ends.
+    os.kill(started["local"]["pid"], signal.SIGSTOP)
     server.kill()  # the crash: no close, no cleanup
     await server.wait()
     await asyncio.sleep(0.5)

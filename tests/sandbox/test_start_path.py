@@ -44,3 +44,53 @@ def test_the_masked_system_package_dirs_follow_the_host_while_cached(tmp_path, m
     assert python_view.system_site_dirs() == [f"{lib}/python3.98/dist-packages", f"{lib}/python3.99/dist-packages"]
     (lib / "python3.99" / "dist-packages").rmdir()
     assert python_view.system_site_dirs() == [f"{lib}/python3.98/dist-packages"]
+
+
+# Modules whose import cost the execution server's start paid at every sandbox start (json -> re -> enum,
+# socket and signal -> enum classes of every constant, selectors/functools -> collections): ~14 ms here.
+SLOW_AT_START = {"json", "re", "enum", "socket", "signal", "selectors", "collections", "functools", "typing",
+                 "asyncio"}
+
+
+@pytest.mark.real  # a Python subprocess
+def test_the_execution_server_starts_without_slow_imports():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import sandbox.exec_server; "
+            "print(' '.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-S", "-c", code, root], capture_output=True, text=True,
+                                check=True).stdout.split())
+    assert "sandbox.exec_server" in loaded
+    assert loaded & SLOW_AT_START == set()
+
+
+MESSAGES = [{"id": 1, "op": "bash", "args": {"command": "echo é\n\"\\\u2028\x00", "timeout_s": 2.5}},
+            {"id": None, "ok": False, "error": {"type": "ToolError", "message": "x"}},
+            {"id": 7, "ok": True, "result": {"n": 10 ** 30, "f": 1e308, "z": -0.0, "b": [True, False, None],
+                                             "nan": float("nan"), "inf": float("-inf"), "empty": {}}}]
+
+
+@pytest.mark.parametrize("msg", MESSAGES)
+def test_the_wire_codec_writes_and_reads_what_json_does(msg):
+    import json
+
+    from sandbox import protocol
+
+    line = protocol.encode(msg)
+    assert line == json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    assert repr(protocol.decode(line)) == repr(json.loads(line))
+    assert repr(protocol.decode(b" \t" + line + b"\r\n")) == repr(msg)
+
+
+@pytest.mark.parametrize("line", [b"", b"  ", b"{", b"{} x", b"[1,]", b'{"a":1}{}', b'"\xff"', b"[1]",
+                                  b"[" * 100_000 + b"]" * 100_000])
+def test_the_wire_codec_refuses_what_is_not_one_json_object_with_a_value_error(line):
+    # a request nested past the interpreter's stack is a bad request too (json.loads raised RecursionError,
+    # which the execution server's request handling does not catch)
+    from sandbox import protocol
+
+    with pytest.raises(ValueError):
+        protocol.decode(line)
