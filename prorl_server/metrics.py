@@ -87,6 +87,11 @@ class Metrics:
                                        ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.reward = Histogram("prorl_job_reward", "Reward of finished jobs", ["handler"],
                                 buckets=(0.0, 0.25, 0.5, 0.75, 1.0), registry=r)
+        # the named components of each scored result (#35 part 2): what each process term did, weighted or not
+        self.reward_component = Histogram("prorl_reward_component", "Value of each named reward component of "
+                                          "finished jobs (outcome and the handler's process terms)",
+                                          ["handler", "component"],
+                                          buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.backend_in_flight = Gauge("prorl_backend_in_flight", "Jobs assigned to an LLM backend",
                                        ["backend"], registry=r)
         self.backend_healthy = Gauge("prorl_backend_healthy", "1 if the backend is in rotation",

@@ -549,6 +549,9 @@ class Pipeline:
         self.metrics.jobs_in_flight.set(self.in_flight)
         self.metrics.jobs_total.labels(job.handler_name, critical_error or "ok").inc()
         self.metrics.reward.labels(job.handler_name).observe(result.reward)
+        if result.failure_kind is None:  # names are the handler's declared terms (bounded at registration)
+            for name, component in result.reward_components.items():
+                self.metrics.reward_component.labels(job.handler_name, name).observe(component.value)
         if result.filter:
             self.metrics.jobs_filtered.labels(job.handler_name, result.failure_kind or "unspecified").inc()
         if result.failure_kind is not None:

@@ -82,6 +82,11 @@ async def test_the_reward_is_the_weighted_sum_of_the_components_and_process_term
     assert opted["failure_kind"] is None and opted["filter"] is False
     assert opted["reward"] == _weighted(opted["reward_components"]) == math.fsum([1.0, 0.2 * -0.5, 0.1 * -0.25])
     assert opted["reward_components"]["brevity"]["weight"] == 0.2
+    # what each component did shows in the metrics, per handler and name, weighted or not
+    metrics = await (await client.get("/metrics")).text()
+    assert 'prorl_reward_component_count{component="brevity",handler="composed"} 2.0' in metrics
+    assert 'prorl_reward_component_bucket{component="brevity",handler="composed",le="-0.5"} 2.0' in metrics
+    assert 'prorl_reward_component_bucket{component="brevity",handler="composed",le="-1.0"} 0.0' in metrics
 
 
 async def test_a_handler_that_sets_only_a_scalar_reward_gets_one_outcome_component_of_weight_1(client):
