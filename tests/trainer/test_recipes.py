@@ -111,3 +111,43 @@ def test_run_gpu_refuses_a_python_without_cuda_naming_the_install_page(tmp_path)
     assert "GPU install" in out.stderr and "docs/training-verl.md" in out.stderr
     assert "GPU install" in page("Training with verl")
     assert not (tmp_path / "server.log").exists()  # nothing started
+
+
+TASK_RUNNER = r'''
+import json, os, sys
+from omegaconf import OmegaConf
+import verl  # loads VERL_USE_EXTERNAL_MODULES, as verl's TaskRunner actor does on its node
+from verl.utils.import_utils import resolve_config_path
+config = OmegaConf.create(sys.argv[1])
+OmegaConf.resolve(config)  # TaskRunner.run resolves the shipped config without Hydra
+path = resolve_config_path(config.actor_rollout_ref.rollout.agent.agent_loop_config_path)
+names = [entry.name for entry in OmegaConf.load(path)]  # what each AgentLoopWorker does with it
+print(json.dumps({"path": path, "names": names}))
+'''
+
+
+@pytest.mark.parametrize("name", ["prorl_dapo", "prorl_cispo"])
+def test_agent_loop_yaml_resolves_on_a_worker_whose_cwd_is_elsewhere(name, tmp_path):
+    """Issue #32 part 6 (multi-node): the shipped configs named the agent loop YAML relative to the cwd, which on
+    another node (or a Ray worker started elsewhere) is not the repository: verl's TaskRunner found no file. The
+    config is composed by Hydra here (the driver) and resolved as verl's TaskRunner does, in a process with
+    another cwd, no Hydra, and only the environment the shipped runtime_env gives every Ray worker."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainer_plugins.verl import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        config = compose(config_name=name)  # no override of agent_loop_config_path: the shipped value
+    shipped = OmegaConf.to_yaml(config)  # unresolved, as main_ppo ships it to the TaskRunner
+    worker_env = OmegaConf.to_container(config.ray_kwargs.ray_init.runtime_env.env_vars, resolve=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRORL_", "VERL_"))}
+    env.update({k: str(v) for k, v in worker_env.items()})
+    env["PYTHONPATH"] = str(ROOT)  # the plugin is installed on every node (here: this checkout)
+    proc = subprocess.run([str(ROOT / ".venv/bin/python"), "-c", TASK_RUNNER, shipped], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert os.path.isabs(found["path"]) and "prorl" in found["names"], found

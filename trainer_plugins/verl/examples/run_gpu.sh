@@ -77,7 +77,6 @@ PY
 VERL_ARGS=(
     --config-path "$ROOT/trainer_plugins/verl/config" --config-name prorl_dapo
     actor_rollout_ref.model.path="$MODEL"
-    actor_rollout_ref.rollout.agent.agent_loop_config_path="$ROOT/trainer_plugins/verl/config/agent_loop.yaml"
     actor_rollout_ref.rollout.agent.num_workers=1
     data.train_files="$OUT/train.parquet" data.val_files="$OUT/val.parquet"
     data.train_batch_size="$BATCH" data.max_prompt_length="$PROMPT_LEN" data.max_response_length="$RESPONSE_LEN"
