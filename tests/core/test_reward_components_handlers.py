@@ -170,6 +170,9 @@ class ToolAgentHandler(AgentHandler):
         await run_agent(job, [{"role": "user", "content": "Probe, then finish with 42."}], tools,
                         AgentConfig(max_turns=4))
 
+    def restore_for_eval(self, job, result):
+        pass  # eval reads the recorded extra.agent, which the re-grader restores itself
+
     async def eval(self, job):
         from prorl_server.plugin import compose_reward, process_terms
 
@@ -209,3 +212,12 @@ async def test_tool_call_parse_errors_cost_only_the_turn_that_made_them(aiohttp_
     assert math.fsum(t["reward"] for t in res["turns"]) == pytest.approx(res["reward"], abs=1e-12)
     if errors:  # the penalty sits on the turn that made the malformed call
         assert res["turns"][0]["reward"] == pytest.approx(-1 / n)
+
+    # re-graded from the record (its turn records and the request's weights), the components come out the same
+    req = ProcessRequest(instance={"data_source": "tool_agent_terms"}, sampling_params={"max_tokens": 256},
+                         job_id=res["job_id"], reward_weights={"tool_call_errors": 1.0})
+    async with Regrader(registry, sandbox_runtime="none") as g:
+        out = await g.regrade(res["job_id"], "tool_agent_terms", req.model_dump_json().encode(),
+                              json.dumps(res).encode())
+    assert out.status == "regraded" and out.changed is False, out
+    assert json.dumps(out.row()["new_reward_components"]) == json.dumps(res["reward_components"])
