@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["turn_returns", "token_rewards", "token_returns", "rloo_baseline", "row_turns"]
+__all__ = ["turn_returns", "token_rewards", "token_returns", "fit_spans", "mask_returns", "rloo_baseline", "row_turns"]
 
 
 def turn_returns(turn_rewards: np.ndarray | Sequence[float], gamma: float = 1.0) -> np.ndarray:
@@ -61,6 +61,71 @@ def _check_spans(response_length: int, spans: Sequence[tuple[int, int]], n_rewar
             raise ValueError(f"turn span [{start}, {end}) is empty, overlaps the previous turn or lies outside "
                              f"the {response_length} response tokens")
         prev_end = end
+
+
+def fit_spans(response_length: int, spans: Sequence[tuple[int, int]],
+              rewards: Sequence[float]) -> tuple[list[tuple[int, int]], list[float]]:
+    """The turns of a row as :func:`token_rewards` takes them, the rewards' sum kept: spans cut to the row's
+    ``response_length`` (a trainer truncates long rows), and a turn left with no token (it sampled nothing, or
+    lies past the cut) gives its reward to the nearest earlier turn that has tokens (the next one when none
+    does). Returns ``([], [])`` when no turn has a token. Spans must be in order and not overlap.
+
+    Raises: ValueError: spans and rewards differ in number, or spans overlap or go backwards.
+    """
+    if len(spans) != len(rewards):
+        raise ValueError(f"{len(spans)} turn spans for {len(rewards)} turn rewards")
+    out_spans: list[tuple[int, int]] = []
+    out_rewards: list[float] = []
+    carry = 0.0  # rewards of tokenless turns before the first turn with tokens
+    prev_end = 0
+    for (start, end), r in zip(spans, rewards):
+        start, end = int(start), int(end)
+        if start < prev_end or end < start:
+            raise ValueError(f"turn span [{start}, {end}) goes backwards or overlaps the previous turn")
+        prev_end = end
+        end = min(end, response_length)
+        if start < end:
+            out_spans.append((start, end))
+            out_rewards.append(float(r) + carry)
+            carry = 0.0
+        elif out_rewards:
+            out_rewards[-1] += float(r)
+        else:
+            carry += float(r)
+    if carry and out_rewards:
+        out_rewards[0] += carry
+    return out_spans, out_rewards
+
+
+def mask_returns(token_rewards: np.ndarray, mask: np.ndarray, gamma: float = 1.0) -> np.ndarray:
+    """Per-token reward-to-go of a batch whose turns are the runs of ``mask`` 1 (a turn's sampled tokens; the
+    observations between turns are ``mask`` 0), rewards on each turn's last token (:func:`token_rewards`):
+    every token of a turn gets ``G_k = r_k + gamma * G_{k+1}``, a masked token the return of the turn after it.
+    What verl's trainer sees, where rows carry no turn spans (``rm_scores`` and ``response_mask``).
+
+    ``token_rewards``, ``mask``: shape ``(B, L)``. ``gamma``: per-turn discount in ``[0, 1]``. Returns float64
+    ``(B, L)``; with ``gamma`` 1 each row's first sampled token carries the row's summed reward.
+
+    Raises: ValueError: shapes differ or ``gamma`` is outside ``[0, 1]``.
+    """
+    gamma = float(gamma)
+    if not (0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    r = np.asarray(token_rewards, dtype=np.float64)
+    m = np.asarray(mask).astype(bool)
+    if r.shape != m.shape or r.ndim != 2:
+        raise ValueError(f"token rewards {r.shape} and mask {m.shape} must be the same (B, L)")
+    out = np.zeros_like(r)
+    acc = np.zeros(r.shape[0], dtype=np.float64)
+    after = np.zeros(r.shape[0], dtype=bool)  # the token after this one is masked out (or the row ends)
+    after[:] = True
+    for t in range(r.shape[1] - 1, -1, -1):
+        turn_end = m[:, t] & after
+        # crossing into an earlier turn discounts what follows it; rewards off a turn's last token count as-is
+        acc = np.where(turn_end, gamma * acc, acc) + r[:, t]
+        out[:, t] = acc
+        after = ~m[:, t]
+    return out
 
 
 def token_rewards(response_length: int, spans: Sequence[tuple[int, int]],

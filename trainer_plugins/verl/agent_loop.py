@@ -105,6 +105,7 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from prorl_server.types import JobResult, TokenizerFingerprint
+from trainer_plugins.credit import fit_spans, row_turns, token_rewards
 from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
@@ -126,6 +127,44 @@ VERL_MATH_SOURCES = ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH
 VERL_SCORE_MAX_CHARS = 20000
 #: ``extra_info`` keys that are verl's bookkeeping, not task fields (everything else passes into the instance)
 EXTRA_INFO_META = ("instance", "index", "split", "tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
+
+
+class ProRLAgentLoopOutput(AgentLoopOutput):
+    """An ``AgentLoopOutput`` whose ``rm_scores`` can carry per-turn rewards (issue #35 part 4).
+
+    ``token_rewards``: per response token, each turn's reward on its last sampled token
+    (:func:`trainer_plugins.credit.token_rewards`, summing to the row's reward), or None: verl's own layout
+    (``reward_score`` on the last response token, ``AgentLoopOutput.as_dict``). verl's V1 worker
+    (``AgentLoopWorkerTQ``) stores what :meth:`as_dict` returns; the legacy worker reads ``reward_score`` only.
+    """
+
+    token_rewards: Optional[list[float]] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        output = super().as_dict()
+        token_rewards = output.pop("token_rewards", None)
+        if token_rewards is not None and "rm_scores" in output:
+            import torch  # verl's dependency; imported here so this module's import stays light
+
+            output["rm_scores"] = torch.tensor(token_rewards, dtype=torch.float32)
+        return output
+
+
+def turn_credit(result: JobResult, trajectory_index: int) -> Optional[tuple[list[tuple[int, int]], list[float]]]:
+    """The spans and rewards of a job's turns in trajectory ``trajectory_index`` when the handler split its
+    reward over turns (a turn other than the last one carries a non-zero share) and every turn is in that
+    trajectory; None otherwise (verl's last-token placement stays). Shares that do not sum to ``reward``
+    (within 1e-9) are not trusted either."""
+    turns = list(result.turns)
+    if len(turns) < 2 or not any(t.reward for t in turns[:-1]):
+        return None
+    if any(t.trajectory_index != trajectory_index for t in turns):
+        return None
+    if abs(sum(t.reward for t in turns) - float(result.reward)) > 1e-9:
+        log.warning("job %s: its turns' rewards sum to %r, not its reward %r: reward kept on the last token",
+                    result.job_id, sum(t.reward for t in turns), result.reward)
+        return None
+    return row_turns(turns, trajectory_index)
 
 
 class MissingWeightVersionError(ConfigurationError, ValueError):
@@ -572,6 +611,12 @@ class ProRLAgentLoop(AgentLoopBase):
         if scorer is not None and not filtered:
             reward, acc = await self.verl_score(scorer, result, row)
         timing = result.timing.model_dump()
+        kept = [j for j, t in enumerate(result.trajectories) if t.prompt_ids]
+        # per-turn rewards only where the row is the whole episode: verl's V1 GRPO scores a split episode by
+        # its last segment's rm_scores alone, so a split episode keeps the whole reward on each segment's end
+        credit = (turn_credit(result, kept[0]) if len(segments) == 1 and len(kept) == 1 and scorer is None
+                  and not filtered else None)
+        components = {name: c.weight * c.value for name, c in result.reward_components.items()} if not filtered else {}
         if not segments:
             messages = self.build_instance(row).get("messages") or []
             prompt_ids = await self.ct_build_initial_tokens(messages) if messages else []
@@ -594,11 +639,18 @@ class ProRLAgentLoop(AgentLoopBase):
             if not response_ids:  # verl writes the reward at the last response position: one untrained token
                 response_ids, response_mask, logprobs = [self._eos_id()], [0], [0.0]
             versions = self._versions(traj, result, row, generated=any(response_mask))
-            outputs.append(AgentLoopOutput(
+            routes = self._routes(traj, len(response_ids))
+            per_token = None
+            if credit is not None:
+                spans, shares = fit_spans(len(response_ids), *credit)
+                per_token = token_rewards(len(response_ids), spans, shares) if spans else None
+            outputs.append(ProRLAgentLoopOutput(
+                token_rewards=per_token,
                 prompt_ids=list(traj["prompt_ids"])[-self.prompt_length:],
                 response_ids=response_ids,
                 response_mask=response_mask,
                 response_logprobs=logprobs,
+                routed_experts=routes,
                 reward_score=reward,
                 num_turns=int(traj.get("num_turns") or 0) or len(result.messages) or 2,
                 metrics=AgentLoopMetrics(generate_sequences=float(timing.get("run_s") or 0.0),
@@ -618,10 +670,29 @@ class ProRLAgentLoop(AgentLoopBase):
                               "truncation": self.truncation if cut is not None else None,
                               "reward_source": "verl" if scorer is not None else "server",
                               "server_reward": server_reward,
+                              "credit": "turns" if per_token is not None else "last_token",
+                              "reward_components": components,
                               "timing": timing},
                 },
             ))
         return outputs
+
+    def _routes(self, traj: dict[str, Any], n_response: int) -> Any:
+        """The row's routed experts (R3) in verl's layout: an int16 array ``[positions, layers, top_k]`` for the
+        positions of the output row (``prompt_ids[-prompt_length:] + response_ids[:response_length]``) from
+        its first, as verl's tool agent loop gives its last turn's ``TokenOutput.routed_experts``
+        (``AgentLoopOutput.as_dict`` zero-pads the positions past its end; verl's R3 replay leaves the last
+        row native). None when the trajectory has no record. The record is the trajectory's own (one per
+        segment of a split episode), so the routes stay on the tokens they were computed for."""
+        routes = traj.get("routed_experts")
+        if not routes:
+            return None
+        import numpy as np  # verl's dependency
+
+        P = len(traj.get("prompt_ids") or [])
+        cut = max(0, P - self.prompt_length)  # the prompt is cut from the left (to_outputs)
+        kept = routes[cut:P + n_response]
+        return np.asarray(kept, dtype=np.int16) if kept else None
 
     def verl_scorer_source(self, row: dict[str, Any]) -> Optional[str]:
         """The row's ``data_source`` when its reward comes from verl's own scorer (``reward_source``), else None."""

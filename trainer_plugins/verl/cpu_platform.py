@@ -422,3 +422,7 @@ def apply_patches() -> list[str]:
 
 PlatformCPU = _platform_class()
 apply_patches()
+
+# verl's advantage estimator "prorl_rtg" (per-turn reward-to-go, issue #35 part 4) is registered wherever this
+# module is loaded (the driver computes advantages), so `algorithm.adv_estimator=prorl_rtg` needs no other hook
+import trainer_plugins.verl.credit_estimator  # noqa: E402,F401

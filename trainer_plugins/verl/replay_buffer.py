@@ -48,6 +48,7 @@ then keep zero loss but stay in their group).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, defaultdict
 from typing import Any, Callable, Optional
 
@@ -74,6 +75,21 @@ CANCELLED_STALE_METRIC = "prorl_async/rollouts_cancelled_stale_total"
 STALENESS_HIST_METRIC = "prorl_async/staleness_total"
 #: samples cut to the rollout lengths (masked or filtered, per the agent loop's ``truncation`` setting)
 TRUNCATED_METRIC = "prorl_truncated/samples"
+#: ``training/prorl_reward/{name}``: the mean weighted reward component (``weight * value``, issue #35 part 4)
+#: over the samples completed since the last step that report it
+REWARD_COMPONENT_METRIC = "prorl_reward"
+
+
+def reward_components_of(extra_fields: Any) -> dict[str, float]:
+    """``extra_fields.prorl.reward_components`` of a stored trajectory (name -> weighted term; finite floats
+    only, the server checked them), ``{}`` when it has none."""
+    fields = getattr(extra_fields, "data", extra_fields)
+    prorl = fields.get("prorl") if isinstance(fields, dict) else None
+    comps = prorl.get("reward_components") if isinstance(prorl, dict) else None
+    if not isinstance(comps, dict):
+        return {}
+    return {str(k): float(v) for k, v in comps.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def truncation_of(extra_fields: Any) -> Any:
@@ -164,6 +180,7 @@ class ProRLReplayBuffer(ReplayBufferAsync):
         self._last_filtered: set[str] = set()  # of the last _terminal_eviction_reasons, for its metric
         self._truncated = 0  # cut samples seen since the last metrics
         self._completed = 0  # samples of groups that finished since the last metrics (stale-cancelled ones not)
+        self._components: dict[str, list[float]] = defaultdict(list)  # name -> weighted terms since the last step
         self._discarded_stale = 0  # completed samples of groups evicted as stale since the last metrics
         self._cancelled_rows: dict[str, dict[str, int]] = defaultdict(dict)  # partition -> uid -> cancelled samples
         # stale work cancelled (trainer_plugins/verl/stale.py): only where verl drops stale groups
@@ -206,6 +223,8 @@ class ProRLReplayBuffer(ReplayBufferAsync):
                 if key.endswith("_0"):  # one count per sample (its first segment; a filtered sample has one)
                     groups[uid].append(sample_of(fields))
                     self._completed += 1
+                    for name, term in reward_components_of(fields).items():
+                        self._components[name].append(term)
                     if truncation_of(fields):
                         self._truncated += 1
             for samples in groups.values():  # each complete group once: a persistent fault stops training
@@ -223,6 +242,9 @@ class ProRLReplayBuffer(ReplayBufferAsync):
             metrics[f"{prefix}/{TRUNCATED_METRIC}"] = self._truncated
             metrics.update(self.async_metrics(global_steps, prefix, batch))
             metrics[f"{prefix}/{CANCELLED_STALE_METRIC}"] = self.cancel_stale(global_steps, partition_id)
+            metrics.update({f"{prefix}/{REWARD_COMPONENT_METRIC}/{name}": sum(v) / len(v)
+                            for name, v in sorted(self._components.items())})
+            self._components.clear()
             self._truncated = self._completed = self._discarded_stale = 0
         return batch, metrics
 
