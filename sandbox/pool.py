@@ -15,6 +15,8 @@ Rules:
   next server's :meth:`~sandbox.runtime.SandboxRuntime.reap_orphans`.
 - Handed out once: the pool forgets a sandbox when it hands it out; the job closes it (destroyed, never put
   back), and the pool starts a replacement in the background.
+- Warm: a pooled sandbox's shell is started while it waits (:meth:`~sandbox.runtime.SandboxHandle.warm_up`), so
+  a job's first bash call finds it ready; a cold start leaves its shell to the first bash call.
 - Never dead: on acquire the sandbox's launcher must run, no bound may have ended it, and its execution server
   must hold its connection open (a server that died closed it; checked with ``poll``, no round trip; without a
   connection, a ping within :data:`ACQUIRE_PING_S`); one that fails is closed (counted ``dead``) and the next
@@ -235,6 +237,13 @@ class SandboxPool:
                 raise
             except Exception:
                 self.counters["refill_failures"] += 1
+                raise
+            try:
+                await h.warm_up()  # its shell starts while it waits: a job's first bash call finds it ready
+            except BaseException as e:
+                if not isinstance(e, asyncio.CancelledError):
+                    self.counters["refill_failures"] += 1
+                await h.close()
                 raise
         if self._closed:
             await h.close()
