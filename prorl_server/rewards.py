@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 import unicodedata
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
@@ -34,8 +33,8 @@ OUTCOME = "outcome"
 #: Largest ``|reward - sum(weight * value)|`` the server accepts, relative to ``max(1, sum |weight * value|)``.
 TOLERANCE = 1e-12
 #: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn (an
-#: ASCII turn costs one ``str.isascii`` call; other text a C-speed count, then one Unicode-name lookup per
-#: distinct character).
+#: ASCII turn costs one ``str.isascii`` call; other text C-speed counts, then one Unicode-name lookup per
+#: distinct letter; ``benchmarks/reward_components.py`` measures it).
 MAX_MIXING_CHARS = 16384
 
 #: Process term: the share of the job's turns whose tool calls did not parse, negated (value in [-1, 0]).
@@ -129,8 +128,8 @@ def generated_texts(trajectories: list[Any], tokenizer: Any) -> list[str]:
             for t in trajectories for _, ids in t.spans()]
 
 
-_NOT_ASCII = re.compile(r"[\x00-\x7f]+")
-_ASCII_LETTERS = re.compile(r"[^A-Za-z]+")
+#: Distinct characters up to which :func:`mixing_share` counts each with ``str.count`` (O(distinct x length)).
+_COUNT_DISTINCT = 256
 #: Unicode scripts that one language writes together, as one group (Japanese mixes Han and kana).
 _SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
                  "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
@@ -144,13 +143,19 @@ def mixing_share(text: str) -> float:
     text = text[:MAX_MIXING_CHARS]
     if text.isascii():  # the common case, at C speed: every letter is Latin
         return 0.0
-    counts = {"LATIN": len(_ASCII_LETTERS.sub("", text))}
-    # each distinct character's Unicode name is looked up once (Counter counts at C speed)
-    for ch, k in collections.Counter(_NOT_ASCII.sub("", text)).items():
-        if ch.isalpha():
+    distinct = set(text)
+    if len(distinct) <= _COUNT_DISTINCT:  # few distinct characters (most text): str.count each, at C speed
+        letters = ((ch, text.count(ch)) for ch in distinct if ch.isalpha())
+    else:  # many (the bound: up to MAX_MIXING_CHARS): one C-speed Counter pass instead of a count each
+        letters = ((ch, k) for ch, k in collections.Counter(text).items() if ch.isalpha())
+    counts: dict[str, int] = {}
+    for ch, k in letters:  # each distinct letter's Unicode name is looked up once
+        if ch < "\x80":
+            group = "LATIN"
+        else:
             word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
             group = _SCRIPT_GROUP.get(word, word)
-            counts[group] = counts.get(group, 0) + k
+        counts[group] = counts.get(group, 0) + k
     total = sum(counts.values())
     return 0.0 if total == 0 else 1.0 - max(counts.values()) / total
 
