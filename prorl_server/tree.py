@@ -87,7 +87,7 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
         n_sampled = sum(j - i for i, j, generated in segments if generated)
         versions = (t.version_runs if sum(n for _, n in t.version_runs) == n_sampled
                     else [[None, n_sampled]])  # unknown: prorl_server.types.sampled_runs_versions
-        recorded = getattr(t, "routed_experts", None)
+        recorded = t.sampled_routes()  # per generated token, from the positional record
         recorded = recorded if isinstance(recorded, list) and len(recorded) == n_sampled else None
         if recorded is not None:
             tags = [(v, json.dumps(r, separators=(",", ":")))

@@ -484,6 +484,54 @@ def runs_slice(runs: list, start: int, n: int) -> list[list]:
     return out
 
 
+#: Bounds on a routed-expert record (MoE routing replay, R3), checked where a backend's answer is read
+#: (``prorl_server/llm/client.py``) and again on :class:`Trajectory`: MoE layers per token, experts per token and
+#: layer (top-k), and ints per trajectory (positions x layers x top-k; 2**24 is ~44k tokens of a 48-layer top-8
+#: model, ~128 MB of list pointers). Expert indices are below 2**15: verl stores routes as int16.
+MAX_ROUTE_LAYERS = 512
+MAX_ROUTE_TOP_K = 64
+MAX_ROUTE_INTS = 1 << 24
+MAX_EXPERT_INDEX = (1 << 15) - 1
+
+RouteRecord = list[Annotated[list[Annotated[int, Field(ge=0, le=MAX_EXPERT_INDEX)]],
+                             Field(min_length=1, max_length=MAX_ROUTE_TOP_K)]]
+
+
+def route_shape_error(routes: list, max_positions: int, check_ints: bool = True) -> Optional[str]:
+    """Why ``routes`` is not a bounded routed-expert record, or None: a list of at most ``max_positions``
+    entries, each ``[layers][top_k]`` ints with the same ``layers`` (1..:data:`MAX_ROUTE_LAYERS`) and ``top_k``
+    (1..:data:`MAX_ROUTE_TOP_K`) for every entry, ints in ``0..MAX_EXPERT_INDEX``, at most :data:`MAX_ROUTE_INTS`
+    ints in all. Checks the sizes before it reads an int, so an oversized record costs O(1) to refuse;
+    ``check_ints=False`` leaves the ints to the caller (pydantic's own check on :class:`Trajectory`)."""
+    if not isinstance(routes, list):
+        return "routed_experts is not a list"
+    if len(routes) > max_positions:
+        return f"routed_experts has {len(routes)} positions for {max_positions} tokens"
+    if not routes:
+        return None
+    first = routes[0]
+    if not isinstance(first, list) or not 1 <= len(first) <= MAX_ROUTE_LAYERS \
+            or not isinstance(first[0], list) or not 1 <= len(first[0]) <= MAX_ROUTE_TOP_K:
+        return (f"routed_experts entries must be [layers][top_k] with 1..{MAX_ROUTE_LAYERS} layers and "
+                f"1..{MAX_ROUTE_TOP_K} experts per layer")
+    L, K = len(first), len(first[0])
+    if len(routes) * L * K > MAX_ROUTE_INTS:
+        return (f"routed_experts holds {len(routes)} x {L} x {K} ints, over the bound of {MAX_ROUTE_INTS} "
+                "(prorl_server.types.MAX_ROUTE_INTS)")
+    for p, entry in enumerate(routes):
+        if not isinstance(entry, list) or len(entry) != L:
+            return f"routed_experts position {p}: not {L} layers"
+        for layer in entry:
+            if not isinstance(layer, list) or len(layer) != K:
+                return f"routed_experts position {p}: a layer without {K} experts"
+            if not check_ints:
+                continue
+            for e in layer:
+                if type(e) is not int or not 0 <= e <= MAX_EXPERT_INDEX:
+                    return f"routed_experts position {p}: expert index {e!r} outside 0..{MAX_EXPERT_INDEX}"
+    return None
+
+
 class Trajectory(BaseModel):
     """One token-level segment of a rollout.
 
@@ -498,6 +546,13 @@ class Trajectory(BaseModel):
     unknown, e.g. a turn split by a weight swap at a point the backend could not report).
     ``mixed_version_turns``: turns generated across a weight update (an old-version prefix and a new-version
     suffix; see ``POST /weights/pause``).
+    ``routed_experts``: MoE routing replay (R3, verl's ``AgentLoopOutput.routed_experts``): for row position
+    ``t`` of ``prompt_ids + response_ids``, the experts that processed token ``t`` as the backend's input, as
+    ``[layers][top_k]`` expert indices (list[list[list[int]]] of length at most T = P + R; usually T - 1, since
+    the row's last generated token was never fed through the model); positions past its end have no route.
+    Recorded per trajectory from the backend's answers (its prompt's prefill plus decoding), so a row that
+    starts again after a rewritten context holds the routes of its own tokens. None: the backend reported none
+    (a dense model, routing replay off). Bounded by :func:`route_shape_error`.
     """
 
     prompt_ids: list[int] = Field(default_factory=list)
@@ -510,6 +565,26 @@ class Trajectory(BaseModel):
     mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
+    routed_experts: Optional[list[RouteRecord]] = Field(default=None, max_length=MAX_ROUTE_INTS)
+
+    @model_validator(mode="after")
+    def _bounded_routes(self) -> "Trajectory":
+        if self.routed_experts is not None:
+            why = route_shape_error(self.routed_experts, len(self.prompt_ids) + len(self.response_ids),
+                                    check_ints=False)  # RouteRecord's ints were checked by pydantic-core
+            if why is not None:
+                raise ValueError(why)
+        return self
+
+    def sampled_routes(self) -> Optional[list[Any]]:
+        """The route of each generated token (the ``loss_mask`` 1 positions in order; length
+        ``sum(loss_mask)``, None where the record ends before it), or None when no route was recorded."""
+        routes = self.routed_experts
+        if routes is None:
+            return None
+        P, n = len(self.prompt_ids), len(routes)
+        return [routes[P + i] if P + i < n else None
+                for i, (_, m) in enumerate(zip(self.response_ids, self.loss_mask)) if m == 1]
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -528,7 +603,7 @@ class Trajectory(BaseModel):
         n_sampled = sum(j - i for i, j, generated in runs if generated)
         versions = (self.version_runs if sum(n for _, n in self.version_runs) == n_sampled
                     else [[None, n_sampled]])  # unknown: sampled_runs_versions
-        routes = getattr(self, "routed_experts", None)  # per generated token (#32 part 7), when recorded
+        routes = self.sampled_routes()  # per generated token (#32 part 7), when recorded
         whole = _int64_bytes(self.response_ids)  # sliced per segment: one conversion, not one per segment
         response = memoryview(whole) if whole is not None else None
         k = 0  # generated tokens before this span

@@ -27,7 +27,7 @@ def _row_of(t: Any) -> tuple[list[int], list[int], list[Optional[int]], Optional
     per_token = [v for v, c in t.version_runs for _ in range(c)]
     if len(per_token) != n:
         per_token = [None] * n  # no version runs for this row: unknown
-    routes = getattr(t, "routed_experts", None)
+    routes = t.sampled_routes()  # per generated token, from the positional record
     if not isinstance(routes, list) or len(routes) != n:
         routes = None
     return list(t.prompt_ids) + list(t.response_ids), mask, per_token, routes

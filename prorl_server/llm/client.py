@@ -49,6 +49,7 @@ import aiohttp
 import orjson
 
 from prorl_server.balancer import Backend, BackendPool, NoBackendError
+from prorl_server.types import route_shape_error
 from sandbox.bounded_json import JsonBoundError, decode
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ _TOKEN_PREFIX = "token_id:"
 
 #: Seconds an idle keep-alive connection to a backend is kept (below vLLM's 5 s server-side timeout).
 KEEPALIVE_S = 4.0
+#: Most bytes of one completions answer that are read: a routed-expert record at its bound
+#: (:data:`prorl_server.types.MAX_ROUTE_INTS` ints, a few bytes each as JSON) fits; more is a backend fault.
+MAX_ANSWER_BYTES = 256 << 20
 #: Most entries of an answer's ``weight_versions`` list that are read (a turn spans a few weight updates).
 MAX_WEIGHT_VERSIONS = 16
 
@@ -239,6 +243,11 @@ class Completion:
     (:mod:`prorl_server.weight_swap`) has an old-version prefix and a new-version suffix; ``[[None, T]]`` when
     the split is unknown (the backend could not say how far the request had got at the pause), ``[]`` when
     T is 0.
+    ``routed_experts``: MoE routing replay (R3): the routes the backend reported for positions
+    ``[routed_experts_start, routed_experts_start + n)`` of this request's ``prompt_ids + token_ids`` (each
+    ``[layers][top_k]`` expert indices, bounded by :func:`prorl_server.types.route_shape_error`), from the
+    answer's top-level ``routed_experts`` and ``routed_experts_start`` (a verl relay's ``TokenOutput.routed_experts``;
+    vLLM's ``enable_return_routed_experts``); None when the answer has none.
     ``llm_s``: seconds of the kept attempt's HTTP exchange (the model's generation: what
     :attr:`prorl_server.types.TurnRecord.t_llm_s` reports); ``wait_s``: the rest of the call, the system's
     (waiting for a backend or a weight swap, paused and failed attempts, back-off), host monotonic clock.
@@ -259,6 +268,8 @@ class Completion:
     version_runs: list[list[Optional[int]]] = field(default_factory=list)
     llm_s: float = 0.0
     wait_s: float = 0.0
+    routed_experts: Optional[list[Any]] = None
+    routed_experts_start: int = 0
 
 
 @dataclass
@@ -610,9 +621,11 @@ class LLMClient:
             self.counters["requests"] += 1
             if self.pool is not None:
                 self.pool.report_success(b.address)
-            completion = self._completion(data, choice, b, version_sent, http_s, failures + pause_retries + 1,
-                                          failovers, pause_retries, top_logprobs=bool(top),
-                                          splits=call.splits if call is not None else ())
+            args = (data, choice, b, version_sent, http_s, failures + pause_retries + 1, failovers, pause_retries,
+                    bool(top), call.splits if call is not None else (), len(prompt_ids))
+            # a routed-expert record is checked int by int (up to MAX_ROUTE_INTS): off the event loop
+            completion = (await asyncio.to_thread(self._completion, *args)
+                          if data.get("routed_experts") is not None else self._completion(*args))
             completion.llm_s = time.monotonic() - t_sent
             if self.journal is not None:
                 owner = getattr(source, "journal_owner", None)
@@ -710,12 +723,23 @@ class LLMClient:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id} if request_id else _JSON_HEADERS
         async with self.session.post(f"{address}/v1/completions", data=payload, timeout=timeout,
                                      headers=headers) as r:
-            return await r.read(), r.status
+            # bounded before it is decoded: routed experts (R3) make answers large, never unbounded
+            if (r.content_length or 0) <= MAX_ANSWER_BYTES:
+                chunks, size = [], 0
+                async for chunk in r.content.iter_any():
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
+                        break
+                    chunks.append(chunk)
+                else:
+                    return b"".join(chunks), r.status
+            raise LLMError(f"{address} answered more than {MAX_ANSWER_BYTES} bytes "
+                           "(prorl_server.llm.client.MAX_ANSWER_BYTES)")
 
     @staticmethod
     def _completion(data: dict[str, Any], choice: dict[str, Any], b: Backend, version_sent: Optional[int],
                     http_s: float, attempts: int, failovers: int, pause_retries: int,
-                    top_logprobs: bool = False, splits: Any = ()) -> Completion:
+                    top_logprobs: bool = False, splits: Any = (), prompt_len: int = 0) -> Completion:
         lp = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
         if ids is None:
@@ -740,6 +764,17 @@ class LLMClient:
             seen = [version_sent, *(m.after for _, m in splits if m.resumed)] if runs and runs[0][0] is None \
                 else [v for v, _ in runs] or [version_sent]
             versions = list(dict.fromkeys(v for v in seen if v is not None))
+        routes, routes_start = None, 0
+        if data.get("routed_experts") is not None:
+            # the backend's record; refused (a backend fault, filtered) rather than cut: a cut record would
+            # replay zeros as routes for the positions it dropped
+            routes, routes_start = data["routed_experts"], data.get("routed_experts_start", 0)
+            if type(routes_start) is not int or not 0 <= routes_start <= prompt_len:
+                raise LLMError(f"{b.address} returned routed_experts_start {str(routes_start)[:40]} for a prompt "
+                               f"of {prompt_len} tokens")
+            why = route_shape_error(routes, prompt_len + len(ids) - routes_start)
+            if why is not None:
+                raise LLMError(f"{b.address} returned routed experts that are refused: {why}")
         top = None
         if top_logprobs and lp.get("top_logprobs"):
             n = len(_TOKEN_PREFIX)
@@ -748,4 +783,5 @@ class LLMClient:
         return Completion(token_ids=ids, logprobs=logprobs, finish_reason=choice.get("finish_reason") or "stop",
                           stop_reason=choice.get("stop_reason"), backend=b.address, weight_versions=versions,
                           attempts=attempts, failovers=failovers, pause_retries=pause_retries, http_s=http_s,
-                          text=choice.get("text", ""), top_logprobs=top, version_runs=runs)
+                          text=choice.get("text", ""), top_logprobs=top, version_runs=runs,
+                          routed_experts=routes, routed_experts_start=routes_start)

@@ -234,6 +234,21 @@ class _Segment:
     mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
+    #: routed experts (R3) of this segment's row positions [0, len(routes)); None: none reported (or a gap)
+    routes: Optional[list[Any]] = None
+    routes_lost: bool = False
+
+    def add_routes(self, start: int, routes: Optional[list[Any]]) -> None:
+        """Record a turn's routes for row positions ``[start, start + len(routes))`` of this segment (the turn's
+        request was this segment's ``ids`` then): positions from ``start`` on are the latest answer's word, the
+        ones before it stay. A turn with no record, or one that leaves a gap, ends the record (a row with
+        holes would replay zeros as routes)."""
+        if self.routes_lost:
+            return
+        if routes is None or start > len(self.routes or []):
+            self.routes, self.routes_lost = None, self.routes is not None or routes is not None
+            return
+        self.routes = (self.routes or [])[:start] + routes
 
     def to_trajectory(self) -> Trajectory:
         return Trajectory(prompt_ids=self.ids[:self.prompt_len], response_ids=self.ids[self.prompt_len:],
@@ -241,7 +256,8 @@ class _Segment:
                           num_turns=self.num_turns, weight_versions=list(self.weight_versions),
                           version_runs=[list(r) for r in self.version_runs],
                           mixed_version_turns=self.mixed_version_turns,
-                          finish_reason=self.finish_reason, split_reason=self.split_reason)
+                          finish_reason=self.finish_reason, split_reason=self.split_reason,
+                          routed_experts=list(self.routes) if self.routes is not None else None)
 
 
 @dataclass
@@ -372,6 +388,7 @@ class Conversation:
             weight_version=completion.weight_versions[-1] if completion.weight_versions else None,
             finish_reason=completion.finish_reason, t_llm_s=llm_s, t_wait_s=now - self._mark - llm_s))
         self._mark = now
+        seg.add_routes(completion.routed_experts_start, completion.routed_experts)
         seg.ids.extend(ids)
         seg.logprobs.extend(completion.logprobs)
         seg.mask.extend([1] * len(ids))

@@ -67,10 +67,10 @@ def test_a_prompt_token_and_the_same_token_sampled_hash_differently():
     assert earlier.segments[1].hash != later.segments[0].hash
 
 
-@pytest.mark.skipif("routed_experts" not in Trajectory.model_fields, reason="routed_experts lands with #32 part 7")
 def test_routed_expert_records_enter_the_hash():
-    routes_a = [[[0, 1]]] * 5
-    routes_b = [[[0, 1]]] * 4 + [[[2, 3]]]
+    # one route per row position (10 tokens; the last generated token has none): positions 8, 9 are the last turn
+    routes_a = [[[0, 1]]] * 9
+    routes_b = [[[0, 1]]] * 8 + [[[2, 3]]]
     a, b = row(routed_experts=routes_a), row(routed_experts=routes_b)
     assert a.segments[1].hash == b.segments[1].hash and a.segments[3].hash != b.segments[3].hash
 

@@ -12,6 +12,9 @@ on top of the worker's ``server_manager.generate`` (verl's ``LLMServerClient``):
   (``[min, max]`` of the turn; two values only when a partial rollout resumed the turn after an update);
 - ``GET /v1/models``: the model (its path: the rollout server loads the tokenizer from it) and
   ``max_model_len``; ``GET /health``; ``GET /relay/status``: version, turns served, registrations.
+  With MoE routing replay on (verl's ``enable_rollout_routing_replay``), the answer also carries
+  ``routed_experts`` (``TokenOutput.routed_experts`` as ``[positions][layers][top_k]`` ints, positions of the
+  turn's prompt + generated tokens) and ``routed_experts_start: 0`` (the first position it covers).
 
 The relay registers itself with every rollout server (``POST /add_llm_server {address, weight_version}``,
 servers on this node first) once it knows the version, re-registers when a turn reports a newer version
@@ -235,6 +238,14 @@ def request_fault_status(exc: BaseException) -> Optional[int]:
                                                                                              OverflowError)):
         return 400
     return None
+
+
+def _route_lists(routes: Any) -> list:
+    """verl's ``TokenOutput.routed_experts`` (an array ``[positions, layers, top_k]`` of expert indices for the
+    turn's prompt + generated tokens from position 0, vLLM's ``routed_experts``) as nested int lists for JSON."""
+    import numpy as np  # verl's dependency
+
+    return np.asarray(routes).astype(np.int64, copy=False).tolist()
 
 
 def _node_ip() -> str:
@@ -644,6 +655,9 @@ class Relay:
         text = ""
         if self.tokenizer is not None and ids:
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
+        routes = None
+        if ids and getattr(out, "routed_experts", None) is not None:
+            routes = await asyncio.to_thread(_route_lists, out.routed_experts)
         self.sticky.remember(prompt, ids, request_id, continues)
         self.stats["turns"] += 1
         self.stats["tokens"] += len(ids)
@@ -659,6 +673,7 @@ class Relay:
             "weight_version": versions[0],
             "weight_versions": versions,
             "relay_s": round(time.perf_counter() - t0, 6),
+            **({"routed_experts": routes, "routed_experts_start": 0} if routes is not None else {}),
         })
 
 
