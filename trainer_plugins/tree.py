@@ -114,11 +114,13 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
 @dataclass
 class TreeStats:
     """What the trainer did with the trees it received: ``verified`` (trained as trees) and ``fallbacks``
-    (refused: trained as rows), with the reason of each refusal by its first words."""
+    (refused: trained as rows), with the reasons of the refusals counted by what failed, and the last refusal's
+    whole reason (leaf and row position)."""
 
     verified: int = 0
     fallbacks: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    last_reason: Optional[str] = None
 
 
 def verified_tree(tree: Optional[GroupTree], results: Mapping[str, JobResult],
@@ -137,6 +139,9 @@ def verified_tree(tree: Optional[GroupTree], results: Mapping[str, JobResult],
             stats.verified += 1
             return tree
     stats.fallbacks += 1
-    key = reason.split(":")[0][:80]
+    stats.last_reason = reason
+    # counted by what failed ("tokens differ", "loss mask differs"), not by which leaf
+    what = reason.split(": ", 1)[1] if reason.startswith("job ") and ": " in reason else reason
+    key = what.split(" at ")[0][:80]
     stats.reasons[key] = stats.reasons.get(key, 0) + 1
     return None

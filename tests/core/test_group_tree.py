@@ -277,7 +277,7 @@ def test_a_node_that_gives_a_token_it_did_not_generate_a_logprob_is_never_served
 def test_routed_experts_split_equal_tokens_and_give_back_each_rows_routes():
     """Rows with equal tokens and versions but other expert routes for one generated token share the tree up
     to that token only, and each leaf's path gives back its own routes. (The trajectories stand for ones with
-    ``routed_experts`` recorded, a field issue #32 part 7 adds to the wire.)"""
+    ``routed_experts`` recorded: the tree reads the record of each generated token.)"""
     from types import SimpleNamespace
 
     def traj(route_of_third):
@@ -285,7 +285,8 @@ def test_routed_experts_split_equal_tokens_and_give_back_each_rows_routes():
         n = sum(row["loss_mask"])
         routes = [[k % 4, 1] for k in range(n)]
         routes[2] = route_of_third
-        return SimpleNamespace(**row, routed_experts=routes)
+        # the record of each generated token, as Trajectory.sampled_routes() gives it from routed_experts
+        return SimpleNamespace(**row, routed_experts=routes, sampled_routes=lambda: routes)
 
     results = [(j, SimpleNamespace(reward=0.0, trajectories=[traj(r)])) for j, r in (("a", [0, 1]), ("b", [3, 2]))]
     rows = [r for j, x in results for r in rows_of(j, x)]

@@ -200,3 +200,86 @@ def test_trls_grpo_trainer_trains_tree_packed(tiny_model_dir, tmp_path, bf16):
     assert s.fallback_reason is None and s.packed_batches >= 2 and s.row_batches == 0
     assert s.self_check_delta <= (5e-2 if bf16 else 1e-5)
     assert s.tree_token_ratio < 0.8  # the group's shared prompt is forwarded once
+
+
+def trl_batch(prompts: list[list[int]], completions: list[list[int]]):
+    """TRL's padded batch of rollout rows: prompts left-padded, completions right-padded (pad id 0)."""
+    P, C = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, P - len(p):P], mask[b, P - len(p):P] = torch.tensor(p), 1
+        ids[b, P:P + len(c)], mask[b, P:P + len(c)] = torch.tensor(c), 1
+    return ids, mask, C
+
+
+def split_instance(name: str, first: int) -> dict:
+    """A ``fixed`` instance (tests/trainer/conftest.py) whose rollout was split by a context rewrite: TRL trains
+    on its second segment only, whose prompt re-sends the first's history."""
+    prompt = list(range(100, 140))
+    turn1, obs, turn2 = [first + k for k in range(6)], [300, 301], [first + 50 + k for k in range(5)]
+    seg1 = dict(prompt_ids=prompt, response_ids=turn1, response_logprobs=[-0.5] * 6, loss_mask=[1] * 6,
+                version_runs=[[0, 6]])
+    seg2 = dict(prompt_ids=prompt + turn1 + obs, response_ids=turn2, response_logprobs=[-0.25] * 5,
+                loss_mask=[1] * 5, version_runs=[[0, 5]])
+    return {"data_source": "fixed", "id": name, "prompt": f"say {name}", "rewards": [0.0, 1.0],
+            "trajectories": [seg1, seg2]}
+
+
+async def test_the_mixin_packs_the_servers_verified_trees_and_says_why_when_it_cannot(start_llm_server, model,
+                                                                                      monkeypatch):
+    """``ProRLRollout(server_trees=True)`` fetches each group's tree from its server and checks it; the mixin
+    packs those trees (one per group, pruned to the rows TRL trains: the prompt is not shared across groups,
+    unlike a tree built here from tokens) with the per-row forward's logprobs; a row TRL changed, and a tree
+    that fails the trainer's check, fall back to a tree built from the rows, each counted with its reason."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from prorl_server import tree as server_tree
+    from trainer_plugins.trl import ProRLRollout
+
+    url = await start_llm_server()
+    # stands for trl.GRPOTrainer: the attributes the rollout function reads (tests/trainer/test_trl_rollout.py)
+    trainer_stub = NS(num_generations=2, temperature=1.0, state=NS(global_step=0),
+                      args=NS(temperature=1.0, top_p=1.0, top_k=None, max_completion_length=12),
+                      processing_class=NS(eos_token_id=7, pad_token_id=0))
+    rollout = ProRLRollout([url], [split_instance("a", 1000), split_instance("b", 2000)], max_sample_retries=0,
+                           server_trees=True)
+    try:
+        out = await asyncio.to_thread(rollout, ["say a", "say a", "say b", "say b"], trainer_stub)
+        trees = rollout.server_trees
+        assert trees.stats.verified == 2 and trees.stats.fallbacks == 0
+        ids, mask, C = trl_batch(out["prompt_ids"], out["completion_ids"])
+        trainer = PackedTrainer()
+        trainer.rollout_func = rollout
+        with torch.no_grad():
+            got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+            ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
+        keep = mask[:, -C:].bool()
+        assert float((got - ref)[keep].abs().max()) <= 1e-4
+        s = trainer.tree_pack_stats
+        row_len = len(out["prompt_ids"][0]) + len(out["completion_ids"][0])
+        assert s.server_tree_chunks == 1 and s.row_tree_chunks == 0
+        assert s.tree_tokens == 2 * row_len  # one tree per group; built from tokens it would be row_len + 5
+
+        # a row TRL changed (truncated) is in no server tree: that chunk builds its own, saying why
+        ids2, mask2 = ids.clone(), mask.clone()
+        mask2[0, -1] = 0
+        with torch.no_grad():
+            trainer._get_per_token_logps_and_entropies(model, ids2, mask2, C)
+        assert s.row_tree_chunks == 1 and any("no verified server tree" in r for r in s.tree_reasons)
+
+        # a server that serves a tree its own check would refuse: the trainer's check refuses it too
+        real = server_tree.build_tree
+
+        def corrupt(*a, **kw):
+            t = real(*a, **kw)
+            t.nodes[-1].token_ids[0] += 1
+            return t
+
+        monkeypatch.setattr(server_tree, "build_tree", corrupt)
+        monkeypatch.setattr(server_tree, "verify_tree", lambda tree, rows: 0.0)
+        await asyncio.to_thread(rollout, ["say a", "say a"], trainer_stub)
+        assert trees.stats.fallbacks == 1 and any("tokens differ" in r for r in trees.stats.reasons)
+    finally:
+        rollout.close()

@@ -236,6 +236,10 @@ class ProRLRollout:
             (module docstring; :class:`trainer_plugins.breaker.FaultBreaker`; 0 turns a rule off).
         max_staleness: the largest lag, in weight versions, of a trained row (module docstring, "Staleness
             bound"); None: the bound ``prefetch`` gives (none without ``prefetch``).
+        server_trees: fetch each group's verified prefix tree from its server after the call
+            (``GET /groups/{id}/tree``), check it here (:func:`trainer_plugins.tree.verified_tree`) and keep it
+            in :attr:`server_trees` (:class:`trainer_plugins.trl.tree_pack.ServerTrees`) for the tree-packing
+            mixin (``TreePackedLogps``), which then packs the servers' trees instead of building its own.
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -247,7 +251,7 @@ class ProRLRollout:
                  server_chooser: Union[str, ServerChooser] = "least_in_flight",
                  prefetch: Union[bool, int] = False, breaker_consecutive_groups: int = 8,
                  breaker_window: int = 64, breaker_max_share: float = 0.9,
-                 max_staleness: Optional[int] = None) -> None:
+                 max_staleness: Optional[int] = None, server_trees: bool = False) -> None:
         self.breaker = FaultBreaker(breaker_consecutive_groups, breaker_window, breaker_max_share,
                                     what="training (ProRLRollout)")
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
@@ -302,6 +306,12 @@ class ProRLRollout:
         self._pending: "deque[_Batch]" = deque()
         self._batches = 0
         self._tokenizer_checked: set[str] = set()  # servers whose tokenizer matched the policy's
+        #: the servers' verified group trees of the last calls, for tree-packed training (issue #34), or None
+        self.server_trees = None
+        if server_trees:
+            from trainer_plugins.trl.tree_pack import ServerTrees
+
+            self.server_trees = ServerTrees()
         self._policy_fingerprint: Any = None
 
     # ------------------------------------------------------------------ plumbing
@@ -465,10 +475,13 @@ class ProRLRollout:
             lag = self._calls - batch.call
             prompts = batch.prompts
         else:
-            outcomes = self._start(prompts, instances, sp, n, step).future.result()
+            batch = self._start(prompts, instances, sp, n, step)
+            outcomes = batch.future.result()
             lag = 0
         self._record_faults(outcomes, n)  # a persistent fault raises here, before TRL trains on nothing
         rows = self._rows(prompts, outcomes, trainer, step)
+        if self.server_trees is not None:
+            self.loop.run(self._collect_trees(_tree_groups(batch.groups, outcomes)))
         self._calls += 1
         stats = rows.pop("_stats")
         stats.prompt_lag = lag
@@ -482,6 +495,10 @@ class ProRLRollout:
                  "%.1f s", step, len(prompts), stats.mean_reward, stats.versions, stats.filtered_rows,
                  stats.stale_cancelled, stats.wall_s)
         return rows
+
+    async def _collect_trees(self, groups: list) -> None:
+        # on the rollout's loop: the submitter's session lives there
+        await self.server_trees.collect(self._submitter().session, self.headers, groups)
 
     async def check_tokenizers(self, trainer: Any) -> None:
         """Compare each rollout server's tokenizer with the trainer's ``processing_class`` (module docstring,
@@ -556,6 +573,8 @@ class ProRLRollout:
 
         async def one(i: int) -> JobOutcome:
             gid = f"trl-{self.run_id}-s{step}-b{batch}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
+            if record is not None:
+                record.groups[i] = gid
             request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s)
             try:
                 return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
@@ -677,6 +696,22 @@ class _Batch:
     task: Any = None
     future: Any = None
     finished: int = 0
+    groups: dict = field(default_factory=dict)  # row -> its group id
+
+
+def _tree_groups(groups: Mapping[int, str], outcomes: Sequence[JobOutcome]) -> list[tuple[str, str, list, list]]:
+    """What :meth:`ServerTrees.collect` fetches: per group and server, the unfiltered results there and the
+    index of the trajectory each row trains on (the last with a prompt, as :meth:`ProRLRollout._rows`)."""
+    out: dict[tuple[str, str], tuple[list, list]] = {}
+    for i, oc in enumerate(outcomes):
+        r = oc.result
+        last = [k for k, t in enumerate(r.trajectories) if t.prompt_ids]
+        if oc.filtered or not last or i not in groups:
+            continue
+        results, trained = out.setdefault((groups[i], oc.server), ([], []))
+        results.append(r)
+        trained.append(last[-1])
+    return [(gid, server, results, trained) for (gid, server), (results, trained) in out.items()]
 
 
 async def _spawn(coro) -> "asyncio.Task":

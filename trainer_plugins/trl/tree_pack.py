@@ -25,10 +25,11 @@ not packed.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -101,6 +102,101 @@ def build_prefix_tree(rows: Sequence[Sequence[int]]) -> tuple[list[tuple[Optiona
             end = end[0]
         paths.append(path[::-1])
     return nodes, paths
+
+
+class ServerTrees:
+    """The rollout servers' verified group trees (``GET /groups/{id}/tree``, issue #34) of the last
+    ``keep_calls`` rollout calls, indexed by the rows TRL trains on, so a packed batch forwards the server's
+    provenance-checked tree instead of one built here from tokens alone.
+
+    :meth:`collect` fetches a call's trees, checks each with :func:`trainer_plugins.tree.verified_tree`
+    against the results the rollout holds (a tree that fails, or a fetch that fails, is refused and counted
+    in :attr:`stats` with its reason), and indexes the leaves of the rows TRL receives. :meth:`forest` gives
+    the trees of a batch's rows, pruned to their paths, or why it cannot (the batch then builds its tree from
+    its rows). Memory: the trees of ``keep_calls`` calls at most."""
+
+    def __init__(self, keep_calls: int = 2, max_bytes: int = 256 * 1024 * 1024) -> None:
+        from trainer_plugins.tree import TreeStats
+
+        self.keep_calls = max(1, int(keep_calls))
+        self.max_bytes = max_bytes
+        self.stats = TreeStats()
+        self._calls: "list[dict[tuple, tuple[Any, int]]]" = []  # per call: row tokens -> (tree, leaf index)
+
+    async def collect(self, session: Any, headers: Mapping[str, str],
+                      groups: Sequence[tuple[str, str, Sequence[Any], Sequence[int]]]) -> None:
+        """Fetch and check the trees of ``groups``: ``(group_id, server URL, the group's job results there,
+        the index of the trajectory TRL trains on of each)``, and index those rows. Never raises for a
+        server's answer: a tree that cannot be had or verified is counted in :attr:`stats` and its rows
+        are left out (trained from a tree built from their tokens)."""
+        import aiohttp
+
+        from prorl_server.types import GroupTree
+        from trainer_plugins.tree import verified_tree
+
+        index: dict[tuple, tuple[Any, int]] = {}
+        for gid, server, results, trained in groups:
+            held = {r.job_id: r for r in results}
+            tree = None
+            try:
+                async with session.get(f"{server.rstrip('/')}/groups/{gid}/tree", headers=dict(headers),
+                                       timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                    body = await resp.content.read(self.max_bytes + 1)
+                    if resp.status != 200:
+                        raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
+                    if len(body) > self.max_bytes:
+                        raise ValueError(f"the tree is over {self.max_bytes} bytes")
+                tree = GroupTree.model_validate_json(body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                self._refuse(f"fetch: group {gid} from {server}: {e}")
+                continue
+            tree = verified_tree(tree, held, self.stats)
+            if tree is None:
+                log.warning("tree of group %s refused, its rows train on a tree built from their tokens: %s", gid,
+                            self.stats.last_reason)
+                continue
+            leaves = {(leaf.job_id, leaf.trajectory_index): k for k, leaf in enumerate(tree.leaves)}
+            for r, t in zip(results, trained):
+                k = leaves.get((r.job_id, t))
+                if k is None:
+                    self._refuse(f"missing: job {r.job_id} has no leaf in its group's tree")
+                    continue
+                traj = r.trajectories[t]
+                index[tuple(traj.prompt_ids) + tuple(traj.response_ids)] = (tree, k)
+        self._calls.append(index)
+        del self._calls[:-self.keep_calls]
+
+    def _refuse(self, reason: str) -> None:
+        self.stats.fallbacks += 1
+        self.stats.last_reason = reason
+        key = reason.split(":")[0][:80]
+        self.stats.reasons[key] = self.stats.reasons.get(key, 0) + 1
+        log.warning("server tree not used: %s", reason)
+
+    def forest(self, rows: Sequence[Sequence[int]]) -> "tuple[list[tuple[Optional[int], list[int]]], list[list[int]]] | str":
+        """``(nodes, paths)`` as :func:`build_prefix_tree` gives them, from the server trees of ``rows``
+        (each tree pruned to the paths of the rows present, the trees side by side as one forest), or a
+        string saying why not (a row that is in no verified tree: TRL changed it, or its tree was refused)."""
+        found = []
+        for b, row in enumerate(rows):
+            key = tuple(row)
+            hit = next((c[key] for c in reversed(self._calls) if key in c), None)
+            if hit is None:
+                return f"row {b} of the batch is in no verified server tree"
+            found.append(hit)
+        nodes: list[tuple[Optional[int], list[int]]] = []
+        number: dict[tuple[int, int], int] = {}
+        trees: dict[int, Any] = {}
+        for tree, k in found:
+            trees.setdefault(id(tree), tree)
+        for tid, tree in trees.items():  # a tree's node ids put a parent before its children
+            used = sorted({n for t, k in found if id(t) == tid for n in t.leaves[k].path})
+            for n in used:
+                parent = tree.nodes[n].parent
+                number[(tid, n)] = len(nodes)
+                nodes.append((None if parent is None else number[(tid, parent)], list(tree.nodes[n].token_ids)))
+        paths = [[number[(id(tree), n)] for n in tree.leaves[k].path] for tree, k in found]
+        return nodes, paths
 
 
 def pack(nodes: Sequence[tuple[Optional[int], Sequence[int]]], paths: Sequence[Sequence[int]],
@@ -226,6 +322,11 @@ class TreePackStats:
     self_check_delta: Optional[float] = None
     fallback_reason: Optional[str] = None
     reasons: dict[str, int] = field(default_factory=dict)
+    #: chunks packed from the servers' verified trees (:class:`ServerTrees`), and chunks whose tree was built
+    #: here from their tokens although server trees were on, by why (``tree_reasons``)
+    server_tree_chunks: int = 0
+    row_tree_chunks: int = 0
+    tree_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
     def tree_token_ratio(self) -> float:
@@ -244,6 +345,9 @@ class TreePackedLogps:
     """
 
     tree_pack_enabled: bool = True
+    #: the servers' verified trees to pack (:class:`ServerTrees`); None: the ``rollout_func``'s
+    #: ``server_trees`` (``ProRLRollout(server_trees=True)``) when it has them, else trees built from tokens
+    server_trees: Optional["ServerTrees"] = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,
@@ -268,9 +372,10 @@ class TreePackedLogps:
         accelerator = getattr(self, "accelerator", None)
         # the same autocast as TRL's own forward (GRPOConfig's bf16 defaults to True, on CPU too)
         autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+        trees = self.server_trees or getattr(getattr(self, "rollout_func", None), "server_trees", None)
         with autocast:
             parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
-                                       temperature, compute_entropy, stats)
+                                       temperature, compute_entropy, stats, trees)
                      for a in range(0, input_ids.size(0), step)]
             device_type = input_ids.device.type
             compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
@@ -296,10 +401,13 @@ class TreePackedLogps:
 
 def tree_packed_batch(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                       temperature: float = 1.0, compute_entropy: bool = False,
-                      stats: Optional[TreePackStats] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      stats: Optional[TreePackStats] = None, server_trees: Optional[ServerTrees] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """TRL's padded batch (``input_ids``/``attention_mask`` [B, L], prompts left-padded, completions
     right-padded) through one tree-packed forward: logprobs [B, logits_to_keep] laid out as TRL's (column j
-    holds the logprob of ``input_ids[:, L - logits_to_keep + j]``; padding 0), and entropies the same way."""
+    holds the logprob of ``input_ids[:, L - logits_to_keep + j]``; padding 0), and entropies the same way.
+    The tree is the servers' (``server_trees``, :meth:`ServerTrees.forest`) when every row is in one, else
+    built from the rows' tokens (counted in ``stats.tree_reasons``)."""
     B, L = input_ids.shape
     keep = attention_mask.bool()
     rows, where = [], []
@@ -307,7 +415,17 @@ def tree_packed_batch(model: Any, input_ids: torch.Tensor, attention_mask: torch
         cols = keep[b].nonzero()[:, 0]
         rows.append(input_ids[b, cols].tolist())
         where.append(cols)
-    nodes, paths = build_prefix_tree(rows)
+    found = server_trees.forest(rows) if server_trees is not None else None
+    if isinstance(found, tuple):
+        nodes, paths = found
+        if stats is not None:
+            stats.server_tree_chunks += 1
+    else:
+        nodes, paths = build_prefix_tree(rows)
+        if stats is not None and found is not None:
+            stats.row_tree_chunks += 1
+            key = found.split(":")[0][:60]
+            stats.tree_reasons[key] = stats.tree_reasons.get(key, 0) + 1
     tree = pack(nodes, paths)
     if stats is not None:
         stats.flat_tokens += sum(len(r) for r in rows)
