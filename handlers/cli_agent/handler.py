@@ -331,9 +331,9 @@ class CliAgentHandler(AgentHandler):
             # the language-mixing term reads the tokens the server generated, never the history the agent
             # program (which runs the model's commands in its sandbox) sent back; the session loaded this
             # tokenizer already, so this is a cache hit
-            with contextlib.suppress(Exception):
-                state.generated_texts = generated_texts(job.trajectories,
-                                                        await job.llm.tokenizer(await job.backend()))
+            with contextlib.suppress(Exception):  # decoding (bounded per turn) runs off the event loop
+                state.generated_texts = await asyncio.to_thread(generated_texts, job.trajectories,
+                                                                await job.llm.tokenizer(await job.backend()))
         job.extra["gateway"] = {**session.summary(), **info}
         await _raise_if_not_the_models(handle, session, end, info)
 
