@@ -314,6 +314,12 @@ class ProcessRequest(BaseModel):
                                        _at_most(MAX_REWARD_COMPONENTS)]] = Field(
         default=None, description="weights of the handler's process reward terms (name -> weight); a term not "
         "named here has weight 0, so the reward is the outcome alone unless a request opts in")
+    completion_time: bool = Field(default=False, strict=True, description=(
+        "relative completion time (#35 part 3): the result is answered when its group ends, with `speed` set "
+        "from the members' model times (generation + critical-path tool time, never waiting); needs group_id and "
+        "group_size"))
+    group_size: Optional[int] = Field(default=None, ge=1, le=4096, strict=True, description=(
+        "the number of jobs of group_id that opt in to completion_time (the group's n samples)"))
 
     @field_validator("instance")
     @classmethod
@@ -322,6 +328,12 @@ class ProcessRequest(BaseModel):
         if not isinstance(ds, str) or not ds:
             raise ValueError("instance.data_source must be a non-empty string naming a handler")
         return v
+
+    @model_validator(mode="after")
+    def _completion_time_needs_a_group(self) -> "ProcessRequest":
+        if self.completion_time and (self.group_id is None or self.group_size is None):
+            raise ValueError("completion_time needs group_id and group_size (the group's number of samples)")
+        return self
 
     @model_validator(mode="after")
     def _agent_limits_into_instance(self) -> "ProcessRequest":
@@ -780,6 +792,9 @@ class JobResult(BaseModel):
     reward_components: dict[str, RewardComponent] = Field(default_factory=dict)
     #: one :class:`TurnRecord` per model turn, in the order generated (empty for a job that generated nothing)
     turns: list[TurnRecord] = Field(default_factory=list)
+    #: relative completion time within its group, in [-1, 1] (:mod:`prorl_server.completion_time`); null unless the
+    #: request set ``completion_time``
+    speed: Optional[float] = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

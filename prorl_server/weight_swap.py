@@ -346,7 +346,9 @@ class SwapCoordinator:
                     raise RuntimeError(f"/reset_prefix_cache answered {data!r}: the KV cache was not reset")
             mark.resumed = True
             await self._post(b, "/resume")
+            mark.resumed_at = time.monotonic()
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as e:
+            mark.resumed_at = time.monotonic()
             reason = f"failed to resume with weights v{version}: {e!r}"
             self._withdraw(b, reason)
             return reason
@@ -360,6 +362,7 @@ class SwapCoordinator:
             await self._post(b, "/resume")
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as e:
             log.warning("could not resume %s: %r", b.address, e)
+        mark.resumed_at = time.monotonic()
 
     def _end(self, swap: _Swap) -> None:
         if swap.lease is not None and swap.lease is not asyncio.current_task():

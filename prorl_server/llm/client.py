@@ -154,14 +154,18 @@ class _PauseHold:
 
 class SwapMark:
     """One weight swap as seen by the calls in flight when it paused their backend: the version before
-    (``before``) and after (``after``, set at resume; None until then or when the swap expired)."""
+    (``before``) and after (``after``, set at resume; None until then or when the swap expired), and when the
+    backend was paused and resumed (``paused_at``, ``resumed_at``: host ``time.monotonic``; None: not resumed yet):
+    the time a call spent frozen in between is the system's (``Completion.wait_s``), not generation."""
 
-    __slots__ = ("before", "after", "resumed")
+    __slots__ = ("before", "after", "resumed", "paused_at", "resumed_at")
 
     def __init__(self, before: Optional[int]) -> None:
         self.before = before
         self.after: Optional[int] = None
         self.resumed = False
+        self.paused_at = time.monotonic()
+        self.resumed_at: Optional[float] = None
 
 
 class InFlightCall:
@@ -453,6 +457,21 @@ class LLMClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _wait_unpaused(self, address: str, deadline: float, backoff: float) -> None:
+        """Poll vLLM's ``GET /is_paused`` (development mode) until ``address`` says it is not paused or
+        ``deadline`` (``time.monotonic``) passes. A backend without the endpoint, or one that does not answer
+        with ``{"is_paused": true}``, ends the wait at once (the re-sent request then waits in the engine)."""
+        while time.monotonic() < deadline:
+            try:
+                async with self.session.get(f"{address}/is_paused",
+                                            timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    data = await r.json(content_type=None) if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return
+            if not (isinstance(data, dict) and data.get("is_paused") is True):
+                return
+            await asyncio.sleep(backoff)
+
     # ------------------------------------------------------------------ model info
     async def model_info(self, address: str, timeout_s: float = 30.0) -> ModelInfo:
         """The backend's served model (cached per address).
@@ -600,6 +619,9 @@ class LLMClient:
                     raise LLMUnavailableError(f"{b.address} stayed paused for more than {self.pause_wait_s} s")
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+                # a paused vLLM queues what it is sent inside the request: wait here instead, where the time is
+                # seen as the system's (Completion.wait_s), not the re-sent turn's generation (#35)
+                await self._wait_unpaused(b.address, pause_deadline, backoff)
                 continue
             except (_BackendFailed, LLMUnavailableError) as e:
                 reason = e.reason if isinstance(e, _BackendFailed) else str(e)
@@ -626,7 +648,11 @@ class LLMClient:
             # a routed-expert record is checked int by int (up to MAX_ROUTE_INTS): off the event loop
             completion = (await asyncio.to_thread(self._completion, *args)
                           if data.get("routed_experts") is not None else self._completion(*args))
-            completion.llm_s = time.monotonic() - t_sent
+            t_end = time.monotonic()
+            # a swap that froze this request in the engine (pause mode keep) held it: the system's time
+            frozen = sum(max(0.0, min(m.resumed_at or t_end, t_end) - max(m.paused_at, t_sent))
+                         for _, m in (call.splits if call is not None else ()))
+            completion.llm_s = max(0.0, t_end - t_sent - frozen)
             if self.journal is not None:
                 owner = getattr(source, "journal_owner", None)
                 if owner is not None:

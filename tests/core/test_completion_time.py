@@ -1,0 +1,139 @@
+"""Relative completion time (issue #35 part 3): the formula, delivery with the group, and that the system's delays
+(a backend paused by its trainer, a weight swap that freezes requests in the engine) do not move ``speed``.
+
+The server is the real one (pipeline, LLM client, weight swaps); its backend is
+:class:`prorl_server.dev.fake_vllm.FakeVLLM`, standing for vLLM 0.31's completions and development endpoints:
+it generates one token per request every ``step_s``, so a member's model time is set by its ``max_tokens``.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from prorl_server.app import create_app
+from prorl_server.completion_time import relative_speeds
+from prorl_server.config import ServerSettings
+from prorl_server.dev.fake_vllm import start_fake_vllm
+from prorl_server.plugin import AgentHandler
+from prorl_server.plugin.registry import HandlerRegistry
+from prorl_server.plugin.toolkit import run_agent
+
+STEP_S = 0.01
+TOKENS = [20, 40, 60, 80]  # model times ~0.2, 0.4, 0.6, 0.8 s: median 0.5, speeds 0.6, 0.2, -0.2, -0.6
+EXPECTED = [0.6, 0.2, -0.2, -0.6]
+
+
+def test_speed_is_the_clipped_relative_distance_to_the_resolved_median():
+    assert relative_speeds([(True, 1.0), (True, 3.0), (False, 0.1)]) == [0.5, -0.5, 0.0]
+    assert relative_speeds([(True, 1.0), (True, 10.0), (True, 2.0)]) == [0.5, -1.0, 0.0]  # clipped at -1
+    assert relative_speeds([(True, 1.0), (False, 0.5), (False, 9.0)]) == [0.0, 0.0, 0.0]  # < 2 resolved
+    assert relative_speeds([]) == []
+
+
+class OneTurnHandler(AgentHandler):
+    """A test handler: one generated turn through the agent loop (the fake's tokens call no tool), always
+    resolved, so every member's speed is set by its model time alone."""
+
+    name = "one_turn"
+    needs_llm = True
+
+    async def run(self, job) -> None:
+        await run_agent(job, [{"role": "user", "content": "Go."}], {})
+
+    async def eval(self, job) -> None:
+        job.resolved, job.reward = True, 1.0
+
+
+@pytest.fixture
+async def server(aiohttp_client, tiny_model_dir):
+    fake, runner, addr = await start_fake_vllm(step_s=STEP_S, model=str(tiny_model_dir))
+    reg = HandlerRegistry()
+    reg.register(OneTurnHandler)
+    app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[]),
+                     registry=reg)
+    client = await aiohttp_client(app)
+    assert (await client.post("/add_llm_server", json={"address": addr, "weight_version": 0})).status == 200
+    yield client, fake
+    await runner.cleanup()
+
+
+def body(group: str, i: int, tokens: int) -> dict:
+    return {"job_id": f"{group}-{i}", "group_id": group, "group_size": len(TOKENS), "completion_time": True,
+            "instance": {"data_source": "one_turn"}, "sampling_params": {"max_tokens": tokens}}
+
+
+async def until(cond, patience_s: float = 30.0) -> None:
+    end = asyncio.get_running_loop().time() + patience_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def run_group(client, fake, group: str, delays: list[float]) -> list[dict]:
+    for i, n in enumerate(TOKENS):
+        assert (await client.post("/jobs", json=body(group, i, n))).status == 202
+    for k, d in enumerate(delays):
+        await until(lambda: len(fake.running) == len(TOKENS) and min(len(r.tokens) for r in fake.running.values()) >= 5)
+        if k % 2 == 0:  # the trainer pauses vLLM itself (abort mode): the turns come back aborted and are re-sent
+            fake._unpaused.clear()
+            fake.paused = "abort"
+            for r in list(fake.running.values()):
+                fake._end(r, "abort")
+            await asyncio.sleep(d)
+            fake.paused = None
+            fake._unpaused.set()
+        else:  # a weight swap through the rollout server (keep mode): the turns freeze in the engine
+            paused = await (await client.post("/weights/pause", json={"weight_version": k})).json()
+            await asyncio.sleep(d)
+            r = await client.post("/weights/resume", json={"swap_id": paused["swap_id"], "weight_version": k})
+            assert r.status == 200, await r.text()
+    out = []
+    for i in range(len(TOKENS)):
+        while True:
+            st = await (await client.get(f"/jobs/{group}-{i}")).json()
+            if st["state"] == "done":
+                out.append(st["result"])
+                break
+            await asyncio.sleep(0.02)
+    return out
+
+
+async def test_system_delays_do_not_move_speed_while_they_move_wall_time(server):
+    client, fake = server
+    clean = await run_group(client, fake, "clean", [])
+    rng = random.Random(7)
+    delays = [rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)]
+    delayed = await run_group(client, fake, "delayed", delays)
+    for res in (clean, delayed):
+        assert [r["failure_kind"] for r in res] == [None] * len(TOKENS)
+        assert [r["speed"] for r in res] == pytest.approx(EXPECTED, abs=0.12)
+    for r in delayed:  # each member sat through both delays: its wall time, never its model time
+        model = sum(t["t_llm_s"] + t["t_tool_critical_s"] for t in r["turns"])
+        wall = sum(r["timing"][k] for k in ("queue_s", "init_s", "run_s", "eval_s"))
+        assert wall > model + 0.9 * sum(delays)
+        assert sum(t["t_wait_s"] for t in r["turns"]) > 0.9 * sum(delays)
+
+
+async def test_a_member_is_answered_only_when_its_group_ends(server):
+    client, fake = server
+    ids = []
+    for i, n in enumerate(TOKENS[:3]):
+        assert (await client.post("/jobs", json=body("g", i, n))).status == 202
+        ids.append(f"g-{i}")
+    await until(lambda: not fake.running and fake.counts["requests"] >= 3)
+    await asyncio.sleep(0.3)
+    states = [(await (await client.get(f"/jobs/{j}")).json())["state"] for j in ids]
+    assert "done" not in states  # held: the group's speed is not known yet
+    r = await client.post("/process", json=body("g", 3, TOKENS[3]))
+    last = await r.json()
+    assert last["speed"] == pytest.approx(EXPECTED[3], abs=0.12)
+    firsts = [(await (await client.get(f"/jobs/{j}")).json())["result"]["speed"] for j in ids]
+    assert firsts == pytest.approx(EXPECTED[:3], abs=0.12)
+
+
+async def test_completion_time_without_a_group_is_refused(server):
+    client, _ = server
+    r = await client.post("/jobs", json={"instance": {"data_source": "one_turn"}, "completion_time": True})
+    assert r.status == 422
