@@ -22,11 +22,13 @@ numpy only: the plugins import this without torch, verl or TRL.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import math
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["turn_returns", "token_rewards", "token_returns", "fit_spans", "mask_returns", "rloo_baseline", "row_turns"]
+__all__ = ["turn_returns", "token_rewards", "token_returns", "fit_spans", "mask_returns", "rloo_baseline", "row_turns", "turn_split",
+           "row_token_credit", "row_token_returns"]
 
 
 def turn_returns(turn_rewards: np.ndarray | Sequence[float], gamma: float = 1.0) -> np.ndarray:
@@ -195,3 +197,56 @@ def row_turns(turns: Iterable[object], trajectory_index: int) -> tuple[list[tupl
             rewards.append(float(get("reward")))
     order = sorted(range(len(spans)), key=lambda i: spans[i][0])
     return [spans[i] for i in order], [rewards[i] for i in order]
+
+
+def turn_split(turns: Sequence[object], reward: float,
+               trajectory_index: int) -> Optional[tuple[list[tuple[int, int]], list[float]]]:
+    """The spans and rewards of a job's turns (``JobResult.turns``) when the handler split ``reward`` over them
+    (a turn before the last carries a non-zero share) and every turn lies in trajectory ``trajectory_index``;
+    None otherwise: the whole reward stays on the row's last token (verl's placement). Shares that do not sum
+    to ``reward`` within 1e-9 are not used either (None)."""
+    turns = list(turns)
+    get = [(t.get if isinstance(t, dict) else (lambda k, _t=t: getattr(_t, k))) for t in turns]
+    shares = [float(g("reward")) for g in get]
+    if len(turns) < 2 or not any(shares[:-1]):
+        return None
+    if any(int(g("trajectory_index")) != trajectory_index for g in get):
+        return None
+    if abs(math.fsum(shares) - float(reward)) > 1e-9:
+        return None
+    return row_turns(turns, trajectory_index)
+
+
+def row_token_credit(response_length: int, reward: float,
+                     split: Optional[tuple[list[tuple[int, int]], list[float]]]) -> list[float]:
+    """Per-token rewards of one row of ``response_length`` tokens (> 0): the turns' shares on their last tokens
+    when ``split`` (:func:`turn_split`) is given and some turn has a token within the row
+    (:func:`fit_spans`), else the whole ``reward`` on the last token."""
+    if split is not None:
+        spans, shares = fit_spans(response_length, *split)
+        if spans:
+            return token_rewards(response_length, spans, shares)
+    out = [0.0] * response_length
+    out[-1] = float(reward)
+    return out
+
+
+def row_token_returns(response_length: int, reward: float, turns: Sequence[object], trajectory_index: int,
+                      mask: Sequence[int], gamma: float = 1.0) -> list[float]:
+    """Per-token reward-to-go of one row (:func:`token_returns`): the turns of trajectory ``trajectory_index``
+    with their shares when the handler split the reward (:func:`turn_split`), else with the whole ``reward``
+    on the last of them; a row with no turn records (an older server) is one turn: every token with ``mask``
+    1 carries ``reward``. Tokens outside every turn carry 0.0. Returns a list of ``response_length`` floats.
+
+    Raises: ValueError: ``gamma`` outside ``[0, 1]``, or turn spans that overlap or go backwards.
+    """
+    split = turn_split(turns, reward, trajectory_index)
+    if split is None:
+        spans, _ = row_turns(turns, trajectory_index)
+        split = (spans, [0.0] * (len(spans) - 1) + [float(reward)]) if spans else None
+    if split is not None:
+        spans, shares = fit_spans(response_length, *split)
+        if spans:
+            return token_returns(response_length, spans, shares, gamma)
+    return [float(reward) if m else 0.0 for m in list(mask)[:response_length]] + \
+        [0.0] * max(0, response_length - len(mask))

@@ -55,6 +55,17 @@ counted per call (:attr:`RolloutStats.stale_cancelled`, logged, and TRL's logged
 ``prorl/stale_cancelled``) and in all (:attr:`ProRLRollout.stale_cancelled`);
 the callback also gives the bound to the servers' swap, which drops jobs staler than it.
 
+Per-turn credit (issue #35 part 4; :mod:`trainer_plugins.credit`, shared with the verl plugin). Every row
+carries ``prorl_token_rewards``: per completion token, each turn's share of the reward on its last sampled token
+when the handler split the reward over turns (``JobResult.turns``; all of them in the row's segment, summing to
+the reward), else the whole reward on the last token, as verl places it; ``[0.0]`` for a filtered row. With
+``reward_to_go=True`` rows also carry ``prorl_token_returns``: every token of turn k gets
+``G_k = r_k + gamma * G_{k+1}`` (0.0 outside the turns; a row from a server with no turn records is one turn).
+TRL's ``GRPOTrainer`` trains on one reward per row (the reward functions'), so these fields change nothing by
+themselves: they reach a reward function (as keyword arguments) or a trainer subclass that weights tokens.
+The weighted reward components (``weight * value`` of ``JobResult.reward_components``), averaged over the
+rows handed to TRL, are logged per step as ``prorl/reward/{name}`` (:attr:`RolloutStats.reward_components`).
+
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
 (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min/max`` of ``GRPOConfig``: a truncated or
 masked ratio ``exp(trainer logprob - sampling logprob)`` per token or sequence) only when ``use_vllm`` is
@@ -107,6 +118,7 @@ from trainer_plugins.admission import ServerChooser, as_server_chooser
 from trainer_plugins.breaker import FaultBreaker, Sample
 from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.client import resolve_servers
+from trainer_plugins.credit import row_token_credit, row_token_returns, turn_split
 from trainer_plugins.jobs import JobOutcome, JobSubmitter, process_request
 from trainer_plugins.servers import ServersFile
 
@@ -165,7 +177,9 @@ class RolloutStats:
     LLM clients re-sent because a backend aborted them (``llm_pause_retries`` of agent-loop handlers);
     ``prompt_lag``: how many calls before this one the rows' prompts were submitted (0 without ``prefetch``);
     ``stale_cancelled``: jobs cancelled on the servers since the previous call because their prompt group could
-    no longer be trained within the staleness bound (module docstring, "Staleness bound")."""
+    no longer be trained within the staleness bound (module docstring, "Staleness bound");
+    ``reward_components``: ``{name: mean of weight * value}`` over the rows handed to TRL (issue #35 part 4),
+    logged by TRL as ``prorl/reward/{name}``."""
 
     step: int
     weight_version: int
@@ -183,6 +197,7 @@ class RolloutStats:
     aborted_turns: int = 0
     prompt_lag: int = 0
     stale_cancelled: int = 0
+    reward_components: dict[str, float] = field(default_factory=dict)
 
     @property
     def mean_reward(self) -> Optional[float]:
@@ -240,6 +255,11 @@ class ProRLRollout:
             (``GET /groups/{id}/tree``), check it here (:func:`trainer_plugins.tree.verified_tree`) and keep it
             in :attr:`server_trees` (:class:`trainer_plugins.trl.tree_pack.ServerTrees`) for the tree-packing
             mixin (``TreePackedLogps``), which then packs the servers' trees instead of building its own.
+        reward_to_go: rows also carry ``prorl_token_returns`` (module docstring, "Per-turn credit"); default off.
+        gamma: its discount per turn, in ``[0, 1]`` (default 1.0: undiscounted).
+
+    Raises:
+        ValueError: a setting out of range (``gamma`` outside ``[0, 1]``, a negative ``prefetch``...).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], instances: Instances, *,
@@ -251,7 +271,8 @@ class ProRLRollout:
                  server_chooser: Union[str, ServerChooser] = "least_in_flight",
                  prefetch: Union[bool, int] = False, breaker_consecutive_groups: int = 8,
                  breaker_window: int = 64, breaker_max_share: float = 0.9,
-                 max_staleness: Optional[int] = None, server_trees: bool = False) -> None:
+                 max_staleness: Optional[int] = None, server_trees: bool = False,
+                 reward_to_go: bool = False, gamma: float = 1.0) -> None:
         self.breaker = FaultBreaker(breaker_consecutive_groups, breaker_window, breaker_max_share,
                                     what="training (ProRLRollout)")
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
@@ -313,6 +334,10 @@ class ProRLRollout:
 
             self.server_trees = ServerTrees()
         self._policy_fingerprint: Any = None
+        if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and 0.0 <= gamma <= 1.0):
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        #: rows carry ``prorl_token_returns`` (per-turn reward-to-go, discounted per turn by :attr:`gamma`)
+        self.reward_to_go, self.gamma = bool(reward_to_go), float(gamma)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -487,6 +512,8 @@ class ProRLRollout:
         stats.prompt_lag = lag
         stats.stale_cancelled, self._stale_since_call = self._stale_since_call, 0
         _log_metric(trainer, "prorl/stale_cancelled", stats.stale_cancelled)
+        for name, mean in stats.reward_components.items():
+            _log_metric(trainer, f"prorl/reward/{name}", mean)
         if self.measure_ratio and trainer is not None:
             stats.ratio_dev = ratio_deviation(trainer, rows)
         stats.wall_s = time.monotonic() - t0
@@ -600,7 +627,10 @@ class ProRLRollout:
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
                                                 "prorl_reward", "prorl_weight_versions", "prorl_token_versions",
                                                 "prorl_mixed_version_turns", "prorl_prompt", "prorl_job_id",
-                                                "prorl_filtered", "prorl_failure_kind")}
+                                                "prorl_filtered", "prorl_failure_kind", "prorl_token_rewards")}
+        if self.reward_to_go:
+            out["prorl_token_returns"] = []
+        components: dict[str, list[float]] = {}
         fallback_prompt: dict[str, list[int]] = {}
         pending: list[int] = []
         kinds: Counter = Counter()
@@ -652,6 +682,16 @@ class ProRLRollout:
             out["prorl_job_id"].append(r.job_id)
             out["prorl_filtered"].append(False)
             out["prorl_failure_kind"].append(None)
+            # issue #35 part 4 (trainer_plugins/credit.py): the turns' shares on their last tokens, or the
+            # whole reward on the last token; the turns of earlier segments are not in this row
+            kept = max(j for j, t in enumerate(r.trajectories) if t.prompt_ids)
+            out["prorl_token_rewards"].append(
+                row_token_credit(len(ids), r.reward, turn_split(r.turns, r.reward, kept)) if ids else [])
+            if self.reward_to_go:
+                out["prorl_token_returns"].append(
+                    row_token_returns(len(ids), r.reward, r.turns, kept, mask, self.gamma))
+            for name, c in r.reward_components.items():
+                components.setdefault(name, []).append(c.weight * c.value)
             fallback_prompt.setdefault(prompt_key(prompts[i]), out["prompt_ids"][-1])
             stats.tokens_generated += sum(mask)
             stats.mixed_version_turns += mixed
@@ -669,7 +709,11 @@ class ProRLRollout:
             out["completion_ids"][i] = [eos]
             out["logprobs"][i] = [0.0]
             out["env_mask"][i] = [0]
+            out["prorl_token_rewards"][i] = [0.0]
+            if self.reward_to_go:
+                out["prorl_token_returns"][i] = [0.0]
         stats.rewards = list(out["prorl_reward"])
+        stats.reward_components = {name: sum(v) / len(v) for name, v in sorted(components.items())}
         stats.failure_kinds = dict(kinds)
         allowed = set(range(self.weight_version - self.prefetch, self.weight_version + 1))
         stale = [v for v in stats.versions if v not in allowed]

@@ -105,7 +105,7 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from prorl_server.types import JobResult, TokenizerFingerprint
-from trainer_plugins.credit import fit_spans, row_turns, token_rewards
+from trainer_plugins.credit import fit_spans, token_rewards, turn_split
 from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
@@ -151,20 +151,13 @@ class ProRLAgentLoopOutput(AgentLoopOutput):
 
 
 def turn_credit(result: JobResult, trajectory_index: int) -> Optional[tuple[list[tuple[int, int]], list[float]]]:
-    """The spans and rewards of a job's turns in trajectory ``trajectory_index`` when the handler split its
-    reward over turns (a turn other than the last one carries a non-zero share) and every turn is in that
-    trajectory; None otherwise (verl's last-token placement stays). Shares that do not sum to ``reward``
-    (within 1e-9) are not trusted either."""
-    turns = list(result.turns)
-    if len(turns) < 2 or not any(t.reward for t in turns[:-1]):
-        return None
-    if any(t.trajectory_index != trajectory_index for t in turns):
-        return None
-    if abs(sum(t.reward for t in turns) - float(result.reward)) > 1e-9:
+    """:func:`trainer_plugins.credit.turn_split` of a job result (None: verl's last-token placement stays); a
+    split whose shares do not sum to the reward is logged."""
+    split = turn_split(result.turns, result.reward, trajectory_index)
+    if split is None and len(result.turns) > 1 and abs(sum(t.reward for t in result.turns) - result.reward) > 1e-9:
         log.warning("job %s: its turns' rewards sum to %r, not its reward %r: reward kept on the last token",
-                    result.job_id, sum(t.reward for t in turns), result.reward)
-        return None
-    return row_turns(turns, trajectory_index)
+                    result.job_id, sum(t.reward for t in result.turns), result.reward)
+    return split
 
 
 class MissingWeightVersionError(ConfigurationError, ValueError):
