@@ -8,7 +8,8 @@ a bare bwrap running /bin/true and one running ``python -S -c pass`` (the least 
 costs to start). Every measurement is taken in interleaved rounds (a slice of each per round), so that a
 change of machine load during the run moves a measurement and its floor together.
 Targets: bash builtin p50 < 1 ms and >= 10x faster than tmux; ipython within 1.5x of bare
-jupyter-client; bubblewrap sandbox start p50 < 50 ms (kernel started lazily, so not included).
+jupyter-client; bubblewrap sandbox start p50 < 20 ms with every bound on (issue #36; the shell and the kernel
+start lazily, so neither is included; ``benchmarks/sandbox_start.py`` breaks a start down).
 
 Usage: python benchmarks/tool_latency.py [--n 200] [--starts 30] [--rounds 10]
 Prints medians, p95 and ratios; the last line is one JSON object.
@@ -270,7 +271,7 @@ async def main() -> None:
         print(f"  -> bash builtin is {p50['tmux'] / builtin:.1f}x faster than the tmux baseline (target >= 10x)")
     ipy = p50["ipython"] / p50["floor_ipython"]
     print(f"  -> bash builtin p50 {builtin:.3f} ms (target < 1 ms); ipython {ipy:.2f}x bare jupyter-client "
-          f"(target <= 1.5x); start p50 {p50['start']:.1f} ms (target < 50 ms)")
+          f"(target <= 1.5x); start p50 {p50['start']:.1f} ms (target < 20 ms)")
     r4 = lambda x: round(x, 4)  # noqa: E731
     print(json.dumps({
         "bash_builtin_p50_ms": r4(builtin), "bash_builtin_p95_ms": r4(summary(res["bash_builtin"])["p95"]),
