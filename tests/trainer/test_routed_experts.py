@@ -148,3 +148,24 @@ async def test_oversized_or_out_of_range_routes_are_a_filtered_backend_fault(loo
     assert prorl["filter"] is True and prorl["failure_kind"] == "llm_backend"
     assert "routed experts" in prorl["error"]
     assert all(not any(o.response_mask) and o.routed_experts is None for o in outs)
+
+
+async def test_an_answer_over_the_byte_bound_is_refused_before_it_is_decoded(aiohttp_server, monkeypatch):
+    """A backend (stood in for by an aiohttp app) whose answer carries more routes than the client reads."""
+    from aiohttp import web
+
+    from prorl_server.llm import client as llm_client
+
+    async def completions(request):
+        routes = [[[1, 2]] * 4] * 2000  # ~50 kB of JSON
+        return web.json_response({"choices": [{"token_ids": [5], "finish_reason": "stop",
+                                               "logprobs": {"token_logprobs": [-0.1]}}],
+                                  "routed_experts": routes, "routed_experts_start": 0})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    server = await aiohttp_server(app)
+    monkeypatch.setattr(llm_client, "MAX_ANSWER_BYTES", 10_000)
+    async with llm_client.LLMClient(model="m") as client:
+        with pytest.raises(llm_client.LLMError, match="more than 10000 bytes"):
+            await client.complete([1, 2, 3], backend=str(server.make_url("")).rstrip("/"), max_tokens=1)
