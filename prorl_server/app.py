@@ -239,11 +239,17 @@ async def group_tree(request: web.Request) -> web.Response:
             ended.append((job_id, job.result.model_dump_json().encode()))
         else:
             missing.append((job_id, "ending"))
+    def build() -> tuple[bool, bytes]:
+        tree = tree_of_results(group_id, ended, missing)
+        return tree.complete, tree.model_dump_json().encode()
+
     try:  # parsed, built, verified and serialized in a worker thread: a big group never holds the loop
-        body = await asyncio.to_thread(lambda: tree_of_results(group_id, ended, missing).model_dump_json().encode())
+        complete, body = await asyncio.to_thread(build)
     except TreeInvariantError as e:  # a bug of the build: never served
         log.error("group %s: its tree fails its invariants: %s", group_id, e)
         raise ApiError(500, "tree_invariant", f"the tree of group {group_id!r} fails its invariants: {e}") from None
+    if complete:  # the tree the group's trainer wanted is out: its delivered results need not stay whole
+        pipeline.release_group(group_id)
     return web.Response(body=body, content_type="application/json")
 
 
@@ -480,7 +486,7 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                            else None, llm=llm, cpu_pool=cpu_pool, gateway=gateway)
     pipeline = Pipeline(registry, pool, m, settings.workers(), default_timeout_s=settings.default_timeout_s,
                         keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
-                        services=services)
+                        services=services, group_retention_s=settings.group_retention_s)
     pipeline.admission = admission
     collector = CollectorControl(freeze=settings.gc_freeze, gen0_threshold=settings.gc_gen0_threshold,
                                  on_collection=m.gc_collected, on_frozen=m.gc_frozen_objects.set)

@@ -51,6 +51,9 @@ class ServerSettings(BaseModel):
     keep_finished: int = Field(default=10000, ge=0, description="finished jobs kept for GET /jobs/{id}")
     keep_finished_mb: float = Field(default=512.0, ge=0, description="MiB of finished results kept for "
                                     "GET /jobs/{id} (estimated from token counts; oldest forgotten first)")
+    group_retention_s: float = Field(default=600.0, ge=0, description="seconds a group's delivered results stay "
+                                     "whole for GET /groups/{id}/tree after its newest job ended, unless a "
+                                     "complete tree of it is served first (then they are reduced at once)")
     max_body_mb: float = Field(default=64.0, gt=0)
     sandbox_runtime: Optional[str] = Field(default="auto",
                                            description="auto (bubblewrap where bwrap is installed, else none) | "

@@ -31,7 +31,6 @@ from prorl_server.metrics import Metrics
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.rewards import finalize
 from prorl_server.turn_records import charge_run_time
-from prorl_server.completion_time import CompletionGroups
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class Pipeline:
                  workers: dict[str, int], default_timeout_s: Optional[float] = None,
                  backend_wait_s: float = 30.0, keep_finished: int = 10000, sandbox_opener=None,
                  llm=None, cpu_pool=None, keep_finished_mb: float = 512.0,
-                 services: Optional[JobServices] = None) -> None:
+                 services: Optional[JobServices] = None, group_retention_s: float = 600.0) -> None:
         if services is None:
             services = JobServices(pool=pool, backend_wait_s=backend_wait_s, sandbox_opener=sandbox_opener,
                                    llm=llm, cpu_pool=cpu_pool)
@@ -112,6 +111,10 @@ class Pipeline:
         #: themselves are kept, or not, by the retention bounds)
         self.groups: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
         self._group_ids = 0  # ids in self.groups
+        #: seconds a group's delivered results stay whole after its newest job ended, for its tree, when no
+        #: complete tree of it is served before (``release_group``)
+        self.group_retention_s = group_retention_s
+        self._group_ends: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # oldest first
         #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
@@ -124,8 +127,6 @@ class Pipeline:
         self.admission: Any = None
         self.accepting = True
         self._worker_tasks: list[asyncio.Task] = []
-        #: results of ``completion_time`` jobs held until their group ends (#35 part 3)
-        self.completion_groups = CompletionGroups(self._deliver)
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
@@ -141,7 +142,6 @@ class Pipeline:
                 is then ended by cancelling its worker, which still finishes the job as ``cancelled``.
         """
         self.accepting = False
-        await self.completion_groups.release_all()  # a group cannot be waited for now
         try:
             await asyncio.wait_for(self.cancel_all("server shutting down"), grace_s)
         except TimeoutError:
@@ -154,13 +154,11 @@ class Pipeline:
     def resume(self) -> None:
         """``POST /start``: accept jobs again."""
         self.accepting = True
-        self.completion_groups.closing = False
 
     async def stop(self) -> int:
         """``POST /stop``: refuse new jobs and cancel every in-flight one (results say ``cancelled``).
         HTTP keeps serving so ``/start`` can resume. Returns how many jobs were cancelled."""
         self.accepting = False
-        await self.completion_groups.release_all()
         return await self.cancel_all("server stopped (POST /stop)")
 
     async def cancel_all(self, reason: str) -> int:
@@ -219,8 +217,6 @@ class Pipeline:
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   services=self.services, group_id=req.group_id)
         job.reward_weights = dict(req.reward_weights or {})
-        #: (group id, group size) of a job whose result waits for its group's relative completion time
-        job.completion_group = (req.group_id, req.group_size) if req.completion_time else None
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         if req.group_id is not None:
@@ -301,6 +297,15 @@ class Pipeline:
             return
         record = FinishedJob.of(job)
         self.retained_bytes += record.retained_bytes
+        if job.group_id is not None:
+            now = time.monotonic()
+            self._group_ends.pop(job.group_id, None)
+            self._group_ends[job.group_id] = now
+            while self._group_ends:  # groups whose newest job ended over group_retention_s ago
+                group_id, ended = next(iter(self._group_ends.items()))
+                if now - ended <= self.group_retention_s:
+                    break
+                self.release_group(group_id)
         if self.jobs.get(job.job_id) is job:
             self.jobs[job.job_id] = record
         self._finished.append(record)
@@ -311,6 +316,22 @@ class Pipeline:
             old.retained_bytes = 0
             if self.jobs.get(old.job_id) is old:  # not resubmitted under the same id since
                 del self.jobs[old.job_id]
+
+    def release_group(self, group_id: str) -> int:
+        """Reduce the delivered results of group ``group_id``'s jobs (``POST /process`` answered them) to their
+        summaries, as a job outside a group is reduced at delivery: after a complete tree of the group was
+        served, or ``group_retention_s`` after its newest job ended. A result not yet delivered stays whole
+        (``GET /jobs/{id}`` still owes it). Returns the bytes freed (estimated, :func:`result_bytes`)."""
+        self._group_ends.pop(group_id, None)
+        freed = 0
+        for job_id in self.groups.get(group_id, ()):
+            record = self.jobs.get(job_id)
+            if isinstance(record, FinishedJob) and record.full and record.delivered and record.retained_bytes:
+                size = record.summarize(record.result)
+                freed += record.retained_bytes - size
+                self.retained_bytes += size - record.retained_bytes
+                record.retained_bytes = size
+        return freed
 
     def result_json(self, job: Job) -> bytes:
         """``job``'s full result as JSON bytes (what ``POST /process`` answers): the retained record's,
@@ -325,10 +346,13 @@ class Pipeline:
         JSON bytes (:meth:`result_json`) and keeps only a summary for ``GET /jobs/{id}`` (state, reward,
         resolved, errors, failure_kind, timing, backend), not a second copy of its token arrays, messages and
         extra (``extra`` then says ``{"delivered": "POST /process"}``); a job of a group (``group_id``) keeps its
-        whole result, which its group's tree (``GET /groups/{id}/tree``) is built from."""
+        whole result, which its group's tree (``GET /groups/{id}/tree``) is built from, until
+        :meth:`release_group` (a complete tree served, or ``group_retention_s`` after the group's last end)."""
         body = self.result_json(job)
         record = self.jobs.get(job.job_id)
         # a group's results stay whole (within the retention bounds): GET /groups/{id}/tree needs their tokens
+        if isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id:
+            record.delivered = True
         if (isinstance(record, FinishedJob) and record.trajectory_id == job.trajectory_id and record.retained_bytes
                 and job.group_id is None):
             size = record.summarize(job.result)
@@ -534,15 +558,6 @@ class Pipeline:
         for e in close_errors:
             log.warning("closing a resource of job %s failed: %r", job.job_id, e)
         result = await handler_result(job)
-        group = getattr(job, "completion_group", None)
-        if group is not None:  # answered, with its speed, when its group ends (#35 part 3)
-            await self.completion_groups.hold(job, group[0], group[1], result)
-            return
-        await self._deliver(job, result)
-
-    async def _deliver(self, job: Job, result: JobResult) -> None:
-        """Journal ``result``, answer ``job``'s waiters with it and retain it."""
-        critical_error = job.critical_error
         if self.journal is not None:
             # committed before anyone sees it: a result a client received survives a crash of this process
             job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
@@ -628,7 +643,7 @@ class FinishedJob:
     delivered it). ``retained_bytes`` is :func:`result_bytes` of the result it stands for.
     """
 
-    __slots__ = ("job_id", "trajectory_id", "result_json", "full", "retained_bytes")
+    __slots__ = ("job_id", "trajectory_id", "result_json", "full", "retained_bytes", "delivered")
     status = JobState.done
     finished = finishing = ending = True
 
@@ -638,6 +653,7 @@ class FinishedJob:
         self.result_json = result_json
         self.full = True  # False once summarize() replaced the result with its summary
         self.retained_bytes = retained_bytes
+        self.delivered = False  # True once POST /process answered it (Pipeline.delivered)
 
     @classmethod
     def of(cls, job: Job) -> "FinishedJob":

@@ -298,3 +298,58 @@ def test_routed_experts_split_equal_tokens_and_give_back_each_rows_routes():
     for leaf, (_, res) in zip(tree.leaves, results):
         got = [r for nid in leaf.path for r in (tree.nodes[nid].routed_experts or [])]
         assert got == res.trajectories[0].routed_experts
+
+
+def long_row(i: int, n: int = 2000) -> dict:
+    """A row of ``n`` response tokens (a full result of ~150 KB held as Python objects)."""
+    ids = [1000 + (i * 7 + k) % 3000 for k in range(n)]
+    return dict(prompt_ids=PROMPT, response_ids=ids, response_logprobs=[-0.5] * n, loss_mask=[1] * n,
+                version_runs=[[0, n]])
+
+
+async def test_a_served_groups_delivered_results_are_not_kept_whole(client, wait_done):
+    """Memory stays bounded over a run of groups: once a complete tree of a group was served, the results
+    ``POST /process`` delivered are reduced to summaries (a later request names them missing); only a result
+    no client has taken yet stays whole."""
+    from prorl_server.app import PIPELINE
+    from prorl_server.pipeline import result_bytes
+
+    c = await client(keep_finished=10_000, keep_finished_mb=4096)
+    pipeline = c.server.app[PIPELINE]
+    one = result_bytes(result("x", [long_row(0)]))
+    for g in range(12):
+        for k in range(2):
+            r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [long_row(2 * g + k)]},
+                                               "group_id": f"g{g}"})
+            assert r.status == 200
+        tree = await (await c.get(f"/groups/g{g}/tree")).json()
+        assert tree["complete"] and len(tree["leaves"]) == 2
+    assert pipeline.retained_bytes < 2 * one  # 24 summaries, not 24 results of ~one each
+    again = await (await c.get("/groups/g0/tree")).json()
+    assert {m["reason"] for m in again["missing"]} == {"delivered without retention"}
+    # a job submitted without waiting keeps its whole result until its client takes it
+    job = await submit(c, [long_row(99)], group="h")
+    await wait_done(c, job)
+    assert (await (await c.get("/groups/h/tree")).json())["complete"]
+    assert (await wait_done(c, job))["trajectories"][0]["response_ids"] == long_row(99)["response_ids"]
+
+
+async def test_a_groups_delivered_results_are_reduced_after_the_retention_time(client):
+    """A group whose tree nobody asks for: its delivered results are reduced ``group_retention_s`` after its
+    newest job ended (checked as later jobs end)."""
+    from prorl_server.app import PIPELINE
+    from prorl_server.pipeline import result_bytes
+
+    c = await client(keep_finished=10_000, keep_finished_mb=4096, group_retention_s=0.2)
+    pipeline = c.server.app[PIPELINE]
+    one = result_bytes(result("x", [long_row(0)]))
+    for g in range(6):
+        r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [long_row(g)]},
+                                           "group_id": f"old{g}"})
+        assert r.status == 200
+    assert pipeline.retained_bytes > 5 * one  # kept whole for their trees within the retention time
+    await asyncio.sleep(0.3)
+    r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [long_row(9)]},
+                                       "group_id": "new"})
+    assert r.status == 200
+    assert pipeline.retained_bytes < 2 * one  # the old groups reduced; the new one whole
