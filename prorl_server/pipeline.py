@@ -31,6 +31,7 @@ from prorl_server.metrics import Metrics
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.rewards import finalize
 from prorl_server.turn_records import charge_run_time
+from prorl_server.completion_time import CompletionGroups
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ class Pipeline:
         self.admission: Any = None
         self.accepting = True
         self._worker_tasks: list[asyncio.Task] = []
+        #: results of ``completion_time`` jobs held until their group ends (#35 part 3)
+        self.completion_groups = CompletionGroups(self._deliver)
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
@@ -142,6 +145,7 @@ class Pipeline:
                 is then ended by cancelling its worker, which still finishes the job as ``cancelled``.
         """
         self.accepting = False
+        await self.completion_groups.release_all()  # a group cannot be waited for now
         try:
             await asyncio.wait_for(self.cancel_all("server shutting down"), grace_s)
         except TimeoutError:
@@ -154,11 +158,13 @@ class Pipeline:
     def resume(self) -> None:
         """``POST /start``: accept jobs again."""
         self.accepting = True
+        self.completion_groups.closing = False
 
     async def stop(self) -> int:
         """``POST /stop``: refuse new jobs and cancel every in-flight one (results say ``cancelled``).
         HTTP keeps serving so ``/start`` can resume. Returns how many jobs were cancelled."""
         self.accepting = False
+        await self.completion_groups.release_all()
         return await self.cancel_all("server stopped (POST /stop)")
 
     async def cancel_all(self, reason: str) -> int:
@@ -217,6 +223,8 @@ class Pipeline:
                   timeout_s=req.timeout_s if req.timeout_s is not None else self.default_timeout_s,
                   services=self.services, group_id=req.group_id)
         job.reward_weights = dict(req.reward_weights or {})
+        #: (group id, group size) of a job whose result waits for its group's relative completion time
+        job.completion_group = (req.group_id, req.group_size) if req.completion_time else None
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         if req.group_id is not None:
@@ -558,6 +566,15 @@ class Pipeline:
         for e in close_errors:
             log.warning("closing a resource of job %s failed: %r", job.job_id, e)
         result = await handler_result(job)
+        group = getattr(job, "completion_group", None)
+        if group is not None:  # answered, with its speed, when its group ends (#35 part 3)
+            await self.completion_groups.hold(job, group[0], group[1], result)
+            return
+        await self._deliver(job, result)
+
+    async def _deliver(self, job: Job, result: JobResult) -> None:
+        """Journal ``result``, answer ``job``'s waiters with it and retain it."""
+        critical_error = job.critical_error
         if self.journal is not None:
             # committed before anyone sees it: a result a client received survives a crash of this process
             job.result_json_cache = _dump(result)  # serialized once: the retained record reuses it
