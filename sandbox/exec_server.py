@@ -13,8 +13,12 @@ a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to 
 ``ready_fd`` (optional: an inherited pipe's write end to write one byte to once the socket listens; the server
 exits when that write finds no reader, and later when the host's read end closes: the host died or closed it).
 
+``ping`` answers ``{pid, pidns}``; with ``{"warm": true}`` it also starts the persistent shell after answering
+(otherwise the first ``bash`` request does).
+
 SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
-Imports are kept minimal (no asyncio, no pydantic) because this module's start time is the sandbox's start time.
+Imports are kept minimal (no asyncio, pydantic, json, re, enum, socket, signal, selectors, collections or functools;
+tests/sandbox/test_start_path.py checks) because this module's start time is the sandbox's start time.
 """
 from __future__ import annotations
 
