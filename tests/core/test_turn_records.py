@@ -5,13 +5,16 @@ to the run stage's wall time; the turn rewards sum to ``reward``.
 Fast tier. The backend is the scripted policy of tests/conftest.py (a labelled test double for a capable model in
 vLLM's token-in/token-out dialect). The jobs are shout episodes (the handler drives the conversation itself),
 agent-loop episodes with in-process tools (the loop the code and math handlers run; their sandboxes are the real
-tier's) and gateway sessions through the Chat Completions API (n = 1, with a history split).
+tier's) and gateway sessions through the Chat Completions API (n = 1, with a history split). The real tier runs
+the shipped code and math handlers in bubblewrap.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import random
+
+import pytest
 
 from handlers.shout import ShoutHandler
 from prorl_server.app import create_app
@@ -145,3 +148,35 @@ async def test_gateway_session_turns_tile_its_trajectories_across_a_split(aiohtt
     check_records(trajectories, turns)
     # the agent's time after each answer it continued from is its own (tool) time, never the system's
     assert turns[0].t_tool_s >= 0.01 and turns[2].t_tool_s >= 0.01
+
+
+@pytest.mark.real
+async def test_code_and_math_jobs_in_bubblewrap_carry_tiling_turn_records(aiohttp_client, scripted_policy,
+                                                                          bwrap_runtime, sandbox_procs):
+    """The shipped code and math handlers in real bubblewrap sandboxes: their tool turns (bash, ipython) are
+    timed on the host and every turn's span tiles the sampled tokens."""
+    from handlers.math.data import load_reasoning_gym
+
+    def script(prompt: str, turn: int) -> str:
+        tool = "bash" if "HumanEval" in prompt or "def " in prompt else "ipython"
+        args = '{"command": "echo hi"}' if tool == "bash" else '{"code": "print(6 * 7)"}'
+        if turn < 2:
+            return f'Step {turn}.\n<tool_call>\n{{"name": "{tool}", "arguments": {args}}}\n</tool_call>'
+        return '<tool_call>\n{"name": "finish", "arguments": {"answer": "42"}}\n</tool_call>'
+
+    registry = HandlerRegistry()
+    registry.load_entry_points()
+    app = create_app(ServerSettings(backends=[await scripted_policy(script)], health_interval_s=3600),
+                     registry=registry, sandbox_runtime=bwrap_runtime)
+    client = await aiohttp_client(app)
+    bodies = [{"instance": {"data_source": "code", "instance_id": f"HumanEval/{i}"},
+               "sampling_params": {"max_tokens": 64}} for i in range(3)]
+    bodies += [{"instance": {**inst, "max_turns": 4}, "sampling_params": {"max_tokens": 64}}
+               for inst in load_reasoning_gym("basic_arithmetic", limit=3, seed=3)]
+    answers = await asyncio.gather(*(client.post("/process", json=b) for b in bodies))
+    for a in answers:
+        r = JobResult(**await a.json())
+        check_result(r)
+        assert len(r.turns) == 3 and all(t.tool_calls == 1 and t.t_tool_s > 0 for t in r.turns[:2])
+    await bwrap_runtime.close_all()
+    assert not sandbox_procs()
