@@ -488,6 +488,7 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
                         keep_finished=settings.keep_finished, keep_finished_mb=settings.keep_finished_mb,
                         services=services, group_retention_s=settings.group_retention_s)
     pipeline.admission = admission
+    pipeline.completion_groups.wait_s = settings.completion_time_wait_s
     collector = CollectorControl(freeze=settings.gc_freeze, gen0_threshold=settings.gc_gen0_threshold,
                                  on_collection=m.gc_collected, on_frozen=m.gc_frozen_objects.set)
     journal = None

@@ -13,7 +13,8 @@ rollouts teaches giving up fast), and so does every member of a group with fewer
 Delivery: a member's result is held (its ``POST /process`` and ``GET /jobs/{id}`` say it is still running)
 until its group ends, then every member's result is answered, and journalled, with ``speed`` set. A group ends
 when ``group_size`` of its opted-in members have ended (failed and cancelled ones included), or
-:attr:`CompletionGroups.wait_s` seconds after its first member ended (members not ended by then are left out;
+:attr:`CompletionGroups.wait_s` seconds (the server's ``completion_time_wait_s``, default 600) after its first
+member ended (members not ended by then are left out;
 one ending later is answered at once, as a group of its own), or when the server stops or shuts down.
 """
 from __future__ import annotations

@@ -54,6 +54,8 @@ class ServerSettings(BaseModel):
     group_retention_s: float = Field(default=600.0, ge=0, description="seconds a group's delivered results stay "
                                      "whole for GET /groups/{id}/tree after its newest job ended, unless a "
                                      "complete tree of it is served first (then they are reduced at once)")
+    completion_time_wait_s: float = Field(default=600.0, gt=0, description="seconds a completion_time group "
+                                          "waits for its missing members after its first member ended (#35)")
     max_body_mb: float = Field(default=64.0, gt=0)
     sandbox_runtime: Optional[str] = Field(default="auto",
                                            description="auto (bubblewrap where bwrap is installed, else none) | "

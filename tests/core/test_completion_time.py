@@ -47,11 +47,16 @@ class OneTurnHandler(AgentHandler):
 
 
 @pytest.fixture
-async def server(aiohttp_client, tiny_model_dir):
+def settings() -> dict:
+    return {}
+
+
+@pytest.fixture
+async def server(aiohttp_client, tiny_model_dir, settings):
     fake, runner, addr = await start_fake_vllm(step_s=STEP_S, model=str(tiny_model_dir))
     reg = HandlerRegistry()
     reg.register(OneTurnHandler)
-    app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[]),
+    app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[], **settings),
                      registry=reg)
     client = await aiohttp_client(app)
     assert (await client.post("/add_llm_server", json={"address": addr, "weight_version": 0})).status == 200
@@ -137,3 +142,12 @@ async def test_completion_time_without_a_group_is_refused(server):
     client, _ = server
     r = await client.post("/jobs", json={"instance": {"data_source": "one_turn"}, "completion_time": True})
     assert r.status == 422
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 0.5}])
+async def test_a_group_whose_members_never_all_come_is_answered_after_the_wait(server):
+    client, _ = server
+    answers = await asyncio.gather(*(client.post("/process", json=body("short", i, TOKENS[2 * i]))
+                                     for i in range(2)))  # 2 of the 4 members announced
+    speeds = [(await a.json())["speed"] for a in answers]
+    assert speeds == pytest.approx([1 / 2, -1 / 2], abs=0.12)  # T ~0.2 and ~0.6 s: median 0.4

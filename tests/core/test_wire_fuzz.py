@@ -30,7 +30,8 @@ def server_url(tmp_path_factory):
     config = d / "server.yaml"
     # Short limits so a fuzzed job ends quickly whatever it asks for (a backend address nobody answers on,
     # an LLM handler without a backend).
-    config.write_text("backend_wait_s: 1\ndefault_timeout_s: 10\nllm_timeout_s: 5\nhealth_interval_s: 3600\n")
+    config.write_text("backend_wait_s: 1\ndefault_timeout_s: 10\nllm_timeout_s: 5\nhealth_interval_s: 3600\n"
+                      "completion_time_wait_s: 1\n")  # a fuzzed completion_time group is never completed
     ready = d / "ready.json"
     env = dict(os.environ, PRORL_TOKEN=TOKEN)
     log = (d / "server.log").open("w")
