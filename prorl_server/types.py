@@ -7,6 +7,7 @@ from them). The contract is compatible with ProRL Agent Server clients: ``POST /
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import re
 from collections import OrderedDict
@@ -505,16 +506,21 @@ MAX_ROUTE_TOP_K = 64
 MAX_ROUTE_INTS = 1 << 24
 MAX_EXPERT_INDEX = (1 << 15) - 1
 
-RouteRecord = list[Annotated[list[Annotated[int, Field(ge=0, le=MAX_EXPERT_INDEX)]],
-                             Field(min_length=1, max_length=MAX_ROUTE_TOP_K)]]
+#: A routed-expert record on the wire: checked by :func:`route_shape_error` (a flat pass at C speed, ~0.1 s per
+#: million ints), not element by element by pydantic (~0.3 s per million); the schema says the shape.
+RouteRecord = Annotated[list[Any], WithJsonSchema({
+    "type": "array", "maxItems": MAX_ROUTE_INTS,
+    "items": {"type": "array", "minItems": 1, "maxItems": MAX_ROUTE_LAYERS,
+              "items": {"type": "array", "minItems": 1, "maxItems": MAX_ROUTE_TOP_K,
+                        "items": {"type": "integer", "minimum": 0, "maximum": MAX_EXPERT_INDEX}}}})]
 
 
-def route_shape_error(routes: list, max_positions: int, check_ints: bool = True) -> Optional[str]:
+def route_shape_error(routes: list, max_positions: int) -> Optional[str]:
     """Why ``routes`` is not a bounded routed-expert record, or None: a list of at most ``max_positions``
     entries, each ``[layers][top_k]`` ints with the same ``layers`` (1..:data:`MAX_ROUTE_LAYERS`) and ``top_k``
     (1..:data:`MAX_ROUTE_TOP_K`) for every entry, ints in ``0..MAX_EXPERT_INDEX``, at most :data:`MAX_ROUTE_INTS`
-    ints in all. Checks the sizes before it reads an int, so an oversized record costs O(1) to refuse;
-    ``check_ints=False`` leaves the ints to the caller (pydantic's own check on :class:`Trajectory`)."""
+    ints in all. Checks the sizes before it reads an int, so an oversized record costs O(1) to refuse; the ints
+    are checked in one flat pass (``type`` is exactly int: no bool, float or str)."""
     if not isinstance(routes, list):
         return "routed_experts is not a list"
     if len(routes) > max_positions:
@@ -530,17 +536,20 @@ def route_shape_error(routes: list, max_positions: int, check_ints: bool = True)
     if len(routes) * L * K > MAX_ROUTE_INTS:
         return (f"routed_experts holds {len(routes)} x {L} x {K} ints, over the bound of {MAX_ROUTE_INTS} "
                 "(prorl_server.types.MAX_ROUTE_INTS)")
-    for p, entry in enumerate(routes):
-        if not isinstance(entry, list) or len(entry) != L:
-            return f"routed_experts position {p}: not {L} layers"
-        for layer in entry:
-            if not isinstance(layer, list) or len(layer) != K:
-                return f"routed_experts position {p}: a layer without {K} experts"
-            if not check_ints:
-                continue
-            for e in layer:
-                if type(e) is not int or not 0 <= e <= MAX_EXPERT_INDEX:
-                    return f"routed_experts position {p}: expert index {e!r} outside 0..{MAX_EXPERT_INDEX}"
+    chain = itertools.chain.from_iterable
+    layers = list(chain(routes)) if set(map(type, routes)) == {list} and set(map(len, routes)) == {L} else None
+    if layers is None or set(map(type, layers)) != {list} or set(map(len, layers)) != {K}:
+        for p, entry in enumerate(routes):  # find the position for the message
+            if not isinstance(entry, list) or len(entry) != L:
+                return f"routed_experts position {p}: not {L} layers"
+            for layer in entry:
+                if not isinstance(layer, list) or len(layer) != K:
+                    return f"routed_experts position {p}: a layer without {K} experts"
+    flat = list(chain(layers))
+    if set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) > MAX_EXPERT_INDEX:
+        bad = next(e for e in flat if type(e) is not int or not 0 <= e <= MAX_EXPERT_INDEX)
+        p = flat.index(bad) // (L * K) if type(bad) is int else "?"
+        return f"routed_experts position {p}: expert index {str(bad)[:40]!r} is not an int in 0..{MAX_EXPERT_INDEX}"
     return None
 
 
@@ -577,13 +586,12 @@ class Trajectory(BaseModel):
     mixed_version_turns: int = 0
     finish_reason: Optional[str] = None
     split_reason: Optional[str] = None
-    routed_experts: Optional[list[RouteRecord]] = Field(default=None, max_length=MAX_ROUTE_INTS)
+    routed_experts: Optional[RouteRecord] = Field(default=None, max_length=MAX_ROUTE_INTS)
 
     @model_validator(mode="after")
     def _bounded_routes(self) -> "Trajectory":
         if self.routed_experts is not None:
-            why = route_shape_error(self.routed_experts, len(self.prompt_ids) + len(self.response_ids),
-                                    check_ints=False)  # RouteRecord's ints were checked by pydantic-core
+            why = route_shape_error(self.routed_experts, len(self.prompt_ids) + len(self.response_ids))
             if why is not None:
                 raise ValueError(why)
         return self
