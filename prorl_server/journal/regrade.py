@@ -271,9 +271,10 @@ class Regrader:
         result = await handler_result(job)
         timing = old.timing.model_copy(update={"eval_s": eval_s,
                                                 "counted_s": old.timing.init_s + old.timing.run_s + eval_s})
-        # what the run stage decided stays as recorded
+        # what the run stage decided stays as recorded, and so does the speed its group gave it (#35 part 3: a
+        # regrade of one member cannot recompute its group's median)
         return result.model_copy(update={"timing": timing, "backend": old.backend,
-                                         "weight_version": old.weight_version})
+                                         "weight_version": old.weight_version, "speed": old.speed})
 
 
 def _components(result: JobResult) -> dict[str, Any]:

@@ -8,6 +8,7 @@ it generates one token per request every ``step_s``, so a member's model time is
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -42,13 +43,20 @@ class OneTurnHandler(AgentHandler):
     async def run(self, job) -> None:
         await run_agent(job, [{"role": "user", "content": "Go."}], {})
 
+    def restore_for_eval(self, job, result) -> None:
+        """Eval reads nothing the run left."""
+
     async def eval(self, job) -> None:
         job.resolved, job.reward = True, 1.0
 
 
 @pytest.fixture
-def settings() -> dict:
-    return {}
+def settings(request, tmp_path) -> dict:
+    """The server's extra settings (``journal``: a file name under ``tmp_path``)."""
+    extra = dict(getattr(request, "param", {}))
+    if "journal" in extra:
+        extra["journal"] = str(tmp_path / extra["journal"])
+    return extra
 
 
 @pytest.fixture
@@ -144,10 +152,30 @@ async def test_completion_time_without_a_group_is_refused(server):
     assert r.status == 422
 
 
-@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 0.5}])
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 0.5}], indirect=True)
 async def test_a_group_whose_members_never_all_come_is_answered_after_the_wait(server):
     client, _ = server
     answers = await asyncio.gather(*(client.post("/process", json=body("short", i, TOKENS[2 * i]))
                                      for i in range(2)))  # 2 of the 4 members announced
     speeds = [(await a.json())["speed"] for a in answers]
     assert speeds == pytest.approx([1 / 2, -1 / 2], abs=0.12)  # T ~0.2 and ~0.6 s: median 0.4
+
+
+@pytest.mark.parametrize("settings", [{"journal": "j.sqlite"}], indirect=True)
+async def test_speeds_are_journalled_with_the_results_and_kept_by_a_regrade(server, settings):
+    from prorl_server.journal.regrade import Regrader
+    from prorl_server.journal.store import Journal
+
+    client, _ = server
+    answers = await asyncio.gather(*(client.post("/process", json=body("jg", i, n)) for i, n in enumerate(TOKENS)))
+    speeds = [(await a.json())["speed"] for a in answers]
+    assert speeds == pytest.approx(EXPECTED, abs=0.12)
+    journal = Journal(settings["journal"], readonly=True)
+    recorded = [json.loads(journal.result(f"jg-{i}"))["speed"] for i in range(len(TOKENS))]
+    assert recorded == speeds
+    registry = HandlerRegistry()
+    registry.register(OneTurnHandler)
+    async with Regrader(registry, sandbox_runtime="none") as g:
+        out = await g.regrade("jg-0", "one_turn", json.dumps(body("jg", 0, TOKENS[0])).encode(),
+                              journal.result("jg-0"))
+    assert out.status == "regraded" and out.result.speed == speeds[0], out
