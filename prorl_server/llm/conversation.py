@@ -342,6 +342,12 @@ class Conversation:
         return len(self._seg.ids)
 
     @property
+    def routes_held(self) -> int:
+        """Positions of the open segment whose routed experts (R3) are recorded (0: none): a turn may ask the
+        backend for the routes from there on only (``routed_experts_prompt_start``)."""
+        return len(self._seg.routes) if self._seg.routes is not None else 0
+
+    @property
     def room(self) -> int:
         """Tokens that may still be generated before the context is full."""
         return self.max_context_tokens - len(self._seg.ids)

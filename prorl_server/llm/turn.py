@@ -259,6 +259,8 @@ class TurnEngine:
         if room < 1:
             raise ContextFullError(conv.num_tokens)
         budget = min(max_tokens, room) if max_tokens else room
+        if conv.routes_held:  # a backend that reports routes (R3) need not send the ones this row holds again
+            sampling_params = {**(sampling_params or {}), "routed_experts_prompt_start": conv.routes_held}
         comp = await self.client.complete(conv.token_ids, backend=backends, max_tokens=budget,
                                           sampling_params=sampling_params, timeout_s=timeout_s)
         if accept is not None:

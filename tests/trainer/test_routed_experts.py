@@ -25,6 +25,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from prorl_server.llm.conversation import Conversation  # noqa: E402
+from prorl_server.llm.turn import TurnEngine  # noqa: E402
 from prorl_server.plugin.handler import AgentHandler  # noqa: E402
 from prorl_server.types import MAX_EXPERT_INDEX, MAX_ROUTE_TOP_K  # noqa: E402
 from trainer_plugins.verl import CONFIG_DIR  # noqa: E402
@@ -66,25 +67,26 @@ class MoEReplica:
 
 
 class RewritingHandler(AgentHandler):
-    """Stands in for a multi-turn chat handler whose model's template rewrites history (``REWRITING``): three
-    turns through the server's real LLM client and a real :class:`Conversation`, a user message between them;
-    every later turn starts a new trajectory row (a split)."""
+    """Stands in for a multi-turn chat handler whose model's template rewrites history (``REWRITING``; with
+    ``rewrite=False`` the model's own append-only ChatML): three turns through the server's real turn engine, LLM
+    client and :class:`Conversation`, a user message between them; with ``REWRITING`` every later turn starts a
+    new trajectory row (a split)."""
 
     name = "rewriting"
     needs_llm = True
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, rewrite: bool = True) -> None:
         self.tok = copy.deepcopy(tokenizer)
-        self.tok.chat_template = REWRITING
+        if rewrite:
+            self.tok.chat_template = REWRITING
 
     async def run(self, job):
+        engine = TurnEngine(job.llm.client)
         conv = Conversation(self.tok, [{"role": "user", "content": "Say something."}], max_context_tokens=2048)
         for k in range(3):
             if k:
                 assert await conv.add_messages([{"role": "user", "content": f"And again, {k}."}])
-            comp = await job.llm.client.complete(conv.token_ids, backend=job, max_tokens=8,
-                                                 sampling_params={"temperature": 1.0})
-            conv.add_completion(comp)
+            await engine.turn(conv, job, max_tokens=8, sampling_params={"temperature": 1.0}, parse=False)
         conv.finish("stop")
         job.trajectories.extend(conv.trajectories())
 
@@ -98,8 +100,8 @@ async def loop_for(compose_verl, serve_handlers, tokenizer, monkeypatch):
     registered with a real rollout server serving :class:`RewritingHandler`."""
     cfg = compose_verl(prompt_length=256, response_length=128)
 
-    async def make(replica):
-        url = await serve_handlers(RewritingHandler(tokenizer))
+    async def make(replica, rewrite=True):
+        url = await serve_handlers(RewritingHandler(tokenizer, rewrite))
         monkeypatch.setenv("PRORL_SERVERS", url)
         entry = OmegaConf.load(CONFIG_DIR / "agent_loop.yaml")[0]
         verl_agent_loop._agent_loop_registry["prorl"] = entry
@@ -135,6 +137,16 @@ async def test_routes_reach_agent_loop_output_aligned_with_each_rewritten_row(lo
         assert stored[:-1].tolist() == got.tolist() and not stored[-1].any()
     # the later rows start again at position 0 of their own (rewritten) context, not after the earlier row
     assert len(outs[1].prompt_ids) > len(outs[0].prompt_ids) + len(outs[0].response_ids)
+
+
+async def test_a_row_that_grows_turn_by_turn_is_sent_only_the_routes_it_lacks(loop_for, tokenizer):
+    loop = await loop_for(MoEReplica(tokenizer), rewrite=False)
+    (out,) = await loop.run(SP, **verl_row())  # append-only: one row of three turns
+    row = list(out.prompt_ids) + list(out.response_ids)
+    assert out.routed_experts.tolist() == [route(row, t) for t in range(len(row) - 1)]
+    # each answer carried only the positions after those the row held (routed_experts_prompt_start), not the
+    # whole context again: every position of the row once
+    assert loop.relay.stats["route_positions"] == len(row) - 1
 
 
 @pytest.mark.parametrize("fault", ["top_k", "expert"])

@@ -14,7 +14,8 @@ on top of the worker's ``server_manager.generate`` (verl's ``LLMServerClient``):
   ``max_model_len``; ``GET /health``; ``GET /relay/status``: version, turns served, registrations.
   With MoE routing replay on (verl's ``enable_rollout_routing_replay``), the answer also carries
   ``routed_experts`` (``TokenOutput.routed_experts`` as ``[positions][layers][top_k]`` ints, positions of the
-  turn's prompt + generated tokens) and ``routed_experts_start: 0`` (the first position it covers).
+  turn's prompt + generated tokens) and ``routed_experts_start`` (the first position it covers: the request's
+  ``routed_experts_prompt_start``, the positions the rollout server already holds, else 0).
 
 The relay registers itself with every rollout server (``POST /add_llm_server {address, weight_version}``,
 servers on this node first) once it knows the version, re-registers when a turn reports a newer version
@@ -655,9 +656,13 @@ class Relay:
         text = ""
         if self.tokenizer is not None and ids:
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
-        routes = None
+        routes, routes_start = None, 0
         if ids and getattr(out, "routed_experts", None) is not None:
-            routes = await asyncio.to_thread(_route_lists, out.routed_experts)
+            # the positions the rollout server already holds are not sent again (vLLM's parameter name)
+            held = extra.get("routed_experts_prompt_start")
+            routes_start = held if type(held) is int and 0 <= held <= len(prompt) else 0
+            routes = await asyncio.to_thread(_route_lists, out.routed_experts[routes_start:])
+            self.stats["route_positions"] += len(routes)
         self.sticky.remember(prompt, ids, request_id, continues)
         self.stats["turns"] += 1
         self.stats["tokens"] += len(ids)
@@ -673,7 +678,7 @@ class Relay:
             "weight_version": versions[0],
             "weight_versions": versions,
             "relay_s": round(time.perf_counter() - t0, 6),
-            **({"routed_experts": routes, "routed_experts_start": 0} if routes is not None else {}),
+            **({"routed_experts": routes, "routed_experts_start": routes_start} if routes is not None else {}),
         })
 
 
