@@ -181,3 +181,19 @@ async def test_an_answer_over_the_byte_bound_is_refused_before_it_is_decoded(aio
     async with llm_client.LLMClient(model="m") as client:
         with pytest.raises(llm_client.LLMError, match="more than 10000 bytes"):
             await client.complete([1, 2, 3], backend=str(server.make_url("")).rstrip("/"), max_tokens=1)
+
+
+async def test_a_prompt_cut_from_the_left_cuts_its_routes_with_it(loop_for, tokenizer):
+    from prorl_server.types import JobResult, Trajectory
+
+    loop = await loop_for(MoEReplica(tokenizer))
+    P, R = 300, 10  # the prompt is longer than the rollout's prompt_length (256)
+    row = list(range(1000, 1000 + P + R))
+    routes = [route(row, t) for t in range(P + R - 1)]
+    t = Trajectory(prompt_ids=row[:P], response_ids=row[P:], response_logprobs=[-0.5] * R, loss_mask=[1] * R,
+                   version_runs=[[4, R]], routed_experts=routes)
+    (out,) = await loop.to_outputs(JobResult(job_id="j", trajectory_id="j", handler="h", reward=1.0,
+                                             weight_version=4, trajectories=[t]),
+                                   verl_row())
+    assert list(out.prompt_ids) == row[P - 256:P]
+    assert out.routed_experts.tolist() == routes[P - 256:]  # position 0 of the output row is row position 44
