@@ -568,6 +568,8 @@ class Pipeline:
         result = await handler_result(job)
         group = getattr(job, "completion_group", None)
         if group is not None:  # answered, with its speed, when its group ends (#35 part 3)
+            # its admission slot goes now: the members still to run may need it to end the group
+            self._release_admission(job)
             await self.completion_groups.hold(job, group[0], group[1], result)
             return
         await self._deliver(job, result)
