@@ -58,17 +58,33 @@ def carries_marker(pid: int, sandbox_id: str) -> bool:
     return (MARKER_VAR + "=" + sandbox_id).encode() in env.split(b"\0")
 
 
+#: Bounds of a sessions file as the host reads it (bytes, JSON items): a sandbox holds at most a few hundred
+#: sessions of under 100 bytes each; anything larger was not written by the execution server. Plain ints: this
+#: module is imported on the execution server's start path, which must not import the JSON scanner.
+SESSIONS_FILE_MAX_BYTES, SESSIONS_FILE_MAX_ITEMS = 1 << 20, 1 << 16
+
+
 def live_session_ids(path: str, sandbox_id: str) -> set[int]:
     """Session ids recorded in ``path`` whose leader is still the same process (pid and start time) and carries
     the marker of ``sandbox_id`` (:func:`carries_marker`). The file is written by the sandbox's own execution
     server, so code in the sandbox can forge it: an entry naming any other process is ignored."""
-    import json
+    import stat
 
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+    from .bounded_json import JsonBounds, loads
+
+    try:  # a link is refused, a FIFO never blocks, and at most one byte past the bound is read
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return set()
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return set()
+        bounds = JsonBounds(SESSIONS_FILE_MAX_BYTES, SESSIONS_FILE_MAX_ITEMS)
+        data = loads(os.read(fd, bounds.max_bytes + 1), bounds)
+    except (OSError, ValueError):  # JsonBoundError is a ValueError: too large, too many items, not JSON
+        return set()
+    finally:
+        os.close(fd)
     if not isinstance(data, dict):
         return set()
     sids = set()
