@@ -62,3 +62,22 @@ def test_the_client_refuses_a_record_longer_than_the_request():
     data["routed_experts"] = [[[0, 1]]] * 5
     assert len(LLMClient._completion(data, data["choices"][0], b, None, 0.0, 1, 0, 0,
                                      prompt_len=3).routed_experts) == 5
+
+
+async def test_an_answer_with_another_route_shape_ends_the_record(tokenizer):
+    # each answer's record passes the client's check on its own; joined they would hold two shapes
+    t, n0, n1 = await two_turns(tokenizer, lambda n: (routes_for(n + 1, 1),),
+                                lambda n0, n1: ([[[2, 0], [2, 1]]] * (n1 - n0), n0 + 1))
+    assert t.routed_experts is None
+
+
+async def test_the_joined_record_is_not_checked_again_on_the_event_loop(tokenizer, monkeypatch):
+    import prorl_server.types as types
+
+    calls = []
+    real = types.route_shape_error
+    monkeypatch.setattr(types, "route_shape_error", lambda *a: calls.append(len(a[0])) or real(*a))
+    t, n0, n1 = await two_turns(tokenizer, lambda n: (routes_for(n + 1, 1),),
+                                lambda n0, n1: (routes_for(n1 - n0, 2), n0 + 1))
+    assert t.routed_experts == routes_for(n0 + 1, 1) + routes_for(n1 - n0, 2)
+    assert calls == []  # the client checked each answer's record; the conversation only joined them
