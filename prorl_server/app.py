@@ -37,7 +37,7 @@ from prorl_server.llm.context import LLMContext
 from prorl_server.loop_monitor import LoopLagMonitor
 from prorl_server.metrics import GATEWAY_COUNTS, LLM_CLIENT_COUNTS, SANDBOX_POOL_COUNTS, Metrics
 from prorl_server.pipeline import (DuplicateJobError, FinishedJob, HandlerUnavailableError, JournalUnavailableError,
-                                   Pipeline, ServerStoppedError)
+                                   MAX_GROUP_JOBS, Pipeline, ServerStoppedError)
 from prorl_server.routes import (APP_ROUTES, ApiError, Route, add_routes, auth_middleware, error_middleware,
                                  json_response, openapi_schema, parse_body)
 from prorl_server.weight_swap import SwapCoordinator, add_weight_routes
@@ -239,6 +239,10 @@ async def group_tree(request: web.Request) -> web.Response:
             ended.append((job_id, job.result.model_dump_json().encode()))
         else:
             missing.append((job_id, "ending"))
+    overflow = pipeline.group_overflow.get(group_id, 0)
+    if overflow:  # jobs the index never held: the tree must not say complete
+        missing.append((f"{overflow} more jobs", f"not indexed: a group's tree holds its first {MAX_GROUP_JOBS}"))
+
     def build() -> tuple[bool, bytes]:
         tree = tree_of_results(group_id, ended, missing)
         return tree.complete, tree.model_dump_json().encode()

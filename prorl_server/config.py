@@ -65,11 +65,13 @@ class ServerSettings(BaseModel):
                                             description="options of the runtime (sandbox.make_runtime)")
     sandbox_image: Optional[str] = Field(default=None, description="image for sandboxes whose spec names none "
                                          "(a .sif for singularity, a rootfs directory for bubblewrap)")
-    sandbox_pool_size: int = Field(default=4, ge=0, description="started sandboxes kept ready per pooled spec "
-                                   "(sandbox.pool.SandboxPool: handed out once, refilled in the background); 0 = off")
-    sandbox_pool_max_specs: int = Field(default=8, ge=1, description="distinct sandbox specs pooled at most (the "
-                                        "first asked for without per-job binds or workspace)")
-    sandbox_pool_refill_concurrency: int = Field(default=2, ge=1, description="sandbox starts the pool runs at once")
+    sandbox_pool_size: int = Field(default=4, ge=0, le=256, description="started sandboxes kept ready per pooled "
+                                   "spec (sandbox.pool.SandboxPool: handed out once, refilled in the background); "
+                                   "0 = off, at most 256")
+    sandbox_pool_max_specs: int = Field(default=8, ge=1, le=64, description="distinct sandbox specs pooled at most "
+                                        "(the first asked for without per-job binds or workspace), 1..64")
+    sandbox_pool_refill_concurrency: int = Field(default=2, ge=1, le=64,
+                                                 description="sandbox starts the pool runs at once, 1..64")
     ready_file: Optional[str] = Field(default=None,
                                       description="write {host, port, pid, url} here once listening")
     gateway_max_sessions: int = Field(default=1024, ge=1, description="open gateway sessions at most "

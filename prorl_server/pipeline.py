@@ -112,6 +112,11 @@ class Pipeline:
         #: themselves are kept, or not, by the retention bounds)
         self.groups: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
         self._group_ids = 0  # ids in self.groups
+        #: job id -> its group, for the ids in self.groups: a job id reused in another group would make the old
+        #: group's tree serve the new job's rows (refused in submit)
+        self._job_groups: dict[str, str] = {}
+        #: group id -> jobs of it submitted past MAX_GROUP_JOBS (not indexed: its tree says so and is incomplete)
+        self.group_overflow: dict[str, int] = {}
         #: seconds a group's delivered results stay whole after its newest job ended, for its tree, when no
         #: complete tree of it is served before (``release_group``)
         self.group_retention_s = group_retention_s
@@ -210,6 +215,10 @@ class Pipeline:
             old = self.jobs.get(req.job_id)
             if old is not None and not old.finished:
                 raise DuplicateJobError(f"job {req.job_id!r} is already in flight")
+            held_by = self._job_groups.get(req.job_id)
+            if held_by is not None and held_by != req.group_id:
+                raise DuplicateJobError(f"job id {req.job_id!r} belongs to group {held_by!r}, whose tree serves its "
+                                        "result: a job of another group (or of none) needs a new job id")
             if self.journal is not None:
                 done = self.journaled_result(req.job_id)
                 if done is not None and not done[1]:
@@ -246,12 +255,21 @@ class Pipeline:
 
     def _join_group(self, group_id: str, job_id: str) -> None:
         members = self.groups.pop(group_id, None) or []
-        if job_id not in members and len(members) < MAX_GROUP_JOBS:
-            members.append(job_id)
-            self._group_ids += 1
+        if job_id not in members:
+            if len(members) < MAX_GROUP_JOBS:
+                members.append(job_id)
+                self._job_groups[job_id] = group_id
+                self._group_ids += 1
+            else:
+                self.group_overflow[group_id] = self.group_overflow.get(group_id, 0) + 1
         self.groups[group_id] = members  # the newest group last
         while self._group_ids > max(4096, self.keep_finished) and len(self.groups) > 1:
-            self._group_ids -= len(self.groups.popitem(last=False)[1])
+            old_group, old_members = self.groups.popitem(last=False)
+            self._group_ids -= len(old_members)
+            self.group_overflow.pop(old_group, None)
+            for old_id in old_members:
+                if self._job_groups.get(old_id) == old_group:
+                    del self._job_groups[old_id]
 
     def get(self, job_id: str) -> Optional[Job | FinishedJob]:
         """The live job ``job_id``, or the record of a finished one still retained (or journalled), or None."""

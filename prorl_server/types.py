@@ -287,6 +287,10 @@ MAX_REWARD_COMPONENTS = 32
 REWARD_COMPONENT_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 
 
+#: Job and group ids: no control characters (they end up in logs, journal rows and URLs).
+ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+
 class ProcessRequest(BaseModel):
     """Body of ``POST /process`` and ``POST /jobs``.
 
@@ -301,25 +305,35 @@ class ProcessRequest(BaseModel):
     backend when load allows, so the prompt's prefix cache is shared (see ``affinity_slack``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        # _completion_time_needs_a_group, said in the schema: completion_time true needs group_id and group_size
+        "if": {"properties": {"completion_time": {"const": True}}, "required": ["completion_time"]},
+        "then": {"required": ["group_id", "group_size"],
+                 "properties": {"group_id": {"type": "string"}, "group_size": {"type": "integer"}}}})
 
     instance: Annotated[dict[str, Any], WithJsonSchema(_INSTANCE_SCHEMA)]
     sampling_params: Annotated[dict[str, Any], BeforeValidator(_sampling_to_vllm),
                                WithJsonSchema(SamplingParams.model_json_schema())] = \
         Field(default_factory=dict)
-    job_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
+    job_id: Optional[str] = Field(default=None, min_length=1, max_length=200, pattern=ID_PATTERN)
     timeout_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
-    group_id: Optional[str] = Field(default=None, min_length=1, max_length=200)
+    group_id: Optional[str] = Field(default=None, min_length=1, max_length=200, pattern=ID_PATTERN)
     reward_weights: Optional[Annotated[dict[Annotated[str, Field(pattern=REWARD_COMPONENT_PATTERN)],
                                             Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]],
-                                       _at_most(MAX_REWARD_COMPONENTS)]] = Field(
+                                       _at_most(MAX_REWARD_COMPONENTS),
+                                       WithJsonSchema({  # pydantic's schema lets any other key through
+                                           "type": "object", "maxProperties": MAX_REWARD_COMPONENTS,
+                                           "propertyNames": {"pattern": REWARD_COMPONENT_PATTERN},
+                                           "additionalProperties": {"type": "number", "minimum": -100,
+                                                                    "maximum": 100}})]] = Field(
         default=None, description="weights of the handler's process reward terms (name -> weight); a term not "
         "named here has weight 0, so the reward is the outcome alone unless a request opts in")
     completion_time: bool = Field(default=False, strict=True, description=(
         "relative completion time (#35 part 3): the result is answered when its group ends, with `speed` set "
         "from the members' model times (generation + critical-path tool time, never waiting); needs group_id and "
         "group_size"))
-    group_size: Optional[int] = Field(default=None, ge=1, le=4096, strict=True, description=(
+    group_size: Optional[Annotated[int, Field(ge=1, le=4096), BeforeValidator(_json_integer)]] = Field(
+        default=None, description=(
         "the number of jobs of group_id that opt in to completion_time (the group's n samples)"))
 
     @field_validator("instance")

@@ -178,3 +178,16 @@ def test_server_process_serves_and_exits_cleanly_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("field,value", [("sandbox_pool_size", 1_000_000), ("sandbox_pool_size", 10**22),
+                                         ("sandbox_pool_max_specs", 100_000_000),
+                                         ("sandbox_pool_refill_concurrency", 10_000)])
+def test_a_pool_setting_past_its_bound_is_refused(field, value):
+    # red team (session 11): --sandbox-pool-size=1000000 started, then grew ~65 MB/s and stopped answering
+    from pydantic import ValidationError
+
+    from prorl_server.config import ServerSettings
+
+    with pytest.raises(ValidationError, match=field):
+        ServerSettings(**{field: value})

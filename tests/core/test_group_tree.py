@@ -353,3 +353,49 @@ async def test_a_groups_delivered_results_are_reduced_after_the_retention_time(c
                                        "group_id": "new"})
     assert r.status == 200
     assert pipeline.retained_bytes < 2 * one  # the old groups reduced; the new one whole
+
+
+async def test_a_job_id_reused_outside_its_group_is_refused(client, wait_done):
+    # red team (session 11): without a journal, a finished job's id resubmitted in group G2 made G1's tree serve
+    # G2's rows and reward under G1's leaf, with complete: true
+    c = await client()
+    r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": [grpo_row(0)], "reward": 0.0},
+                                    "group_id": "G1", "job_id": "dupid"})
+    assert r.status == 202, await r.text()
+    await wait_done(c, "dupid")
+    for other in ({"group_id": "G2"}, {}):
+        r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": [grpo_row(5)], "reward": 1.0},
+                                        "job_id": "dupid", **other})
+        assert r.status == 409 and "G1" in (await r.json())["error"]["message"], await r.text()
+    tree = await (await c.get("/groups/G1/tree")).json()
+    (leaf,) = tree["leaves"]
+    assert leaf["job_id"] == "dupid" and leaf["reward"] == 0.0
+    # the same group may run its job id again (a re-run of its own sample)
+    r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": [grpo_row(0)], "reward": 0.0},
+                                    "group_id": "G1", "job_id": "dupid"})
+    assert r.status == 202, await r.text()
+
+
+async def test_a_group_past_the_index_cap_never_says_complete(client, wait_done, monkeypatch):
+    # red team (session 11): the jobs past the per-group cap were in neither leaves nor missing, complete: true
+    import prorl_server.app as app_module
+    import prorl_server.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "MAX_GROUP_JOBS", 3)  # stands for 1,024, with 5 real jobs
+    monkeypatch.setattr(app_module, "MAX_GROUP_JOBS", 3)
+    c = await client()
+    jobs = [await submit(c, [grpo_row(i)], group="huge") for i in range(5)]
+    for job in jobs:
+        await wait_done(c, job)
+    tree = await (await c.get("/groups/huge/tree")).json()
+    assert len(tree["leaves"]) == 3 and not tree["complete"]
+    assert [list(m.values()) if isinstance(m, dict) else list(m) for m in tree["missing"]] == [
+        ["2 more jobs", "not indexed: a group's tree holds its first 3"]]
+
+
+@pytest.mark.parametrize("bad", ["x\ny", "\x00z", "tab\there"])
+async def test_ids_with_control_characters_are_refused(client, bad):
+    c = await client()
+    for field in ("group_id", "job_id"):
+        r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": [grpo_row(0)]}, field: bad})
+        assert r.status == 422, (field, await r.text())
