@@ -328,7 +328,7 @@ class ProcessRequest(BaseModel):
                                                                     "maximum": 100}})]] = Field(
         default=None, description="weights of the handler's process reward terms (name -> weight); a term not "
         "named here has weight 0, so the reward is the outcome alone unless a request opts in")
-    completion_time: bool = Field(default=False, strict=True, description=(
+    completion_time: Optional[bool] = Field(default=None, strict=True, description=(
         "relative completion time (#35 part 3): the result is answered when its group ends, with `speed` set "
         "from the members' model times (generation + critical-path tool time, never waiting); needs group_id and "
         "group_size"))
