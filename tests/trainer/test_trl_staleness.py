@@ -145,3 +145,19 @@ def test_settings_that_would_be_truncated_or_cancel_every_batch_are_refused(kwar
     cancelled and re-sent every prefetched batch."""
     with pytest.raises(ValueError, match="prefetch|max_staleness"):
         ProRLRollout(["http://127.0.0.1:9"], [fixed_instance("a")], **kwargs)
+
+
+@pytest.mark.parametrize("value,rollout_kwargs", [(-1, dict(prefetch=2)), (0, dict(prefetch=2)), (2.7, dict(prefetch=2)),
+                                                  ("x", dict(prefetch=2)), (True, dict(prefetch=2)),
+                                                  (3, dict(prefetch=2, max_staleness=1))])
+def test_the_callbacks_bound_gets_the_rollouts_checks(value, rollout_kwargs):
+    """Red team (session 11): ``WeightPushCallback(max_staleness=...)`` took -1 and 0 (with prefetch) that
+    ProRLRollout refuses, wrote them into the rollout and sent them to the servers; 2.7 became 2 on the rollout
+    and 2.7 on the wire; a second bound different from the rollout's own was kept beside it."""
+    rollout = ProRLRollout(["http://127.0.0.1:9"], [fixed_instance("a")], **rollout_kwargs)
+    try:
+        with pytest.raises(ValueError, match="max_staleness"):
+            WeightPushCallback(rollout, ["http://127.0.0.1:9"], protocol="swap", max_staleness=value)
+        assert rollout.max_staleness == rollout_kwargs.get("max_staleness")  # untouched
+    finally:
+        rollout.close()

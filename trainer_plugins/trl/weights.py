@@ -570,9 +570,20 @@ class WeightPushCallback(_callback_base()):  # type: ignore[misc]
         self.on_error = on_error
         self.protocol = protocol
         self.kv = kv
+        if max_staleness is not None:
+            # the rules ProRLRollout applies to its own bound: this one reaches the rollout and the servers too
+            if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+                raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+            if max_staleness == 0 and getattr(rollout, "prefetch", 0):
+                raise ValueError(f"max_staleness=0 with the rollout's prefetch={rollout.prefetch!r} would cancel "
+                                 "every prefetched batch: use prefetch=0 for on-policy training, or max_staleness >= 1")
+            own = getattr(rollout, "max_staleness", None)
+            if own is not None and own != max_staleness:
+                raise ValueError(f"max_staleness={max_staleness!r} here and {own!r} on the rollout: the servers' drop "
+                                 "and the rollout's cancel must use one bound; set it in one place")
         self.max_staleness = max_staleness
         if max_staleness is not None and getattr(rollout, "max_staleness", 0) is None:
-            rollout.max_staleness = int(max_staleness)  # one bound: the servers' drop and the rollout's agree
+            rollout.max_staleness = max_staleness  # one bound: the servers' drop and the rollout's agree
         self.lease_s = lease_s
         self.pause = pause
         self.timeout_s = timeout_s
