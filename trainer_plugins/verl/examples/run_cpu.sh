@@ -115,6 +115,12 @@ start=$(date +%s)
 "$PY" -m verl.trainer.main_ppo "${VERL_ARGS[@]}" 2>&1 | tee "$OUT/verl.log"
 rc=${PIPESTATUS[0]}
 set -e
+if [ "$rc" -ne 0 ]; then  # verl's reason sits near the end of a long log: say it last, not empty summaries
+    echo "---- verl exited with status $rc after $(( $(date +%s) - start )) s; its last error:" >&2
+    grep -E "Error|Exception|Invalid" "$OUT/verl.log" | tail -n 5 >&2 || true
+    echo "(whole log: $OUT/verl.log)" >&2
+    exit "$rc"
+fi
 
 # 5. what to look at
 echo "---- relay registrations and version changes"
