@@ -133,15 +133,20 @@ def padded_batch(rows: list[list[int]], prompt_len: int):
     return ids, mask, C
 
 
-def test_the_trl_mixin_packs_a_batch_and_returns_trls_layout(model):
-    rows = [r for r in group_rows()[:5]]
-    ids, mask, C = padded_batch(rows, 48)
-    trainer = PackedTrainer()
+def assert_packed_matches_rows(trainer, model, ids, mask, C) -> None:
+    """The packed trainer's completion logprobs equal TRL's per-row forward's within 1e-4."""
     with torch.no_grad():
         got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
         ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
     keep = mask[:, -C:].bool()
     assert float((got - ref)[keep].abs().max()) <= 1e-4
+
+
+def test_the_trl_mixin_packs_a_batch_and_returns_trls_layout(model):
+    rows = [r for r in group_rows()[:5]]
+    ids, mask, C = padded_batch(rows, 48)
+    trainer = PackedTrainer()
+    assert_packed_matches_rows(trainer, model, ids, mask, C)
     s = trainer.tree_pack_stats
     assert s.packed_batches == 1 and s.fallback_reason is None and s.tree_token_ratio < 0.7
 
@@ -252,11 +257,7 @@ async def test_the_mixin_packs_the_servers_verified_trees_and_says_why_when_it_c
         ids, mask, C = trl_batch(out["prompt_ids"], out["completion_ids"])
         trainer = PackedTrainer()
         trainer.rollout_func = rollout
-        with torch.no_grad():
-            got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
-            ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
-        keep = mask[:, -C:].bool()
-        assert float((got - ref)[keep].abs().max()) <= 1e-4
+        assert_packed_matches_rows(trainer, model, ids, mask, C)
         s = trainer.tree_pack_stats
         row_len = len(out["prompt_ids"][0]) + len(out["completion_ids"][0])
         assert s.server_tree_chunks == 1 and s.row_tree_chunks == 0
