@@ -17,10 +17,11 @@ Rules:
   back), and the pool starts a replacement in the background.
 - Warm: a pooled sandbox's shell is started while it waits (:meth:`~sandbox.runtime.SandboxHandle.warm_up`), so
   a job's first bash call finds it ready; a cold start leaves its shell to the first bash call.
-- Never dead: on acquire the sandbox's launcher must run, no bound may have ended it, and its execution server
-  must hold its connection open (a server that died closed it; checked with ``poll``, no round trip; without a
-  connection, a ping within :data:`ACQUIRE_PING_S`); one that fails is closed (counted ``dead``) and the next
-  is tried, else a cold start.
+- Never dead: on acquire the sandbox's launcher must run, no bound may have ended it, its execution server must
+  not be stopped (SIGSTOP, a tracer) nor a zombie (its ``/proc/PID/stat`` state) and must hold its connection
+  open (a server that died closed it; checked with ``poll``, no round trip; without a connection, a ping within
+  :data:`ACQUIRE_PING_S`); one that fails is closed (counted ``dead``) and the next is tried, else a cold
+  start.
 - Pooled specs: those without per-job host state (no ``workspace``, no ``binds``), the first ``max_specs``
   distinct ones asked for (the shipped math and code handlers' run sandboxes); any other spec is a cold start.
 - A pool that cannot refill (a full disk, no lease, a refused cgroup: :class:`SandboxStartError`) serves cold
@@ -47,6 +48,27 @@ log = logging.getLogger(__name__)
 ACQUIRE_PING_S = 2.0
 #: Counter names of :attr:`SandboxPool.counters` (what the server exports on /metrics).
 COUNTERS = ("hits", "misses", "dead", "cold_fallbacks", "refill_starts", "refill_failures")
+
+
+#: ``/proc/PID/stat`` states of a process that cannot answer: stopped (``T``: SIGSTOP from its user or root),
+#: stopped by a tracer (``t``), zombie (``Z``), dead (``X``). proc(5).
+_NOT_ANSWERING = frozenset(b"TtZX")
+
+
+def _stopped(pid: Optional[int]) -> bool:
+    """Whether process ``pid`` (the execution server, the verified peer of the pool's connection) is stopped or
+    gone: its state field in ``/proc/PID/stat`` (the first after the command name, which may hold any byte but
+    ends at the last ``)``) is one of :data:`_NOT_ANSWERING`, or the file is unreadable. A stopped server keeps
+    its connection open and would hold a job's first call until the call's timeout (red team F6). One small
+    procfs read, ~10 us. ``None`` (no connection yet): ``False``, the ping decides."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split(maxsplit=1)[0]
+    except (OSError, IndexError):
+        return True
+    return state[0] in _NOT_ANSWERING
 
 
 def spec_key(spec: SandboxSpec) -> str:
@@ -166,11 +188,11 @@ class SandboxPool:
 
     # ----------------------------------------------------------------------------------------- helpers
     async def _alive(self, h: SandboxHandle) -> bool:
-        """Whether a waiting sandbox can be handed out: alive, not ended by a bound, and its execution server's
-        connection open with no hang-up (checked without a round trip; without a connection, a ping within
+        """Whether a waiting sandbox can be handed out: alive, not ended by a bound, its execution server not
+        stopped nor a zombie (:func:`_stopped`), and its connection open with no hang-up (checked without a round trip; without a connection, a ping within
         :data:`ACQUIRE_PING_S`). A dead one is closed in the background (its leases, cgroup and directories
         released)."""
-        ok = h.alive and h._death is None
+        ok = h.alive and h._death is None and not _stopped(h._client.peer_pid)
         if ok and not h._client.connection_alive():
             try:
                 # the client's own call (not the handle's, which grants a tool's grace): a stopped server must

@@ -269,3 +269,30 @@ async def test_a_server_killed_mid_refill_leaves_no_sandbox_process(runtime_opti
             except psutil.Error:
                 pass
         await make_runtime("bubblewrap", **options).reap_orphans()
+
+
+async def test_a_pooled_sandbox_whose_server_was_stopped_is_replaced_not_handed_out(bwrap_runtime):
+    # Red team F6: a SIGSTOPped execution server keeps its connection open, so the poll check passed it and the
+    # job that got it waited out its first call's timeout (30 s counted).
+    pool = SandboxPool(bwrap_runtime, size=1)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        (victim,) = bwrap_runtime.handles
+        server = psutil.Process(victim._client.peer_pid)
+        server.suspend()  # SIGSTOP by the same uid, while it waits in the pool
+        for _ in range(200):  # the stop lands when the kernel next schedules it
+            if server.status() == psutil.STATUS_STOPPED:
+                break
+            await asyncio.sleep(0.01)
+        got = await asyncio.wait_for(pool.acquire(SPEC), 20)
+        assert got.sandbox_id != victim.sandbox_id and pool.counters["dead"] == 1
+        assert (await got.bash("echo alive", timeout_s=5)).output.strip() == "alive"
+        for _ in range(200):  # the stopped one is closed in the background (SIGKILL ends a stopped process)
+            if victim not in bwrap_runtime.handles:
+                break
+            await asyncio.sleep(0.05)
+        assert victim not in bwrap_runtime.handles and not os.path.exists(victim.workspace)
+        await got.close()
+    finally:
+        await pool.close()
