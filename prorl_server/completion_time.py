@@ -16,6 +16,12 @@ when ``group_size`` of its opted-in members have ended (failed and cancelled one
 :attr:`CompletionGroups.wait_s` seconds (the server's ``completion_time_wait_s``, default 600) after its first
 member ended (members not ended by then are left out;
 one ending later is answered at once, as a group of its own), or when the server stops or shuts down.
+
+Reward: ``speed`` enters ``reward`` only when the request also names it in ``reward_weights`` (weight ``w``):
+then, at the group's end, each member that did not fail gets the component ``speed`` ``{value: speed, weight:
+w, per_turn: all of it on the last turn}`` and ``reward`` becomes the weighted sum of its components, checked
+as a handler's are (:func:`with_speed`). ``resolved`` stays the task's. A failed member keeps its outcome alone
+(:func:`prorl_server.rewards.finalize`: a failure earns no process term).
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
-from prorl_server.types import JobResult
+from prorl_server.rewards import SPEED, finalize, weighted_sum
+from prorl_server.types import JobResult, RewardComponent
 
 #: Seconds a group waits for its missing members after its first member ended.
 GROUP_WAIT_S = 600.0
@@ -46,6 +53,25 @@ def relative_speeds(members: list[tuple[bool, float]]) -> list[float]:
     if not med > 0:
         return [0.0] * len(members)
     return [max(-1.0, min(1.0, (med - t) / med)) if ok else 0.0 for ok, t in members]
+
+
+def with_speed(result: JobResult, speed: float, reward_weights: Optional[dict[str, float]]) -> JobResult:
+    """``result`` with its ``speed`` set and, when ``reward_weights`` names :data:`~prorl_server.rewards.SPEED`
+    and ``result`` did not fail, the component ``speed`` (``per_turn``: 0 on every turn but the last, which
+    takes ``speed``) added, ``reward`` recomputed as the weighted sum of the components and each turn's share
+    refilled, through the check every handler's components pass (:func:`prorl_server.rewards.finalize`).
+
+    Shared by the group's end and ``prorl-journal regrade``, so both give the same bytes. ``speed`` in [-1, 1].
+    """
+    result = result.model_copy(update={"speed": speed})
+    weights = reward_weights or {}
+    if SPEED not in weights or result.failure_kind is not None:
+        return result
+    n = len(result.turns)
+    comps = {**result.reward_components,
+             SPEED: RewardComponent(value=speed, weight=float(weights[SPEED]),
+                                    per_turn=[0.0] * (n - 1) + [speed] if n else None)}
+    return finalize(result.model_copy(update={"reward": weighted_sum(comps)}), comps, comps)
 
 
 @dataclass
@@ -103,7 +129,7 @@ class CompletionGroups:
             g.timer.cancel()
         members = list(g.held.values())
         speeds = relative_speeds([(r.resolved and not r.filter, model_time(r)) for _, r in members])
-        await asyncio.gather(*(self.deliver(job, r.model_copy(update={"speed": s}))
+        await asyncio.gather(*(self.deliver(job, with_speed(r, s, getattr(job, "reward_weights", None)))
                                for (job, r), s in zip(members, speeds)))
 
     async def release_all(self) -> None:

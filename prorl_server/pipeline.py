@@ -29,7 +29,7 @@ from prorl_server.failures import SCORED_KINDS, classify, is_filtered
 from prorl_server.job import Job, JobServices
 from prorl_server.metrics import Metrics
 from prorl_server.plugin.handler import InstanceValidationError
-from prorl_server.rewards import finalize
+from prorl_server.rewards import SPEED, finalize
 from prorl_server.turn_records import charge_run_time
 from prorl_server.completion_time import CompletionGroups
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
@@ -201,7 +201,11 @@ class Pipeline:
                 f"handler {name!r} needs sandboxes and this rollout server has no sandbox runtime; start it with "
                 "--sandbox-runtime bubblewrap (or singularity), or sandbox_runtime: auto where bwrap is installed")
         instance = handler.prepare_instance(req.instance)  # by-id completion + the handler's instance model
-        unknown = sorted(set(req.reward_weights or {}) - set(handler.reward_terms))
+        if SPEED in (req.reward_weights or {}) and not req.completion_time:  # no group: no speed to weigh
+            raise InstanceValidationError(
+                f"reward_weights names {SPEED!r}, the relative completion time, which needs completion_time: true "
+                "(with group_id and group_size)", "reward_weights")
+        unknown = sorted(set(req.reward_weights or {}) - set(handler.reward_terms) - {SPEED})
         if unknown:  # a weight the handler would never apply: the trainer's mistake, said at once
             raise InstanceValidationError(
                 f"reward_weights: {unknown} name no process term of the {name} handler (it has "

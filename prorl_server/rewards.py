@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 #: The component every result has: the task's own score (weight 1).
 OUTCOME = "outcome"
+#: The server's own component of relative completion time (:mod:`prorl_server.completion_time`), added when a
+#: request with ``completion_time: true`` names it in ``reward_weights``; no handler may declare it.
+SPEED = "speed"
 #: Largest ``|reward - sum(weight * value)|`` the server accepts, relative to ``max(1, sum |weight * value|)``.
 TOLERANCE = 1e-12
 #: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn (an

@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from prorl_server.completion_time import with_speed
 from prorl_server.failures import SCORED_KINDS, classify, is_filtered
 from prorl_server.job import Job, JobServices
 from prorl_server.pipeline import handler_result
@@ -272,9 +273,11 @@ class Regrader:
         timing = old.timing.model_copy(update={"eval_s": eval_s,
                                                 "counted_s": old.timing.init_s + old.timing.run_s + eval_s})
         # what the run stage decided stays as recorded, and so does the speed its group gave it (#35 part 3: a
-        # regrade of one member cannot recompute its group's median)
+        # regrade of one member cannot recompute its group's median); a weighted speed enters the reward again
+        if old.speed is not None:
+            result = with_speed(result, old.speed, job.reward_weights)
         return result.model_copy(update={"timing": timing, "backend": old.backend,
-                                         "weight_version": old.weight_version, "speed": old.speed})
+                                         "weight_version": old.weight_version})
 
 
 def _components(result: JobResult) -> dict[str, Any]:

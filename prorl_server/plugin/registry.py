@@ -63,10 +63,10 @@ class HandlerRegistry:
             raise ValueError(f"handler {inst!r} has no name")
         terms = tuple(getattr(inst, "reward_terms", ()))
         bad = [t for t in terms if not isinstance(t, str) or not re.fullmatch(REWARD_COMPONENT_PATTERN, t)
-               or t == "outcome"]
+               or t in ("outcome", "speed")]  # the server's own components (prorl_server.rewards)
         if bad or len(set(terms)) != len(terms) or len(terms) >= MAX_REWARD_COMPONENTS:
             raise ValueError(f"handler {key!r}: reward_terms {terms!r} must be distinct lower-case identifiers other "
-                             f"than 'outcome', at most {MAX_REWARD_COMPONENTS - 1} (bad: {bad!r})")
+                             f"than 'outcome' and 'speed', at most {MAX_REWARD_COMPONENTS - 1} (bad: {bad!r})")
         self._handlers[key] = inst
         for alias in (*inst.aliases, *aliases):
             self._aliases[alias] = key

@@ -192,3 +192,66 @@ async def test_held_members_give_back_their_admission_slots(server):
         *(client.post("/process", json=body("adm", i, n)) for i, n in enumerate(TOKENS))), 60)
     speeds = [(await a.json())["speed"] for a in answers]
     assert speeds == sorted(speeds, reverse=True) and speeds[0] > 0 > speeds[-1]  # all answered, in order
+
+
+def weighted(group: str, i: int, tokens: int, w: float) -> dict:
+    return {**body(group, i, tokens), "reward_weights": {"speed": w}}
+
+
+@pytest.mark.parametrize("settings", [{"journal": "j.sqlite"}], indirect=True)
+async def test_speed_named_in_reward_weights_enters_the_reward_and_a_regrade_reproduces_it(server, settings):
+    """``reward_weights: {"speed": w}`` adds the component ``speed`` (on the last turn) to every member: ``reward``
+    = outcome + w * speed, the turns' rewards sum to it, ``resolved`` is the task's; the journal holds the final
+    components and ``prorl-journal regrade`` gives them back byte for byte."""
+    from prorl_server.journal.regrade import Regrader
+    from prorl_server.journal.store import Journal
+
+    client, _ = server
+    w = 0.5
+    answers = await asyncio.gather(*(client.post("/process", json=weighted("sg", i, n, w))
+                                     for i, n in enumerate(TOKENS)))
+    results = [await a.json() for a in answers]
+    for r in results:
+        speed = r["speed"]
+        comp = r["reward_components"]["speed"]
+        assert comp["value"] == speed and comp["weight"] == w
+        assert comp["per_turn"] == [0.0] * (len(r["turns"]) - 1) + [speed]
+        assert r["reward"] == pytest.approx(1.0 + w * speed, abs=1e-12) and r["resolved"] is True
+        assert sum(t["reward"] for t in r["turns"]) == pytest.approx(r["reward"], abs=1e-12)
+        assert r["turns"][-1]["reward"] == pytest.approx(1.0 + w * speed, abs=1e-12)
+    assert [r["speed"] for r in results] == pytest.approx(EXPECTED, abs=0.12)
+    # completion_time alone (no weight for speed, as before speed was a component) leaves the reward the outcome
+    plain = await asyncio.gather(*(client.post("/process", json=body("plain", i, n)) for i, n in enumerate(TOKENS)))
+    for r in [await a.json() for a in plain]:
+        assert r["speed"] is not None and r["reward"] == 1.0 and set(r["reward_components"]) == {"outcome"}
+    journal = Journal(settings["journal"], readonly=True)
+    registry = HandlerRegistry()
+    registry.register(OneTurnHandler)
+    for i, r in enumerate(results):
+        recorded = json.loads(journal.result(f"sg-{i}"))
+        assert recorded["reward_components"] == r["reward_components"] and recorded["reward"] == r["reward"]
+        async with Regrader(registry, sandbox_runtime="none") as g:
+            out = await g.regrade(f"sg-{i}", "one_turn", json.dumps(weighted("sg", i, TOKENS[i], w)).encode(),
+                                  journal.result(f"sg-{i}"))
+        assert out.status == "regraded" and not out.changed, out
+        assert out.result.model_dump_json(include={"reward", "reward_components", "turns", "speed"}) == \
+            json.dumps({k: recorded[k] for k in ("reward", "reward_components", "turns", "speed")},
+                       separators=(",", ":"))
+
+
+def test_a_handler_cannot_declare_the_servers_speed_component():
+    class Speedy(OneTurnHandler):
+        name = "speedy"
+        reward_terms = ("speed",)
+
+    with pytest.raises(ValueError, match="speed"):
+        HandlerRegistry().register(Speedy)
+
+
+async def test_speed_in_reward_weights_without_completion_time_is_refused(server):
+    client, _ = server
+    b = {"job_id": "lone", "instance": {"data_source": "one_turn"}, "reward_weights": {"speed": 1.0}}
+    r = await client.post("/jobs", json=b)
+    assert r.status == 422, await r.text()
+    message = (await r.json())["error"]["message"]
+    assert "speed" in message and "completion_time" in message
