@@ -749,13 +749,14 @@ class TurnRecord(BaseModel):
 
     Times are seconds of the host's monotonic clock (``time.monotonic``), never a value the sandbox wrote:
     ``t_llm_s`` generation (request sent to last token received, retries on the same backend included);
-    ``t_tool_s`` the turn's tool calls summed; ``t_tool_critical_s`` their critical path (the longest call of a
-    batch run in parallel, the sum of batches run in sequence; equals ``t_tool_s`` when calls run one by one);
+    ``t_tool_s`` the turn's tool calls summed; ``t_tool_critical_s`` their critical path, the wall time they took
+    (a batch run in parallel counts once, as long as its longest call; equals ``t_tool_s`` when calls run one by
+    one: :attr:`prorl_server.llm.agent_loop.AgentConfig.parallel_tool_calls`);
     ``t_wait_s`` the system's time charged to this turn: waiting for a backend (queue, a weight-swap or pause
     hold, failover to another backend, back-off), rendering observations, and on the first turn the run stage's
     time outside any turn (set-up such as a sandbox started in ``run``, wrap-up after the last turn:
-    :func:`prorl_server.turn_records.charge_run_time`). The turns' ``t_llm_s + t_tool_s + t_wait_s`` add up to
-    ``timing.run_s``; the job-level :class:`Timing` covers the rest (``queue_s``, ``init_s``: sandbox start in
+    :func:`prorl_server.turn_records.charge_run_time`). The turns' ``t_llm_s + t_tool_critical_s + t_wait_s`` add
+    up to ``timing.run_s``; the job-level :class:`Timing` covers the rest (``queue_s``, ``init_s``: sandbox start in
     init, ``eval_s``), so ``queue_s + init_s + run_s + eval_s`` is the job's wall time. In a gateway session the
     agent program's time between an answer and its next request is the turn's ``t_tool_s``.
     ``reward``: the turn's share of the result's ``reward`` (the last turn carries the whole reward unless the

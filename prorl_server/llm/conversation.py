@@ -328,7 +328,8 @@ class Conversation:
         self._continued = 0
         self._rerendered_chars = 0
         #: one :class:`~prorl_server.types.TurnRecord` per generated turn (``trajectory_index``: the segment's
-        #: index in :meth:`trajectories`); their times partition this conversation's life from its creation to
+        #: index in :meth:`trajectories`); their times (``t_llm_s + t_tool_critical_s + t_wait_s``) partition
+        #: this conversation's life from its creation to
         #: the last :meth:`add_completion` / :meth:`record_tools` (host ``time.monotonic``)
         self.turns: list[TurnRecord] = []
         self._mark = time.monotonic()
@@ -572,19 +573,20 @@ class Conversation:
 
     def record_tools(self, t_tool_s: float, t_tool_critical_s: Optional[float] = None) -> None:
         """Charge the latest turn with its tool calls: ``t_tool_s`` seconds (their sum), ``t_tool_critical_s``
-        their critical path (default ``t_tool_s``: run one after another). The rest of the time since the turn
-        was appended is its ``t_wait_s``. Does nothing before the first turn. Times: host ``time.monotonic``
-        seconds measured by the caller around the calls, never a value a tool returned."""
+        their critical path, the wall time they took (default ``t_tool_s``: run one after another). The rest of
+        the time since the turn was appended is its ``t_wait_s``, so ``t_llm_s + t_tool_critical_s + t_wait_s``
+        partition the conversation's life (calls run side by side make the sum ``t_tool_s`` longer than the
+        wall time they took). Does nothing before the first turn. Times: host ``time.monotonic`` seconds
+        measured by the caller around the calls, never a value a tool returned."""
         if not self.turns:
             return
         now = time.monotonic()
         span = now - self._mark
-        t_tool_s = max(0.0, min(t_tool_s, span))
-        crit = t_tool_s if t_tool_critical_s is None else max(0.0, min(t_tool_critical_s, t_tool_s))
+        crit = max(0.0, min(t_tool_s if t_tool_critical_s is None else t_tool_critical_s, span))
         rec = self.turns[-1]
-        rec.t_tool_s += t_tool_s
+        rec.t_tool_s += max(crit, t_tool_s)
         rec.t_tool_critical_s += crit
-        rec.t_wait_s += span - t_tool_s
+        rec.t_wait_s += span - crit
         self._mark = now
 
     # ------------------------------------------------------------------ results

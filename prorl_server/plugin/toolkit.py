@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from prorl_server.llm.agent_loop import AgentConfig, AgentLoop, AgentResult, ToolSpec, tool_time_left
+from prorl_server.llm.agent_loop import (AgentConfig, AgentLoop, AgentResult, ToolSpec, parallel_safe,
+                                         tool_time_left)
 
 __all__ = ["AgentConfig", "run_agent", "sandbox_tools"]
 
@@ -84,6 +85,7 @@ def sandbox_tools(handle: Any, names: Iterable[str] = ("bash", "ipython", "str_r
         kw = {k: args[k] for k in EDITOR_KEYS if k in args}
         return (await handle.editor(str(args.get("command", "")), str(args.get("path", "")), **kw)).output
 
+    @parallel_safe  # touches no state: it may run beside other calls (AgentConfig.parallel_tool_calls)
     async def think(args: dict) -> str:
         return "OK."
 
