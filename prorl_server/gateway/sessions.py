@@ -151,8 +151,10 @@ class Session:
     tools: Optional[list[dict[str, Any]]] = None
     template_kwargs: Optional[dict[str, Any]] = None  # the conversation's chat_template_kwargs
     awaiting: bool = False  # conv ends with new messages, not yet answered
-    # an n > 1 answer not yet continued: (message as served, normalised; its completion) per choice
-    choices: Optional[list[tuple[dict[str, Any], Completion]]] = None
+    # an n > 1 answer not yet continued: (message as served, normalised; its completion; its parsed tool calls)
+    # per choice, and when their generation ended (host time.monotonic): the continued turn's record ends there
+    choices: Optional[list[tuple[dict[str, Any], Completion, Optional[ParsedTurn]]]] = None
+    choices_at: float = 0.0
     done: list[Trajectory] = field(default_factory=list)  # trajectories closed by splits
     split_reasons: list[str] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: {
@@ -185,8 +187,9 @@ class Session:
         return out
 
     def turn_records(self) -> list[TurnRecord]:
-        """One :class:`~prorl_server.types.TurnRecord` per turn of the session's conversations, indexing
-        :meth:`trajectories` (an ``n > 1`` branch trajectory, a copy of its base plus one choice, has none)."""
+        """One :class:`~prorl_server.types.TurnRecord` per turn of :meth:`trajectories`, indexing it: an ``n > 1``
+        branch trajectory (a copy of its base plus one choice) has a copy of its base's records and one for its
+        choice, all with zero times (the request's time is the continued choice's turn's)."""
         out = [t.model_copy() for t in self.past_turns]
         if self.conv is not None and self.conv.num_turns:
             base = len(self.done)
@@ -441,8 +444,9 @@ class Gateway:
             except (NoBackendError, LLMUnavailableError) as e:
                 raise GatewayError(503, f"no LLM backend: {e}", "no_backend", type_="server_error") from None
             sampling = self._sampling(req, tok)
-            if s.conv is not None and s.conv.turns and not s.awaiting:
-                # since the last answer the agent program ran (its tool calls): the model's side, #35
+            if s.conv is not None and s.conv.turns and not s.awaiting and s.choices is None:
+                # since the last answer the agent program ran (its tool calls): the model's side, #35 (after an
+                # n > 1 answer the continued choice is charged once it joins: _resolve_choices)
                 s.conv.record_tools(s.conv.since_last_turn())
             await self._advance(s, req, tok, info.max_model_len)
             conv = s.conv
@@ -465,6 +469,7 @@ class Gateway:
                     generated = [(turn.completion, text, parsed)]
                 else:
                     generated = await self._sample(conv, source, req, sampling, tok)
+                    s.choices_at = time.monotonic()
                     still_open()
             except ContextFullError as e:
                 raise GatewayError(400, str(e), "context_length_exceeded") from None
@@ -482,7 +487,7 @@ class Gateway:
             choices, served = [], []
             for i, (comp, text, parsed) in enumerate(generated):
                 message, finish = assistant_message(text, parsed, comp.finish_reason)
-                served.append((normalize_message(message, len(s.history)), comp))
+                served.append((normalize_message(message, len(s.history)), comp, parsed))
                 logprobs = None
                 if req.logprobs:
                     top = None
@@ -558,18 +563,34 @@ class Gateway:
     def _resolve_choices(self, s: Session, messages: Optional[list[dict[str, Any]]]) -> None:
         """Record a pending ``n > 1`` answer: the choice ``messages`` continues with (the message after the
         history; the first choice if none matches or ``messages`` is None) joins the conversation, the others
-        become one-turn branch trajectories."""
+        become branch trajectories (a copy of the base plus that choice), each with its turn records: copies of
+        the base's and one for the choice, with zero times. The continued choice's record is timed like an
+        ``n = 1`` turn: generation until :attr:`Session.choices_at`, then (when the agent's next request resolves
+        it) the agent program's time since as its ``t_tool_s``."""
         pending, s.choices = s.choices, None
         if not pending or s.conv is None:
             return
         k, at = 0, len(s.history)
         if messages is not None and len(messages) > at and describe_divergence(s.history, messages[:at]) is None:
             nxt = _comparable(messages[at])
-            k = next((i for i, (m, _) in enumerate(pending) if _comparable(m) == nxt), 0)
-        base = s.conv.trajectories()[-1]
-        for i, (_, c) in enumerate(pending):
+            k = next((i for i, (m, _, _) in enumerate(pending) if _comparable(m) == nxt), 0)
+        segments = s.conv.trajectories()
+        base, seg = segments[-1], len(segments) - 1
+        base_turns = [t for t in s.conv.turns if t.trajectory_index == seg]
+        for i, (_, c, parsed) in enumerate(pending):
             if i == k:
                 continue
+            # the choices were sampled side by side in one request whose time the continued turn carries, and
+            # the base's turns' time is the base's: a branch's records carry spans and counts, no second time
+            index, zero = len(s.done), {"t_llm_s": 0.0, "t_tool_s": 0.0, "t_tool_critical_s": 0.0, "t_wait_s": 0.0}
+            s.past_turns += [t.model_copy(update={**zero, "trajectory_index": index, "reward": 0.0})
+                             for t in base_turns]
+            s.past_turns.append(TurnRecord(
+                trajectory_index=index, response_start=len(base.response_ids),
+                response_end=len(base.response_ids) + len(c.token_ids),
+                weight_version=c.weight_versions[-1] if c.weight_versions else None, finish_reason=c.finish_reason,
+                tool_calls=len(parsed.calls) if parsed is not None else 0,
+                tool_call_errors=len(parsed.errors) if parsed is not None else 0))
             s.done.append(Trajectory(
                 prompt_ids=base.prompt_ids, response_ids=base.response_ids + c.token_ids,
                 response_logprobs=base.response_logprobs + c.logprobs,
@@ -581,10 +602,15 @@ class Gateway:
                 finish_reason=c.finish_reason,
                 split_reason=f"branch: choice {i} of {len(pending)}, not continued (the agent went on with "
                              f"choice {k})"))
-        message, comp = pending[k]
-        s.conv.add_completion(comp)
+        message, comp, parsed = pending[k]
+        s.conv.add_completion(comp, at=s.choices_at)
+        if parsed is not None:  # the record's counts, as the turn engine sets them for an n = 1 turn
+            s.conv.turns[-1].tool_calls = len(parsed.calls)
+            s.conv.turns[-1].tool_call_errors = len(parsed.errors)
         s.history.append(message)
         s.last_finish = comp.finish_reason
+        if messages is not None:  # the agent's next request: its time since the answer was its own, as for n = 1
+            s.conv.record_tools(s.conv.since_last_turn())
 
     async def _advance(self, s: Session, req: ChatRequest, tok: Any, max_model_len: Optional[int]) -> None:
         """Bring ``s.conv`` in step with ``req.messages``: append the new ones, or split.

@@ -369,11 +369,14 @@ class Conversation:
         return self._seg.num_turns + sum(s.num_turns for s in self._done)
 
     # ------------------------------------------------------------------ turns
-    def add_completion(self, completion: "Completion") -> dict:
+    def add_completion(self, completion: "Completion", at: Optional[float] = None) -> dict:
         """Append one generated turn as-is; returns its assistant message (appended to :attr:`messages`).
 
         The message's ``content`` is the decoded generated text (special tokens kept; a final stop token
         that the template writes after the content anyway is left out). Tool calls stay inside it verbatim; callers may add an informational ``tool_calls`` key.
+        ``at``: when the turn's generation ended (host ``time.monotonic`` seconds, not before the previous turn's
+        end; default now), for a turn appended later than it was generated (a gateway ``n > 1`` choice joins
+        when the agent's next request says which it continued): its record's times end there.
 
         Raises:
             RuntimeError: the turn does not fit (the caller must cap ``max_tokens`` at :attr:`room`).
@@ -396,7 +399,7 @@ class Conversation:
             content = self.tok.decode(ids)
         seg = self._seg
         start = len(seg.ids) - seg.prompt_len
-        now = time.monotonic()
+        now = time.monotonic() if at is None else max(self._mark, min(at, time.monotonic()))
         llm_s = max(0.0, min(completion.llm_s, now - self._mark))
         # everything since the previous turn's end that was not generation is the system's: the client's
         # waits (completion.wait_s: queue, swap hold, failover), rendering the observations in between
