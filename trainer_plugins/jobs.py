@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import resource
 import time
 import uuid
@@ -165,16 +166,56 @@ class UnknownHandlerError(ConfigurationError, InvalidInstanceError):
 CONFIGURATION_FAULTS: tuple[type[BaseException], ...] = (ConfigurationError, InvalidInstanceError)
 
 
+#: Largest ``completion_time_weight`` a trainer plugin accepts: ``speed`` is in [-1, 1] and the shipped outcomes
+#: in [0, 1], so a larger weight would let time outweigh solving the task many times over.
+MAX_COMPLETION_TIME_WEIGHT = 10.0
+
+
+def completion_time_weight(value: Any, setting: str = "completion_time_weight") -> float:
+    """``value`` checked as the weight of the ``speed`` reward component (issue #35; docs/http-api.md "Relative
+    completion time"): a finite real number in [0, :data:`MAX_COMPLETION_TIME_WEIGHT`], 0 meaning off.
+
+    Raises:
+        ValueError: anything else (a bool, a string, NaN, inf, a negative or larger number), naming ``setting``.
+    """
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0.0 <= value <= MAX_COMPLETION_TIME_WEIGHT):
+        raise ValueError(f"{setting} must be a number in [0, {MAX_COMPLETION_TIME_WEIGHT:g}] (0: off), got {value!r}")
+    return float(value)
+
+
 def process_request(instance: Mapping[str, Any], sampling_params: Optional[Mapping[str, Any]] = None, *,
                     job_id: Optional[str] = None, group_id: Optional[str] = None,
-                    timeout_s: Optional[float] = None) -> ProcessRequest:
+                    timeout_s: Optional[float] = None, group_size: Optional[int] = None,
+                    speed_weight: float = 0.0,
+                    reward_weights: Optional[Mapping[str, float]] = None) -> ProcessRequest:
     """The ``POST /process`` body as the wire model, unvalidated: the rollout server is the one validator
     (its 4xx becomes an :class:`InvalidInstanceError` naming the instance), and validating here would resolve
     shipped-dataset ids and handler aliases in the trainer's process, where the server's datasets may not be.
-    ``timeout_s`` in seconds of counted time; ``None`` fields are not sent."""
+    ``timeout_s`` in seconds of counted time; ``None`` fields are not sent.
+
+    ``speed_weight`` > 0 (checked by :func:`completion_time_weight`) opts the job in to the relative completion
+    time reward: ``completion_time: true``, ``group_size`` (the group's n samples) and ``reward_weights`` with
+    ``speed`` = the weight, merged into ``reward_weights``. 0 sends none of them, so a server from before issue
+    #35, which refuses unknown fields, still takes the request.
+
+    Raises:
+        ValueError: ``speed_weight`` > 0 without ``group_id`` and ``group_size`` >= 1.
+    """
+    weights = dict(reward_weights) if reward_weights else None
+    completion_time = None
+    if speed_weight:
+        if group_id is None or not group_size or group_size < 1:
+            raise ValueError(f"completion_time_weight {speed_weight!r} needs the job's group_id and group_size "
+                             f"(got {group_id!r}, {group_size!r}): speed is relative to the group")
+        completion_time, weights = True, {**(weights or {}), "speed": float(speed_weight)}
+    else:
+        group_size = None
     return ProcessRequest.model_construct(instance=dict(instance), sampling_params=dict(sampling_params or {}),
                                           job_id=job_id, group_id=group_id,
-                                          timeout_s=None if timeout_s is None else float(timeout_s))
+                                          timeout_s=None if timeout_s is None else float(timeout_s),
+                                          completion_time=completion_time, group_size=group_size,
+                                          reward_weights=weights)
 
 
 def filtered_result(job_id: str, failure_kind: str, error: str, critical_error: Optional[str] = "run",

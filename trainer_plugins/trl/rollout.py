@@ -66,6 +66,16 @@ themselves: they reach a reward function (as keyword arguments) or a trainer sub
 The weighted reward components (``weight * value`` of ``JobResult.reward_components``), averaged over the
 rows handed to TRL, are logged per step as ``prorl/reward/{name}`` (:attr:`RolloutStats.reward_components`).
 
+Completion time (issue #35; docs/http-api.md "Relative completion time"). With ``completion_time_weight=w > 0``
+every job goes with ``completion_time: true``, its prompt group's ``group_id`` and ``group_size`` (TRL's
+``num_generations``) and ``reward_weights: {"speed": w}``: the server answers a group's rows when the group
+ends, each with ``speed`` in [-1, 1] (its model time against the group's resolved median; 0 when unresolved)
+and ``reward`` = outcome + ``w * speed``, so ``prorl_reward`` (what :func:`server_reward` trains on) and the
+per-turn split (``speed`` on the last turn) already include it. ``prorl/reward/speed`` logs the batch's mean
+``speed`` itself, unweighted. The server counts a group's ended jobs, a filtered attempt and its
+re-submission each once, so with retries a group can end before its slowest row, which then gets ``speed`` 0.
+With 0 (the default) none of these fields is sent.
+
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
 (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min/max`` of ``GRPOConfig``: a truncated or
 masked ratio ``exp(trainer logprob - sampling logprob)`` per token or sequence) only when ``use_vllm`` is
@@ -119,7 +129,7 @@ from trainer_plugins.breaker import FaultBreaker, Sample
 from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.credit import row_token_credit, row_token_returns, turn_split
-from trainer_plugins.jobs import JobOutcome, JobSubmitter, process_request
+from trainer_plugins.jobs import JobOutcome, JobSubmitter, completion_time_weight as check_speed_weight, process_request
 from trainer_plugins.servers import ServersFile
 
 log = logging.getLogger(__name__)
@@ -257,6 +267,8 @@ class ProRLRollout:
             mixin (``TreePackedLogps``), which then packs the servers' trees instead of building its own.
         reward_to_go: rows also carry ``prorl_token_returns`` (module docstring, "Per-turn credit"); default off.
         gamma: its discount per turn, in ``[0, 1]`` (default 1.0: undiscounted).
+        completion_time_weight: weight ``w`` of the relative completion time reward (issue #35; module
+            docstring, "Completion time"), in ``[0, 10]``; 0 (default): off, and no field of it is sent.
 
     Raises:
         ValueError: a setting out of range (``gamma`` outside ``[0, 1]``, a negative ``prefetch``...).
@@ -272,7 +284,7 @@ class ProRLRollout:
                  prefetch: Union[bool, int] = False, breaker_consecutive_groups: int = 8,
                  breaker_window: int = 64, breaker_max_share: float = 0.9,
                  max_staleness: Optional[int] = None, server_trees: bool = False,
-                 reward_to_go: bool = False, gamma: float = 1.0) -> None:
+                 reward_to_go: bool = False, gamma: float = 1.0, completion_time_weight: float = 0.0) -> None:
         self.breaker = FaultBreaker(breaker_consecutive_groups, breaker_window, breaker_max_share,
                                     what="training (ProRLRollout)")
         self.urls, headers, self.server_backends = resolve_servers(servers, local_node)
@@ -338,6 +350,8 @@ class ProRLRollout:
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         #: rows carry ``prorl_token_returns`` (per-turn reward-to-go, discounted per turn by :attr:`gamma`)
         self.reward_to_go, self.gamma = bool(reward_to_go), float(gamma)
+        #: weight of ``speed`` in the server's reward (> 0: jobs go with completion_time, group_size, reward_weights)
+        self.completion_time_weight = check_speed_weight(completion_time_weight)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -602,7 +616,8 @@ class ProRLRollout:
             gid = f"trl-{self.run_id}-s{step}-b{batch}-g{i // n}"  # TRL's RepeatSampler: n rows per prompt
             if record is not None:
                 record.groups[i] = gid
-            request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s)
+            request = process_request(instances[i], sp, group_id=gid, timeout_s=self.job_timeout_s, group_size=n,
+                                      speed_weight=self.completion_time_weight)
             try:
                 return await jobs.run(self.urls, request, max_sample_retries=self.max_sample_retries,
                                       chooser=self.chooser, what=f"prompt {_short(prompts[i])} (row {i})",
@@ -631,6 +646,7 @@ class ProRLRollout:
         if self.reward_to_go:
             out["prorl_token_returns"] = []
         components: dict[str, list[float]] = {}
+        speeds: list[float] = []
         fallback_prompt: dict[str, list[int]] = {}
         pending: list[int] = []
         kinds: Counter = Counter()
@@ -692,6 +708,8 @@ class ProRLRollout:
                     row_token_returns(len(ids), r.reward, r.turns, kept, mask, self.gamma))
             for name, c in r.reward_components.items():
                 components.setdefault(name, []).append(c.weight * c.value)
+            if self.completion_time_weight and r.speed is not None:
+                speeds.append(float(r.speed))
             fallback_prompt.setdefault(prompt_key(prompts[i]), out["prompt_ids"][-1])
             stats.tokens_generated += sum(mask)
             stats.mixed_version_turns += mixed
@@ -714,6 +732,8 @@ class ProRLRollout:
                 out["prorl_token_returns"][i] = [0.0]
         stats.rewards = list(out["prorl_reward"])
         stats.reward_components = {name: sum(v) / len(v) for name, v in sorted(components.items())}
+        if speeds:  # the group-relative speed itself, unweighted: what the run is asked to raise
+            stats.reward_components["speed"] = sum(speeds) / len(speeds)
         stats.failure_kinds = dict(kinds)
         allowed = set(range(self.weight_version - self.prefetch, self.weight_version + 1))
         stale = [v for v in stats.versions if v not in allowed]

@@ -86,6 +86,17 @@ the row: ``main_ppo`` ends with the fault's message. (Another V1 sampler would t
 row: keep ``ProRLReplayBuffer``.) Job faults (``filter: true``: a dead sandbox, a timeout, an unreachable
 backend) are retried as above.
 
+Completion time (issue #35; docs/http-api.md "Relative completion time"). ``completion_time_weight`` (``w``, in
+[0, 10]; the YAML entry's key, else ``prorl.completion_time_weight``, default 0) > 0 sends each training row
+with ``completion_time: true``, ``group_id`` (``verl-{uid}``), ``group_size`` (``rollout.n``) and
+``reward_weights: {"speed": w}``: the server answers a group's rows when the group ends and their ``reward``
+(this row's ``reward_score``) is outcome + ``w * speed``, with ``speed`` on the last turn's token in the
+per-turn layout. ``extra_fields.prorl.reward_components.speed`` is the row's ``speed`` itself (unweighted), so
+``ProRLReplayBuffer`` logs ``training/prorl_reward/speed`` next to the weighted components. Validation rows
+(told apart by ``val_kwargs``' sampling params; verl passes no other sign) go without it, and a row scored by
+verl's own scorer (``reward_source``) trains on that score, without ``speed``. With 0 none of these fields is
+sent (a server from before #35 refuses unknown fields).
+
 The reward is the rollout server's (its handler's eval stage), so verl's reward loop is not needed for these
 rows, except for rows of verl's math datasets (``reward_source: auto``): the ``math`` handler reads only the
 last ``\\boxed{}``, while gsm8k asks for ``#### 42`` and DAPO/AIME for ``Answer: 42``, so a model following
@@ -109,7 +120,7 @@ from trainer_plugins.credit import fit_spans, token_rewards, turn_split
 from trainer_plugins.admission import SERVER_CHOOSERS, ServerChooser, as_server_chooser
 from trainer_plugins.client import resolve_servers
 from trainer_plugins.jobs import (CONFIGURATION_FAULTS, ConfigurationError, InvalidInstanceError, JobSubmitter,
-                                  RolloutAuthError, process_request)
+                                  RolloutAuthError, completion_time_weight, process_request)
 from trainer_plugins.tokenizer_check import NotYet, check_tokenizer
 from trainer_plugins.verl.prefix_grouper import prefix_grouper_refusal
 from trainer_plugins.verl.relay import RelayError, relay_for_loop
@@ -267,7 +278,7 @@ class ProRLAgentLoop(AgentLoopBase):
                  relay_heartbeat_s: Optional[float] = 30.0, max_sample_retries: int = 2,
                  server_chooser: str = "rendezvous", truncation: Optional[str] = None,
                  tokenizer_path: Optional[str] = None, log_level: Optional[str] = None,
-                 reward_source: Optional[str] = None, **kwargs: Any) -> None:
+                 reward_source: Optional[str] = None, completion_time_weight: Any = None, **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the registry entry's own name
         kwargs.pop("tools", None)  # tools run in the rollout server's sandboxes, not here
         super().__init__(*args, **kwargs)
@@ -321,6 +332,42 @@ class ProRLAgentLoop(AgentLoopBase):
         # relay: verl's replicas serve the jobs through this worker's relay (trainer_plugins/verl/relay.py)
         self.managed = backends == "relay" and self.server_manager is not None
         self.relay_host, self.relay_heartbeat_s, self.relay = relay_host, relay_heartbeat_s, None
+        self._completion_time_settings(pick(completion_time_weight, "completion_time_weight", 0.0))
+
+    def _completion_time_settings(self, weight: Any) -> None:
+        """Check ``completion_time_weight`` (module docstring, "Completion time") and read the group sizes.
+
+        Raises:
+            ValueError: the weight is not a number in [0, 10], or it is on while validation rows (``val_kwargs.n``
+                samples a prompt) cannot be told from training rows (``rollout.n``) by their sampling params.
+        """
+        #: weight of ``speed`` in the server's reward; > 0: training rows go with completion_time (issue #35)
+        self.completion_time_weight = completion_time_weight(weight)
+        r = self.rollout_config
+        self.group_size = int(_jsonable(r.get("n", 1)) or 1)
+        val = r.get("val_kwargs") or {}
+        self._val_params = tuple(_jsonable(val.get(k)) for k in ("temperature", "top_p", "top_k"))
+        train = tuple(_jsonable(r.get(k)) for k in ("temperature", "top_p", "top_k"))
+        #: validation rows are told apart by the sampling params verl gives them (it passes no other sign)
+        self._val_distinct = self._val_params != train
+        val_n = int(_jsonable(val.get("n", 1)) or 1)
+        if self.completion_time_weight and val_n != self.group_size and not self._val_distinct:
+            raise ValueError(
+                f"completion_time_weight {self.completion_time_weight:g}: validation samples {val_n} per prompt "
+                f"and training {self.group_size}, with the same temperature/top_p/top_k, so a row's group size is "
+                "unknown here (verl does not pass it) and a validation group would wait for members that never "
+                "come; set rollout.val_kwargs.n to rollout.n, or give validation other sampling params")
+
+    def completion_time_fields(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """``process_request`` keywords of the relative completion time reward for a row sampled with
+        ``sampling_params`` (verl's): ``group_size`` (``rollout.n``) and ``speed_weight``; none for a validation
+        row (its sampling params are ``val_kwargs``'), which trains nothing."""
+        if not self.completion_time_weight:
+            return {}
+        got = tuple(_jsonable(sampling_params.get(k)) for k in ("temperature", "top_p", "top_k"))
+        if self._val_distinct and got == self._val_params:
+            return {}
+        return {"group_size": self.group_size, "speed_weight": self.completion_time_weight}
 
     # ------------------------------------------------------------------ servers
     async def _servers(self) -> tuple[list[str], dict[str, str]]:
@@ -537,7 +584,8 @@ class ProRLAgentLoop(AgentLoopBase):
         else:  # the servers' own backends: their tokenizer must still be the policy's
             await self._check_tokenizers(urls, headers)
         request = process_request(self.build_instance(kwargs), self.sampling_params_for_server(sampling_params),
-                                  group_id=self.group_id(kwargs), timeout_s=self.job_timeout_s)
+                                  group_id=self.group_id(kwargs), timeout_s=self.job_timeout_s,
+                                  **self.completion_time_fields(sampling_params))
         try:
             outcome = await self._jobs(headers).run(urls, request, max_sample_retries=self.max_sample_retries,
                                                     chooser=self.chooser, what="the row", job_prefix="verl")
@@ -610,6 +658,8 @@ class ProRLAgentLoop(AgentLoopBase):
         credit = (turn_credit(result, kept[0]) if len(segments) == 1 and len(kept) == 1 and scorer is None
                   and not filtered else None)
         components = {name: c.weight * c.value for name, c in result.reward_components.items()} if not filtered else {}
+        if self.completion_time_weight and result.speed is not None and not filtered:
+            components["speed"] = float(result.speed)  # the group-relative speed itself, unweighted
         if not segments:
             messages = self.build_instance(row).get("messages") or []
             prompt_ids = await self.ct_build_initial_tokens(messages) if messages else []
