@@ -9,12 +9,17 @@ common case), a two-script turn (Cyrillic, Latin and Han, ~850 characters) and t
 characters, the worst one turn can cost). Rounds are interleaved so a change of load moves a measurement and
 its floor together.
 
+The language-mixing share is also timed before and after its C-speed counting (#35 cost target): the baseline
+is the function it replaced (:func:`baseline_mixing_share`, kept here), run in the same rounds, alone and inside
+the components (the server's ``mixing_share`` swapped for it).
+
 Usage: python benchmarks/reward_components.py [--turns 16] [--n 2000] [--rounds 5]
 Prints microseconds per turn; the last line is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -22,14 +27,44 @@ import random
 import statistics
 import sys
 import time
+import unicodedata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prorl_server.rewards import STANDARD_TERMS, finalize, language_mixing, mixing_share, tool_call_error_share  # noqa: E402
+from prorl_server import rewards  # noqa: E402
+from prorl_server.rewards import (MAX_MIXING_CHARS, STANDARD_TERMS, finalize, language_mixing,  # noqa: E402
+                                  mixing_share, tool_call_error_share)
 from prorl_server.types import JobResult, RewardComponent, TurnRecord  # noqa: E402
 
 TEXTS = {"ascii": "Let me compute this with the ipython tool, then check the result. " * 12,
          "mixed": "Привет world, 你好 " * 50}
+
+
+_BASELINE_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
+                   "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
+
+
+def baseline_mixing_share(text: str) -> float:
+    """The baseline: ``prorl_server.rewards.mixing_share`` before its C-speed counting (commit 5d1ccf7): a set of
+    the characters (one Python object per non-ASCII character), then ``str.count`` of each distinct one."""
+    text = text[:MAX_MIXING_CHARS]
+    if text.isascii():
+        return 0.0
+    distinct = set(text)
+    if len(distinct) <= 256:
+        letters = ((ch, text.count(ch)) for ch in distinct if ch.isalpha())
+    else:
+        letters = ((ch, k) for ch, k in collections.Counter(text).items() if ch.isalpha())
+    counts: dict[str, int] = {}
+    for ch, k in letters:
+        if ch < "\x80":
+            group = "LATIN"
+        else:
+            word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
+            group = _BASELINE_GROUP.get(word, word)
+        counts[group] = counts.get(group, 0) + k
+    total = sum(counts.values())
+    return 0.0 if total == 0 else 1.0 - max(counts.values()) / total
 
 
 def job(turns: int, text: str) -> tuple[JobResult, list[dict]]:
@@ -60,6 +95,25 @@ def per_turn_us(fn, result, messages, n: int, turns: int) -> float:
     return (time.perf_counter() - t) / n / turns * 1e6
 
 
+def with_baseline_mixing(result: JobResult, messages: list[dict]) -> JobResult:
+    """:func:`with_components` with the baseline language-mixing share in the server's place."""
+    rewards.mixing_share = baseline_mixing_share
+    try:
+        return with_components(result, messages)
+    finally:
+        rewards.mixing_share = mixing_share
+
+
+def once_ms(fn, text: str, rounds: int) -> float:
+    """The fastest of ``rounds`` calls of ``fn(text)``, milliseconds."""
+    best = math.inf
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn(text)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=16)
@@ -70,19 +124,30 @@ def main() -> None:
     for name, text in TEXTS.items():
         result, messages = job(args.turns, text)
         with_components(result, messages)  # warm-up (imports, caches)
-        comp, base = [], []
+        assert baseline_mixing_share(text) == mixing_share(text)
+        comp, base, old = [], [], []
         for _ in range(args.rounds):
             base.append(per_turn_us(floor, result, messages, args.n // args.rounds, args.turns))
             comp.append(per_turn_us(with_components, result, messages, args.n // args.rounds, args.turns))
-        c, b = statistics.median(comp), statistics.median(base)
+            old.append(per_turn_us(with_baseline_mixing, result, messages, args.n // args.rounds, args.turns))
+        c, b, o = statistics.median(comp), statistics.median(base), statistics.median(old)
         out[f"{name}_us_per_turn"], out[f"{name}_floor_us_per_turn"] = round(c, 2), round(b, 2)
-        print(f"{name:>6}: components {c:7.2f} us/turn   floor (outcome only) {b:6.2f} us/turn   "
-              f"added {c - b:7.2f} us/turn")
-    worst = "".join(chr(random.Random(0).randint(0x4E00, 0x9FFF)) for _ in range(16384))
-    t = time.perf_counter()
-    mixing_share(worst)
-    out["bound_turn_ms"] = round((time.perf_counter() - t) * 1e3, 2)
-    print(f" bound: one turn of 16384 distinct Han characters {out['bound_turn_ms']:.2f} ms (language mixing)")
+        out[f"{name}_baseline_us_per_turn"] = round(o, 2)
+        print(f"{name:>6}: components {c:7.2f} us/turn (baseline mixing {o:7.2f})   floor (outcome only) "
+              f"{b:6.2f} us/turn   added {c - b:7.2f} us/turn")
+    mixed = TEXTS["mixed"]
+    new_us = once_ms(mixing_share, mixed, 2000) * 1e3
+    old_us = once_ms(baseline_mixing_share, mixed, 2000) * 1e3
+    out["mixing_share_us"], out["mixing_share_baseline_us"] = round(new_us, 2), round(old_us, 2)
+    print(f"mixing share of the {len(mixed)}-character mixed turn alone: {new_us:.2f} us (baseline {old_us:.2f} us, "
+          f"fastest of 2000)")
+    # 16,384 distinct code points of the CJK block (one generator: each draw is a new character)
+    worst = "".join(chr(c) for c in random.Random(0).sample(range(0x4E00, 0xA000), 16384))
+    assert baseline_mixing_share(worst) == mixing_share(worst)
+    out["bound_turn_ms"] = round(once_ms(mixing_share, worst, 5), 2)
+    out["bound_turn_baseline_ms"] = round(once_ms(baseline_mixing_share, worst, 5), 2)
+    print(f" bound: one turn of 16384 distinct Han characters {out['bound_turn_ms']:.2f} ms (baseline "
+          f"{out['bound_turn_baseline_ms']:.2f} ms; language mixing, fastest of 5)")
     out["target_us_per_turn"] = 50.0
     print(json.dumps(out))
 

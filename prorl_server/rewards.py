@@ -17,6 +17,7 @@ answer does not also get. ``prorl-journal regrade`` recomputes them from the sam
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import unicodedata
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
@@ -131,11 +132,27 @@ def generated_texts(trajectories: list[Any], tokenizer: Any) -> list[str]:
             for t in trajectories for _, ids in t.spans()]
 
 
-#: Distinct characters up to which :func:`mixing_share` counts each with ``str.count`` (O(distinct x length)).
-_COUNT_DISTINCT = 256
+#: Distinct non-ASCII characters :func:`mixing_share` counts one by one (``str.count``, then ``str.replace`` to
+#: drop them: O(distinct x length) at C speed); those left after are counted in one ``collections.Counter`` pass.
+_COUNT_DISTINCT = 64
 #: Unicode scripts that one language writes together, as one group (Japanese mixes Han and kana).
 _SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
                  "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
+_ASCII_BYTES = bytes(range(128))
+_ASCII_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # the ASCII characters str.isalpha accepts
+
+
+def _script_group(ch: str) -> str:
+    """The script group of the non-ASCII letter ``ch``: the first word of its Unicode name, grouped by
+    :data:`_SCRIPT_GROUP`."""
+    word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
+    return _SCRIPT_GROUP.get(word, word)
+
+
+#: :func:`_script_group` of the letters of turns with few distinct characters, remembered: a pure function of the
+#: character, so exact; bounded (a language's letters are a few hundred; a miss costs only the lookup), and the
+#: many-distinct path of :func:`mixing_share` bypasses it so one adversarial turn does not flush it.
+_cached_script_group = functools.lru_cache(maxsize=4096)(_script_group)
 
 
 def mixing_share(text: str) -> float:
@@ -146,19 +163,26 @@ def mixing_share(text: str) -> float:
     text = text[:MAX_MIXING_CHARS]
     if text.isascii():  # the common case, at C speed: every letter is Latin
         return 0.0
-    distinct = set(text)
-    if len(distinct) <= _COUNT_DISTINCT:  # few distinct characters (most text): str.count each, at C speed
-        letters = ((ch, text.count(ch)) for ch in distinct if ch.isalpha())
-    else:  # many (the bound: up to MAX_MIXING_CHARS): one C-speed Counter pass instead of a count each
-        letters = ((ch, k) for ch, k in collections.Counter(text).items() if ch.isalpha())
-    counts: dict[str, int] = {}
-    for ch, k in letters:  # each distinct letter's Unicode name is looked up once
-        if ch < "\x80":
-            group = "LATIN"
-        else:
-            word = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
-            group = _SCRIPT_GROUP.get(word, word)
-        counts[group] = counts.get(group, 0) + k
+    # Iterating a non-ASCII str makes one object per character (~35 ns each: 30 us of an 850-character turn), so
+    # the counting stays in C: the ASCII letters (all Latin) through bytes, then each distinct non-ASCII
+    # character with str.count. Dropping ASCII bytes from UTF-8 keeps every multi-byte sequence whole.
+    ascii_part = text.encode("ascii", "ignore")
+    latin = len(ascii_part) - len(ascii_part.translate(None, _ASCII_LETTERS))
+    counts: dict[str, int] = {"LATIN": latin} if latin else {}
+    rest = text.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass")
+    for _ in range(_COUNT_DISTINCT):
+        if not rest:
+            break
+        ch = rest[0]
+        if ch.isalpha():
+            group = _cached_script_group(ch)
+            counts[group] = counts.get(group, 0) + rest.count(ch)
+        rest = rest.replace(ch, "")
+    if rest:  # many distinct characters (the bound is MAX_MIXING_CHARS): one Counter pass over the rest
+        for ch, k in collections.Counter(rest).items():
+            if ch.isalpha():
+                group = _script_group(ch)
+                counts[group] = counts.get(group, 0) + k
     total = sum(counts.values())
     return 0.0 if total == 0 else 1.0 - max(counts.values()) / total
 
