@@ -949,14 +949,16 @@ class TokenizerResponse(BaseModel):
 
 
 class TreeNode(BaseModel):
-    """One node of a group's prefix tree (issue #34): a run of tokens every row below it shares, with the same
-    provenance (sampled or not, weight version, routed experts) at every position.
+    """One node of a group's prefix tree (issue #34): a run of tokens every row below it shares, with compatible
+    provenance at every position (rows that sampled a token agree on its weight version and routed experts; a
+    row may hold as context a token another sampled when neither recorded routes).
 
     ``id``: its index in :attr:`GroupTree.nodes` (a parent comes before its children). ``parent``: the parent's
     id (null: a root). ``depth``: the row position of its first token (the lengths of its ancestors summed).
     ``token_ids``: list[int] of length L. ``sampled``: ``[[start, end), ...]`` offsets in the node of the tokens
-    the model generated (``loss_mask`` 1). ``logprobs``: list[float] of length L, the behaviour logprob of each
-    sampled token (0.0 elsewhere; rows sharing the node share one). ``version_runs``: the weight version of each
+    some row below it generated (format 2: the union of its rows' ``loss_mask`` 1 tokens; which of them a row
+    trains on is its leaf's ``sampled``). ``logprobs``: list[float] of length L, the behaviour logprob of each
+    sampled token (0.0 elsewhere; rows that sampled it share one). ``version_runs``: the weight version of each
     sampled token, run-length encoded as ``[[version, n], ...]``. ``routed_experts``: the routed-expert record of
     each sampled token (null: none recorded)."""
 
@@ -973,7 +975,10 @@ class TreeNode(BaseModel):
 class TreeLeaf(BaseModel):
     """One row of a group's tree: trajectory ``trajectory_index`` of job ``job_id``. Concatenating the
     ``token_ids`` of the nodes of ``path`` (root first) gives the row's ``prompt_ids + response_ids``, of which
-    the first ``prompt_len`` are its prompt; the union of their ``sampled`` runs is its ``loss_mask``."""
+    the first ``prompt_len`` are its prompt. ``sampled``: the row's own generated tokens, ``[[start, end), ...]``
+    row positions (sorted, disjoint): its ``loss_mask`` 1 runs, each inside its nodes' ``sampled`` runs, whose
+    behaviour logprobs, version runs and routes it takes (null, format 1: the union of its nodes' ``sampled``
+    runs)."""
 
     job_id: str
     trajectory_index: int = Field(ge=0)
@@ -981,6 +986,7 @@ class TreeLeaf(BaseModel):
     prompt_len: int = Field(ge=0)
     length: int = Field(ge=0, description="tokens in the row: prompt_len + len(response_ids)")
     reward: float
+    sampled: Optional[list[tuple[int, int]]] = None
 
 
 class MissingJob(BaseModel):
@@ -998,9 +1004,13 @@ class GroupTree(BaseModel):
     (what a tree-packed forward computes); ``tree_token_ratio`` = tree / flat (1.0 for no rows).
     ``max_logprob_spread``: the largest difference between the behaviour logprobs rows gave one shared sampled
     token (the node keeps the first row's). ``complete``: every job of the group ended with rows (``missing``
-    empty). The server checks the invariants (:func:`prorl_server.tree.verify_tree`) before it answers."""
+    empty). The server checks the invariants (:func:`prorl_server.tree.verify_tree`) before it answers.
+    ``format_version``: 2 = leaves carry their own ``sampled`` runs and a node's are the union of its rows'
+    (a token sampled in one row may be context in another); 1 (absent) = a node's ``sampled`` runs are every
+    one of its rows' ``loss_mask``. A reader refuses a version it does not know."""
 
     group_id: str
+    format_version: int = 1
     nodes: list[TreeNode] = Field(default_factory=list)
     leaves: list[TreeLeaf] = Field(default_factory=list)
     missing: list[MissingJob] = Field(default_factory=list)

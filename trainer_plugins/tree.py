@@ -33,17 +33,27 @@ def _row_of(t: Any) -> tuple[list[int], list[int], list[Optional[int]], Optional
     return list(t.prompt_ids) + list(t.response_ids), mask, per_token, routes
 
 
+#: The ``GroupTree.format_version`` values this checker reads: 1 (a node's ``sampled`` runs are every one of its
+#: rows' loss mask) and 2 (each leaf's own ``sampled`` runs; a node's are their union).
+FORMATS = (1, 2)
+
+
 def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
-    """Check ``tree`` against the job results the trainer holds (``job_id`` -> result): every node's parent
-    comes before it and its depth is its parent's end; every leaf names a trajectory of a held result, its path
-    runs root to leaf, and its nodes' tokens, sampled runs, version runs and routed experts give that row's
-    ``prompt_ids + response_ids``, ``loss_mask`` and the version and route of each generated token, and its
-    reward is the result's; every
-    behaviour logprob is finite; the token counts are the tree's.
+    """Check ``tree`` against the job results the trainer holds (``job_id`` -> result): its format is one this
+    checker reads; every node's parent comes before it and its depth is its parent's end; every leaf names a
+    trajectory of a held result, its path runs root to leaf, and its nodes' tokens give that row's
+    ``prompt_ids + response_ids``; the leaf's own ``sampled`` runs (format 1: its nodes') give the row's
+    ``loss_mask`` and lie inside its nodes' sampled runs, whose version runs and routed experts give the
+    version and route of each generated token; a token a node sampled that the leaf holds as context is shared
+    only when neither the node nor the row has routes; its reward is the result's; every behaviour logprob is
+    finite; the token counts are the tree's.
 
     Raises:
         TreeCheckError: the first failure, naming the leaf's job and trajectory and the row position.
     """
+    if tree.format_version not in FORMATS:
+        raise TreeCheckError(f"tree format {tree.format_version}: this plugin reads formats "
+                             f"{', '.join(map(str, FORMATS))} (update the plugin)")
     nodes = tree.nodes
     for i, n in enumerate(nodes):
         if n.id != i or (n.parent is not None and not 0 <= n.parent < i):
@@ -67,9 +77,9 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
         if leaf.reward != res.reward:
             raise TreeCheckError(f"{where}: reward {leaf.reward} differs from the result's {res.reward}")
         got_ids: list[int] = []
-        got_mask: list[int] = []
-        got_versions: list[Optional[int]] = []
-        got_routes: list[Any] = []
+        node_mask: list[int] = []  # per row position: 1 where the path's node sampled the token
+        got_versions: list[Optional[int]] = []  # per row position: the node's version of a sampled token
+        got_routes: list[Any] = []  # per row position: the node's route of a sampled token, or None
         parent = None
         for nid in leaf.path:
             if not 0 <= nid < len(nodes) or nodes[nid].parent != parent:
@@ -81,13 +91,13 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
                     raise TreeCheckError(f"node {nid}: sampled run [{s}, {e}) leaves the node")
                 m[s:e] = [1] * (e - s)
             node_versions = [v for v, c in n.version_runs for _ in range(c)]
-            if len(node_versions) != sum(m):
-                raise TreeCheckError(f"node {nid}: version runs do not count its sampled tokens")
+            if len(node_versions) != sum(m) or (n.routed_experts is not None and len(n.routed_experts) != sum(m)):
+                raise TreeCheckError(f"node {nid}: version runs or routes do not count its sampled tokens")
+            v_iter, r_iter = iter(node_versions), iter(n.routed_experts or ())
             got_ids += n.token_ids
-            got_mask += m
-            got_versions += node_versions
-            if n.routed_experts is not None:
-                got_routes += n.routed_experts
+            node_mask += m
+            got_versions += [next(v_iter) if x else None for x in m]
+            got_routes += [(next(r_iter) if n.routed_experts is not None else None) if x else None for x in m]
             parent = nid
 
         def first(a: list, b: list) -> int:
@@ -95,20 +105,54 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
 
         if got_ids != ids:
             raise TreeCheckError(f"{where}: tokens differ at row position {first(got_ids, ids)}")
+        if leaf.sampled is None or tree.format_version == 1:
+            got_mask = node_mask
+        else:
+            got_mask = [0] * len(ids)
+            last = 0
+            for s, e in leaf.sampled:
+                if not last <= s < e <= len(ids):
+                    raise TreeCheckError(f"{where}: sampled run [{s}, {e}) is out of order or leaves the row")
+                got_mask[s:e] = [1] * (e - s)
+                last = e
         if got_mask != mask:
             raise TreeCheckError(f"{where}: loss mask differs at row position {first(got_mask, mask)}")
+        for p, (x, y) in enumerate(zip(got_mask, node_mask)):
+            if x and not y:
+                raise TreeCheckError(f"{where}: loss mask differs at row position {p} (sampled in the leaf, "
+                                     f"not by its node)")
+            if y and not x and (got_routes[p] is not None or t.routed_experts is not None):
+                raise TreeCheckError(f"{where}: routed experts differ at row position {p} (a token sampled with "
+                                     f"routes shared as context)")
         sampled_at = [p for p, x in enumerate(mask) if x]
-        if got_versions != versions:
-            k = first(got_versions, versions)
+        leaf_versions = [got_versions[p] for p in sampled_at]
+        if leaf_versions != versions:
+            k = first(leaf_versions, versions)
             raise TreeCheckError(f"{where}: weight version differs at row position "
                                  f"{sampled_at[k] if k < len(sampled_at) else len(ids)}")
-        if routes is not None and got_routes != routes:
-            k = first(got_routes, routes)
+        leaf_routes = [got_routes[p] for p in sampled_at]
+        if routes is not None and leaf_routes != routes:
+            k = first(leaf_routes, routes)
             raise TreeCheckError(f"{where}: routed experts differ at row position "
                                  f"{sampled_at[k] if k < len(sampled_at) else len(ids)}")
     if tree.flat_tokens != flat or tree.tree_tokens != sum(len(n.token_ids) for n in nodes):
         raise TreeCheckError(f"token counts: the tree says flat {tree.flat_tokens} / tree {tree.tree_tokens}, "
                              f"its rows and nodes hold {flat} / {sum(len(n.token_ids) for n in nodes)}")
+
+
+def leaf_loss_mask(tree: GroupTree, k: int) -> list[int]:
+    """The loss mask of leaf ``k`` over its whole row (list[int] of length ``leaf.length``: 1 where the row
+    generated the token): its own ``sampled`` runs (format 2), or its nodes' (format 1). The row trains on
+    these tokens only; a shared node's other sampled tokens are context here."""
+    leaf = tree.leaves[k]
+    mask = [0] * leaf.length
+    if leaf.sampled is not None and tree.format_version >= 2:
+        runs = [(s, e) for s, e in leaf.sampled]
+    else:
+        runs = [(tree.nodes[n].depth + s, tree.nodes[n].depth + e) for n in leaf.path for s, e in tree.nodes[n].sampled]
+    for s, e in runs:
+        mask[s:e] = [1] * (e - s)
+    return mask
 
 
 @dataclass

@@ -77,15 +77,12 @@ async def submit(c, rows, group="g", **instance) -> str:
 
 
 def rebuild(tree: dict, leaf: dict) -> tuple[list[int], list[int]]:
+    """A leaf's row and loss mask as a client reads them: its path's tokens and its own sampled runs."""
     nodes = tree["nodes"]
-    ids, mask = [], []
-    for nid in leaf["path"]:
-        n = nodes[nid]
-        m = [0] * len(n["token_ids"])
-        for s, e in n["sampled"]:
-            m[s:e] = [1] * (e - s)
-        ids += n["token_ids"]
-        mask += m
+    ids = [t for nid in leaf["path"] for t in nodes[nid]["token_ids"]]
+    mask = [0] * len(ids)
+    for s, e in leaf["sampled"]:
+        mask[s:e] = [1] * (e - s)
     return ids, mask
 
 
@@ -111,18 +108,21 @@ async def test_a_grpo_group_tree_gives_back_every_row_and_shares_the_prompt(clie
     check_tree(GroupTree.model_validate(tree), {j: JobResult.model_validate(x) for j, x in results.items()})
 
 
-async def test_a_rewritten_context_never_shares_a_node_between_sampled_and_prompt_tokens(client, wait_done):
+async def test_a_rewritten_context_shares_each_reply_but_only_the_row_that_sampled_it_trains_on_it(client,
+                                                                                                      wait_done):
     c = await client()
     job = await submit(c, turn_rows(8))
-    await wait_done(c, job)
+    result = await wait_done(c, job)
     tree = await (await c.get("/groups/g/tree")).json()
-    assert len(tree["leaves"]) == 8
-    for n in tree["nodes"]:
-        # a node is wholly one provenance per position: its sampled runs never hold a prompt token of a row
-        for leaf in tree["leaves"]:
-            if n["id"] in leaf["path"] and n["sampled"]:
-                assert n["depth"] + n["sampled"][0][0] >= leaf["prompt_len"]
-    assert tree["tree_token_ratio"] < 0.35
+    assert tree["format_version"] == 2 and len(tree["leaves"]) == 8
+    # one chain: the last row's history (40 prompt + 8 replies of 5 + 7 observations); each reply is one node
+    # position, sampled in row t and context in rows t + 1.. (before: held twice, 87 + 7 * 5 tokens)
+    assert tree["tree_tokens"] == 40 + 8 * 5 + 7 and tree["flat_tokens"] == 8 * 45 + 6 * 28
+    for leaf, t in zip(tree["leaves"], result["trajectories"]):
+        ids, mask = rebuild(tree, leaf)
+        assert ids == t["prompt_ids"] + t["response_ids"]
+        assert mask == [0] * leaf["prompt_len"] + t["loss_mask"]  # a row trains on its own reply only
+    check_tree(GroupTree.model_validate(tree), {job: JobResult.model_validate(result)})
 
 
 async def test_a_weight_swap_inside_the_group_splits_equal_tokens(client, wait_done):
@@ -217,6 +217,63 @@ def test_the_trainer_check_catches_a_changed_branch_token_and_a_dropped_loss_mas
     last.version_runs[0] = (last.version_runs[0][0], last.version_runs[0][1] - 1)
     with pytest.raises(TreeCheckError, match=f"job 'a' trajectory 0: loss mask differs at row position {last.depth + s}"):
         check_tree(bad, results)
+
+
+def test_a_leaf_that_trains_on_a_reply_it_held_as_context_is_refused_by_both_checks():
+    """Negative control for shared replies: row 1 holds row 0's reply as prompt; a tree that gives row 1 row 0's
+    sampled run (it would train row 1 on a token it never generated, with row 0's logprobs) is refused."""
+    results = [("a", result("a", turn_rows(3)))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    good = build_tree("g", rows)
+    verify_tree(good, rows)
+    check_tree(good, dict(results))
+    reply = (len(PROMPT), len(PROMPT) + 5)  # row 0's reply: row 1's prompt positions 40..45
+    assert reply in good.leaves[0].sampled and good.leaves[1].sampled == [(46, 51)]
+    bad = good.model_copy(deep=True)
+    bad.leaves[1].sampled = [reply, (46, 51)]
+    with pytest.raises(TreeInvariantError, match="trajectory 1: node .*'s loss mask differs at row position 40"):
+        verify_tree(bad, rows)
+    with pytest.raises(TreeCheckError, match="'a' trajectory 1: loss mask differs at row position 40"):
+        check_tree(bad, dict(results))
+    # the same tree read as format 1 (an old server's meaning: a node's sampled runs are every row's mask)
+    old = good.model_copy(deep=True)
+    old.format_version = 1
+    with pytest.raises(TreeCheckError, match="trajectory 1: loss mask differs at row position 40"):
+        check_tree(old, dict(results))
+    # a format this plugin does not know is refused with its reason, and counted as a fallback to rows
+    from trainer_plugins.tree import TreeStats, verified_tree
+
+    newer = good.model_copy(deep=True)
+    newer.format_version = 3
+    stats = TreeStats()
+    assert verified_tree(newer, dict(results), stats) is None
+    assert stats.fallbacks == 1 and "tree format 3" in stats.last_reason
+
+
+def test_a_reply_sampled_with_routes_is_never_shared_as_context():
+    """Under routing replay a context token has its own prefill route: the rows of a rewritten context with
+    routes recorded keep each reply twice, and a tree that shares it anyway is refused by both checks. (The
+    trajectories carry a positional ``routed_experts`` record, one route per row position.)"""
+    rows_in = turn_rows(3)
+    for r in rows_in:
+        r["routed_experts"] = [[[t % 4, 1]] for t in range(len(r["prompt_ids"]) + len(r["response_ids"]))]
+    results = [("a", result("a", rows_in))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    routed = build_tree("g", rows)
+    verify_tree(routed, rows)
+    check_tree(routed, dict(results))
+    assert routed.tree_tokens == 40 + 3 * 5 + 2 + 2 * 5  # rows 1 and 2 hold the replies they did not sample
+    # the unrouted rows' shape (replies shared) forced onto the routed rows
+    plain = [("a", result("a", turn_rows(3)))]
+    shared = build_tree("g", [r for j, x in plain for r in rows_of(j, x)])
+    n_sampled = {n.id: sum(e - s for s, e in n.sampled) for n in shared.nodes}
+    for n in shared.nodes:  # the routes of its sampled tokens, from the rows that sampled them
+        n.routed_experts = [[[(n.depth + s + q) % 4, 1]] for s, e in n.sampled for q in range(e - s)]
+        assert len(n.routed_experts) == n_sampled[n.id]
+    with pytest.raises(TreeInvariantError, match="trajectory 1: node .* shares a token it sampled with routes"):
+        verify_tree(shared, rows)
+    with pytest.raises(TreeCheckError, match="trajectory 1: routed experts differ at row position 40"):
+        check_tree(shared, dict(results))
 
 
 async def test_the_journal_exports_each_groups_verified_tree(tmp_path):
