@@ -22,12 +22,16 @@ def turn_seconds(result: JobResult) -> float:
 
 def charge_run_time(result: JobResult) -> JobResult:
     """``result`` with the run stage's time outside its turns (``timing.run_s`` minus :func:`turn_seconds`, when
-    positive) added to its first turn's ``t_wait_s``; unchanged without turns. Time the turns account for beyond
-    ``run_s`` (turns of conversations run side by side) is left as recorded."""
+    positive) added to its first timed turn's ``t_wait_s`` (the first with ``t_llm_s > 0``: a gateway ``n > 1``
+    branch's records, which carry no time, come first in a session's list; else the first turn); unchanged
+    without turns. Time the turns account for beyond ``run_s`` (turns of conversations run side by side) is left
+    as recorded."""
     if not result.turns:
         return result
     rest = result.timing.run_s - turn_seconds(result)
     if rest <= 0:
         return result
-    first = result.turns[0].model_copy(update={"t_wait_s": result.turns[0].t_wait_s + rest})
-    return result.model_copy(update={"turns": [first, *result.turns[1:]]})
+    turns = list(result.turns)
+    i = next((k for k, t in enumerate(turns) if t.t_llm_s > 0), 0)
+    turns[i] = turns[i].model_copy(update={"t_wait_s": turns[i].t_wait_s + rest})
+    return result.model_copy(update={"turns": turns})
