@@ -284,3 +284,66 @@ async def test_the_mixin_packs_the_servers_verified_trees_and_says_why_when_it_c
         assert trees.stats.fallbacks == 1 and any("tokens differ" in r for r in trees.stats.reasons)
     finally:
         rollout.close()
+
+
+def shared_reply_results(seed: int = 3, agents: int = 2, turns: int = 4):
+    """Agents that re-send their history every turn (one row per turn): the reply sampled in row t is prompt
+    in row t + 1, so the server's tree shares it (issue #34 format 2)."""
+    from prorl_server.types import JobResult, Trajectory
+
+    rnd = random.Random(seed)
+    tok = lambda n: [rnd.randrange(10, 4000) for _ in range(n)]  # noqa: E731
+    prompt, out = tok(24), []
+    for a in range(agents):
+        history, rows = list(prompt), []
+        for t in range(turns):
+            gen = tok(7)
+            rows.append(Trajectory(prompt_ids=list(history), response_ids=gen, response_logprobs=[-1.0] * 7,
+                                   loss_mask=[1] * 7, version_runs=[[1, 7]]))
+            history += gen + tok(5)
+        out.append((f"a{a}", JobResult(job_id=f"a{a}", trajectory_id=str(a), handler="h", reward=float(a),
+                                       trajectories=rows)))
+    return out
+
+
+@pytest.mark.parametrize("dtype,bound,grad_bound", [(torch.float32, FP32, FP32_GRAD), (torch.float64, FP64, GRAD64)])
+def test_a_server_tree_sharing_replies_as_context_trains_each_row_exactly(model, dtype, bound, grad_bound,
+                                                                         fp64_norm):
+    """The packed forward of a tree whose nodes hold replies sampled in one row and context in the next, with
+    each leaf's own loss mask, gives the per-row logprobs and gradient; training a leaf on its nodes' sampled
+    runs instead (what a format-1 reader would do) is off by far more than the bound."""
+    from prorl_server.tree import group_tree
+    from trainer_plugins.trl.tree_pack import tree_loss_masks
+
+    results = shared_reply_results()
+    tree = group_tree("g", results)
+    trajs = [t for _, r in results for t in r.trajectories]
+    rows = [t.prompt_ids + t.response_ids for t in trajs]
+    # the shared prompt, then each agent's rows as one chain: every reply held once (format 1: 3 more per agent)
+    assert tree.tree_tokens == 24 + 2 * (4 * 7 + 3 * 5)
+    masks = tree_loss_masks(tree)
+    assert [m.tolist() for m in masks] == [([0] * len(t.prompt_ids) + t.loss_mask)[1:] for t in trajs]
+    m = model.to(dtype)
+    adv = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5, 1.0, -0.5]
+
+    def grads(logps, masks):
+        m.zero_grad()
+        sum(a * (lp * mk.to(lp.dtype)).sum() for a, lp, mk in zip(adv, logps, masks)).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    packed_tree = pack([(n.parent, n.token_ids) for n in tree.nodes], [leaf.path for leaf in tree.leaves])
+    packed = packed_row_logprobs(m, packed_tree)[0]
+    ref = per_row_logprobs(m, rows)
+    delta = max_difference(packed, ref)
+    g_packed, g_ref = grads(packed, masks), grads(ref, masks)
+    union = [torch.zeros(len(r) - 1) for r in rows]  # every node-sampled token of the path: format 1's mask
+    for u, leaf in zip(union, tree.leaves):
+        for n in leaf.path:
+            for s, e in tree.nodes[n].sampled:
+                u[tree.nodes[n].depth + s - 1:tree.nodes[n].depth + e - 1] = 1
+    g_union = grads(packed_row_logprobs(m, packed_tree)[0], union)
+    m.zero_grad()
+    model.to(torch.float32)
+    assert delta <= bound
+    assert float((g_packed - g_ref).norm() / g_ref.norm()) <= grad_bound
+    assert float((g_union - g_ref).norm() / g_ref.norm()) >= 1000 * FP32_GRAD

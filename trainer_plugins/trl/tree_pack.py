@@ -20,7 +20,8 @@ check here is per row and strict (see :class:`TreePackedLogps`).
 
 The tree is built from the batch's tokens: for a dense text model the forward of equal tokens at equal
 positions is the same whatever their provenance, and the behaviour logprobs, masks and advantages stay
-per row in TRL's loss. Models whose forward depends on more than the tokens (MoE routing replay, images) are
+per row in TRL's loss. A server tree (format 2) shares a reply one row sampled with the rows that re-send it
+as context; each leaf's loss mask is its own ``sampled`` runs (:func:`tree_loss_masks`), never its nodes'. Models whose forward depends on more than the tokens (MoE routing replay, images) are
 not packed.
 """
 from __future__ import annotations
@@ -224,6 +225,17 @@ def pack(nodes: Sequence[tuple[Optional[int], Sequence[int]]], paths: Sequence[S
     row_index = [torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in path]) if path
                  else torch.zeros(0, dtype=torch.long) for path in paths]
     return PackedTree(input_ids, pos, node_of, ancestors, starts, lens, row_index)
+
+
+def tree_loss_masks(tree: Any) -> list[torch.Tensor]:
+    """Per leaf of a server tree (:class:`prorl_server.types.GroupTree`, issue #34), its loss mask aligned with
+    :func:`packed_row_logprobs`'s rows: float Tensor [T_row - 1], index ``t - 1`` for row position ``t``; 1 where
+    the leaf's own row generated the token (its ``sampled`` runs, :func:`trainer_plugins.tree.leaf_loss_mask`).
+    A shared node's tokens that another row sampled (a reply re-sent as context) are 0 here: the packed
+    forward computes them once, and only the row that sampled them trains on them."""
+    from trainer_plugins.tree import leaf_loss_mask
+
+    return [torch.tensor(leaf_loss_mask(tree, k)[1:], dtype=torch.float32) for k in range(len(tree.leaves))]
 
 
 def ancestor_mask(tree: PackedTree, dtype: torch.dtype, kind: str = "ancestor") -> torch.Tensor:
