@@ -343,6 +343,7 @@ class Components:
                 reaped = await self.runtime.reap_orphans()
                 if reaped:
                     log.warning("reaped %d sandbox(es) left by a crashed earlier server", reaped)
+                self.runtime.start_reaper()  # and those a server of this node leaves while this one runs
             if self.journal is not None:
                 self.journal.start()
                 self._started.append("journal")

@@ -148,6 +148,16 @@ class BubblewrapRuntime(SandboxRuntime):
             log.warning("bubblewrap: no seccomp filter for %s; fallocate is not refused in sandboxes",
                         platform.machine())
 
+    def sandbox_uid(self, uid: int) -> bool:
+        if super().sandbox_uid(uid):
+            return True
+        if not self._root or self._run_as is False:
+            return False
+        if self._run_as is not None:
+            return uid == self._run_as[0]
+        first, count = self._uid_range
+        return first <= uid < first + count
+
     def sandbox_user(self, spec: SandboxSpec, sandbox_id: str) -> tuple[Optional[tuple[int, int]], Optional[Lease]]:
         if not self._root or spec.fakeroot or self._run_as is False:
             return None, None

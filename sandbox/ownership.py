@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import stat
 import time
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
@@ -106,19 +108,84 @@ class OwnershipStore:
             pass
 
     def records(self) -> list[dict[str, Any]]:
+        """The records, each a dict with at least a string ``sandbox_id``. A name that is not a regular file of
+        this user with one link (a symbolic link is never followed, a FIFO never blocks the open), larger than
+        :data:`MAX_RECORD_BYTES` or not a JSON object is skipped with a warning: what a reaper acts on must be
+        a record this server's user wrote, never one planted through a link or by another user."""
         out = []
         for name in sorted(os.listdir(self.dir)):
             if not name.endswith(".json"):
                 continue
-            try:
-                with open(os.path.join(self.dir, name)) as f:
-                    rec = json.load(f)
-            except (OSError, ValueError):
-                log.warning("unreadable ownership record %s skipped", name)
-                continue
-            if isinstance(rec, dict) and "sandbox_id" in rec:
+            rec = _read_record(os.path.join(self.dir, name))
+            if isinstance(rec, dict) and isinstance(rec.get("sandbox_id"), str) \
+                    and name == f"{rec['sandbox_id']}.json":
                 out.append(rec)
+            else:
+                log.warning("ownership record %s skipped: not a regular file of this user holding a record", name)
         return out
+
+
+#: A record is a few hundred bytes; a larger file is not one.
+MAX_RECORD_BYTES = 64 * 1024
+
+
+def _read_record(path: str) -> Any:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 \
+                or st.st_size > MAX_RECORD_BYTES:
+            return None
+        return json.loads(os.read(fd, MAX_RECORD_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _boot_id() -> Optional[str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def node_identity() -> dict[str, Optional[str]]:
+    """``{"node": hostname, "boot_id": the kernel's boot id}``: written into every record beside its owner, so
+    that a reaper tells a server of this node (and this boot) from one of another node sharing the state
+    directory (a home directory on a cluster's shared file system)."""
+    return {"node": socket.gethostname(), "boot_id": _boot_id()}
+
+
+def owner_gone(rec: dict[str, Any], here: dict[str, Optional[str]]) -> bool:
+    """Whether the server that wrote ``rec`` is provably dead, seen from the node ``here``
+    (:func:`node_identity`): a record of another node is never (its server's pid means nothing here); one of
+    an earlier boot of this node always; else its pid is gone or belongs to a process of another create time
+    (:func:`same_process`). Records without a node (older servers) count as this node's."""
+    node, boot = rec.get("node"), rec.get("boot_id")
+    if node is not None and node != here["node"]:
+        return False
+    if boot is not None and here["boot_id"] is not None and boot != here["boot_id"]:
+        return True
+    pid, ct = rec.get("owner_pid"), rec.get("owner_create_time")
+    if not isinstance(pid, int) or not isinstance(ct, (int, float)):
+        return True  # no owner named at all: nothing can hold it
+    return not same_process(pid, ct)
+
+
+def launcher_marked(pid: int, sandbox_id: str) -> bool:
+    """Whether process ``pid``'s initial environment holds ``PRORL_LAUNCHER_ID=<sandbox_id>``: the launcher of
+    that sandbox (the host set it), not some other process a record names (a forged or stale record)."""
+    marker = f"{LAUNCHER_MARKER_VAR}={sandbox_id}".encode()
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------------- killing

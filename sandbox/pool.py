@@ -189,8 +189,8 @@ class SandboxPool:
     # ----------------------------------------------------------------------------------------- helpers
     async def _alive(self, h: SandboxHandle) -> bool:
         """Whether a waiting sandbox can be handed out: alive, not ended by a bound, its execution server not
-        stopped nor a zombie (:func:`_stopped`), and its connection open with no hang-up (checked without a round trip; without a connection, a ping within
-        :data:`ACQUIRE_PING_S`). A dead one is closed in the background (its leases, cgroup and directories
+        stopped nor a zombie (:func:`_stopped`), and its connection open with no hang-up (checked without a
+        round trip; without a connection, a ping within :data:`ACQUIRE_PING_S`). A dead one is closed in the background (its leases, cgroup and directories
         released)."""
         ok = h.alive and h._death is None and not _stopped(h._client.peer_pid)
         if ok and not h._client.connection_alive():

@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import sys
@@ -39,8 +40,8 @@ from .errors import (FileTransferError, SandboxClosedError, SandboxDeadError, Sa
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .remove import remove_tree
-from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, marked_launchers,
-                        pid_namespace, process_identity, same_process)
+from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, launcher_marked,
+                        marked_launchers, node_identity, owner_gone, pid_namespace, process_identity, same_process)
 from .protocol import MAX_TRANSFER_BYTES
 from .python_view import PythonView, default_view_dir, python_view
 from .sessions import MARKER_VAR, live_session_ids
@@ -432,6 +433,8 @@ class SandboxRuntime(abc.ABC):
     writable host directories (default 1 GiB, :data:`sandbox.bounds.DEFAULT_MIN_FREE_BYTES`; ``None``: not
     watched): below it the largest sandbox there is ended, ``host_disk`` (filtered) unless its end freed
     more than it measured (then ``disk_quota``: it hid bytes).
+    ``reap_interval_s``: how often :meth:`start_reaper` reaps what dead servers of this node left in the state
+    directory (seconds; ``None``: only when called).
     ``view_dir``: where the Python views' skeletons are built, once per set of distributions, and reused
     (default :func:`sandbox.python_view.default_view_dir`, a per-user cache; never visible in a sandbox).
     """
@@ -449,12 +452,15 @@ class SandboxRuntime(abc.ABC):
                  workspace_bytes: Optional[int] = DEFAULT_WORKSPACE_BYTES,
                  cgroup_parent: Optional[str] = None, watch_interval_s: float = 1.0,
                  view_dir: Optional[str] = None, measure_max_entries: int = bounds.MAX_MEASURED_ENTRIES,
-                 min_free_bytes: Optional[int] = bounds.DEFAULT_MIN_FREE_BYTES) -> None:
+                 min_free_bytes: Optional[int] = bounds.DEFAULT_MIN_FREE_BYTES,
+                 reap_interval_s: Optional[float] = 60.0) -> None:
         if self.isolated and python and os.path.realpath(python) != os.path.realpath(sys.executable):
             raise ValueError(f"python={python!r}: an isolated sandbox runs this server's own interpreter "
                              f"({sys.executable}) through its Python view; `python` applies to the local runtime")
         if watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be positive")
+        if reap_interval_s is not None and reap_interval_s <= 0:
+            raise ValueError("reap_interval_s must be positive or None")
         if measure_max_entries <= 0 or (min_free_bytes is not None and min_free_bytes < 0):
             raise ValueError("measure_max_entries must be positive and min_free_bytes >= 0 or None")
         # Checked here so that a bad option fails at start, not at the first sandbox.
@@ -485,7 +491,11 @@ class SandboxRuntime(abc.ABC):
         self._handles: dict[str, SandboxHandle] = {}
         self._starting: set[asyncio.Future] = set()
         me = os.getpid()
-        self._owner = {"owner_pid": me, "owner_create_time": process_identity(me)}
+        self._node = node_identity()
+        self._owner = {"owner_pid": me, "owner_create_time": process_identity(me), **self._node}
+        self.reap_interval_s = reap_interval_s
+        self._reaper: Optional[asyncio.Task] = None
+        self._reaping: Optional[asyncio.Lock] = None
         self._own_pidns = pid_namespace()
 
     # ------------------------------------------------------------------------------------ for subclasses
@@ -501,6 +511,12 @@ class SandboxRuntime(abc.ABC):
         """(uid, gid) the execution server switches to inside the sandbox (``None``: keep the server's user),
         and the lease that reserves it, if any (released on close)."""
         return None, None
+
+    def sandbox_uid(self, uid: int) -> bool:
+        """Whether ``uid`` may own a workspace this runtime's sandboxes made: this server's own, and the
+        unprivileged uids it runs sandboxes as (a root server's leased range). A reaper removes no workspace of
+        any other owner (another user's files)."""
+        return uid == os.geteuid()
 
     def tool_env(self, spec: SandboxSpec, ctx: LaunchContext) -> dict[str, str]:
         """Environment of the shell and the kernel."""
@@ -819,53 +835,136 @@ class SandboxRuntime(abc.ABC):
             victim._verdict.set_result(None)
 
     async def reap_orphans(self) -> int:
-        """Kill and clean up the sandboxes recorded in this state directory by servers that are no longer
-        running (pid + create time), and nothing else; also remove empty sandbox cgroups older than ten minutes
-        that servers killed elsewhere left (:func:`sandbox.bounds.sweep_stale_cgroups`). Returns how many
-        records were reaped."""
-        groups = bounds.memory_cgroups(self._cgroup_parent) if self.isolated else None
-        if groups is not None:
-            await asyncio.to_thread(bounds.sweep_stale_cgroups, groups.parent, groups.version)
-        reaped = 0
-        for rec in await asyncio.to_thread(self.store.records):
-            if same_process(rec.get("owner_pid"), rec.get("owner_create_time")):
-                continue  # its server is alive (this one or another): not an orphan
-            try:
-                reaped += await self._reap(rec)
-            except Exception:  # what one orphan left (shaped by its sandbox) never stops a server from starting
-                log.exception("reaping orphan sandbox %s failed; its record is kept for the next start",
-                              rec.get("sandbox_id"))
-        return reaped
+        """Kill and clean up the sandboxes recorded in this state directory by servers that are provably dead
+        (:func:`sandbox.ownership.owner_gone`: of this node, pid gone or of another create time, or of an
+        earlier boot), and nothing else; also remove empty sandbox cgroups older than ten minutes that servers
+        killed elsewhere left (:func:`sandbox.bounds.sweep_stale_cgroups`). Returns how many records were
+        reaped.
 
-    async def _reap(self, rec: dict) -> int:
+        A record is only a claim (a forged or stale one may name anything), so what it names is checked first:
+        nothing a live sandbox holds (this runtime's, or one a live server's record names: its id, launcher,
+        pid namespace, directories, cgroup) is touched; a launcher is killed by pid only if the host's marker
+        in its environment names the record's sandbox; a workspace is removed only if it is a directory of
+        this user named ``prorl-<sandbox_id>-<hex>`` with no symbolic link on its path, a run directory only
+        under this state directory, a cgroup only by its own sandbox's name."""
+        if self._reaping is None:
+            self._reaping = asyncio.Lock()
+        async with self._reaping:  # the periodic reap and a call never act on one record twice at once
+            groups = bounds.memory_cgroups(self._cgroup_parent) if self.isolated else None
+            if groups is not None:
+                await asyncio.to_thread(bounds.sweep_stale_cgroups, groups.parent, groups.version)
+            records = await asyncio.to_thread(self.store.records)
+            dead = [r for r in records if owner_gone(r, self._node)]
+            live = [r for r in records if not any(r is d for d in dead)]
+            held = self._held_state(live)
+            reaped = 0
+            for rec in dead:
+                if rec["sandbox_id"] in self._handles:
+                    log.warning("ownership record %s names a sandbox of this server as a dead server's: not "
+                                "reaped (forged or stale)", rec["sandbox_id"])
+                    continue
+                try:
+                    reaped += await self._reap(rec, held)
+                except Exception:  # what one orphan left (shaped by its sandbox) never stops a server
+                    log.exception("reaping orphan sandbox %s failed; its record is kept for the next reap",
+                                  rec.get("sandbox_id"))
+            return reaped
+
+    def _held_state(self, live_records: list[dict]) -> dict[str, set]:
+        """What live sandboxes hold (this runtime's and those of live servers' records), by kind."""
+        held: dict[str, set] = {"sandbox_id": set(), "launcher": set(), "pidns": set(), "path": set(),
+                                "cgroup": set()}
+        for h in self._handles.values():
+            held["sandbox_id"].add(h.sandbox_id)
+            held["launcher"].add(h.pid)
+            held["pidns"].add(h.pidns)
+            held["path"].update((h.workspace, h._ctx.run_dir))
+            held["cgroup"].add(h.bounds.cgroup)
+        for r in live_records:
+            held["sandbox_id"].add(r["sandbox_id"])
+            held["launcher"].add(r.get("pid"))
+            held["pidns"].add(r.get("pidns"))
+            held["path"].update((r.get("workspace"), r.get("run_dir")))
+            held["cgroup"].add(r.get("cgroup"))
+        for kind in held:
+            held[kind].discard(None)
+        return held
+
+    def _reapable_workspace(self, rec: dict, held: dict[str, set]) -> Optional[str]:
+        """The workspace of a dead server's record if it may be removed (see :meth:`reap_orphans`), else
+        ``None``."""
+        ws, sid = rec.get("workspace"), rec["sandbox_id"]
+        if not rec.get("workspace_created") or not isinstance(ws, str) or not os.path.isabs(ws) \
+                or ws in held["path"]:
+            return None
+        parent, name = os.path.split(os.path.normpath(ws))
+        if not re.fullmatch(rf"prorl-{re.escape(sid)}-[0-9a-f]{{8}}", name) or os.path.realpath(parent) != parent:
+            return None
+        try:
+            st = os.lstat(ws)
+        except OSError:
+            return None
+        return ws if stat.S_ISDIR(st.st_mode) and self.sandbox_uid(st.st_uid) else None
+
+    async def _reap(self, rec: dict, held: Optional[dict[str, set]] = None) -> int:
         """Kill and clean up one orphan's record (see :meth:`reap_orphans`); 1 if it was reaped."""
+        held = held if held is not None else self._held_state([])
+        sid = rec["sandbox_id"]
         run_dir = rec.get("run_dir") or ""
-        sessions = (_trusted_sessions(rec.get("runtime"), run_dir, rec["sandbox_id"]) if self._owns(run_dir)
-                    else set())
-        survivors = await kill_sandbox(rec["pid"], rec.get("create_time"), grace_s=self.close_grace_s,
-                                       sessions=sessions, pidns=rec.get("pidns"), not_before=rec.get("started_at"))
+        run_dir = run_dir if isinstance(run_dir, str) and self._owns(run_dir) and run_dir not in held["path"] \
+            and os.path.basename(run_dir) == sid else ""
+        sessions = _trusted_sessions(rec.get("runtime"), run_dir, sid) if run_dir else set()
+        pid, ct = rec.get("pid"), rec.get("create_time")
+        if not isinstance(pid, int) or pid in held["launcher"] or not launcher_marked(pid, sid):
+            pid, ct = 0, None  # not this sandbox's launcher (gone, reused, or another sandbox's): never killed
+        pidns = rec.get("pidns")
+        pidns = pidns if isinstance(pidns, int) and pidns not in held["pidns"] else None
+        started_at = rec.get("started_at") if isinstance(rec.get("started_at"), (int, float)) else None
+        survivors = await kill_sandbox(pid, ct, grace_s=self.close_grace_s, sessions=sessions, pidns=pidns,
+                                       not_before=started_at)
         # What the record cannot name: a launcher its server died before recording (a provisional record),
         # or a launcher's forked children (bwrap's namespace init) that outlived it before the sandbox's
         # pid namespace was recorded (die-with-parent races a parent's death). They carry the marker the
         # host put in the launcher's environment.
-        for pid, ct in await asyncio.to_thread(marked_launchers, rec["sandbox_id"], rec.get("started_at")):
-            survivors += await kill_sandbox(pid, ct, grace_s=self.close_grace_s, not_before=rec.get("started_at"))
+        for lpid, lct in await asyncio.to_thread(marked_launchers, sid, started_at):
+            if lpid not in held["launcher"]:
+                survivors += await kill_sandbox(lpid, lct, grace_s=self.close_grace_s, not_before=started_at)
         if survivors:
-            log.error("orphan sandbox %s: processes survived SIGKILL: %s", rec["sandbox_id"],
-                      [p.pid for p in survivors])
+            log.error("orphan sandbox %s: processes survived SIGKILL: %s", sid, [p.pid for p in survivors])
             return 0
-        if rec.get("cgroup") and os.path.basename(rec["cgroup"]) == bounds.CGROUP_PREFIX + rec["sandbox_id"]:
-            await asyncio.to_thread(bounds.remove_cgroup, rec["cgroup"], rec.get("cgroup_version") or 2)
-        await asyncio.to_thread(self._cleanup_dirs, run_dir if self._owns(run_dir) else None,
-                                rec.get("workspace") if rec.get("workspace_created") else None)
-        await asyncio.to_thread(self.store.remove, rec["sandbox_id"])
+        cgroup = rec.get("cgroup")
+        if isinstance(cgroup, str) and os.path.basename(cgroup) == bounds.CGROUP_PREFIX + sid \
+                and cgroup not in held["cgroup"]:
+            await asyncio.to_thread(bounds.remove_cgroup, cgroup, rec.get("cgroup_version") or 2)
+        await asyncio.to_thread(self._cleanup_dirs, run_dir or None, self._reapable_workspace(rec, held))
+        await asyncio.to_thread(self.store.remove, sid)
         log.warning("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
-                    rec["sandbox_id"], rec.get("runtime"), rec.get("pid"))
+                    sid, rec.get("runtime"), rec.get("pid"))
         return 1
+
+    def start_reaper(self) -> None:
+        """Reap every ``reap_interval_s`` seconds from now on (:meth:`reap_orphans`), so that what a server of
+        this node left when it died is reaped while this one runs, not only when some server starts again.
+        Idempotent; stopped by :meth:`close_all`. Nothing when ``reap_interval_s`` is ``None``."""
+        if self.reap_interval_s is None or (self._reaper is not None and not self._reaper.done()):
+            return
+        self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            try:
+                await self.reap_orphans()
+            except Exception:  # noqa: BLE001 - one failed round must not end the reaping
+                log.exception("reaping orphan sandboxes failed; retried in %g s", self.reap_interval_s)
 
     async def close_all(self) -> None:
         """Close every sandbox this runtime started and has not closed yet (concurrently), including those
         still starting."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
         while self._starting:
             await asyncio.gather(*list(self._starting), return_exceptions=True)
         handles = list(self._handles.values())
@@ -1022,7 +1121,8 @@ class SandboxRuntime(abc.ABC):
         if created:
             # The name is chosen (unguessably) before the directory exists so that the record can name it;
             # os.mkdir refuses an existing path, as mkdtemp does.
-            root = self.workspace_root or tempfile.gettempdir()
+            # no symbolic link on the recorded path: a reaper removes only such workspaces (_reapable_workspace)
+            root = os.path.realpath(self.workspace_root or tempfile.gettempdir())
             workspace = os.path.join(root, f"prorl-{sandbox_id}-{secrets.token_hex(4)}")
         else:
             workspace = os.path.abspath(spec.workspace)

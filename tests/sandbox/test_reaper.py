@@ -1,0 +1,121 @@
+"""Reaping what dead servers of this node left (red team F8): a server that is already running reaps it too, not
+only the next one to start; and a record is a claim, never a licence: forged records (same uid, in the private
+state directory; a planted link or FIFO) never make the reaper kill a live sandbox, delete a directory that is
+not a dead sandbox's workspace, or hang."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sandbox import Limits, SandboxSpec, make_runtime
+from tests.sandbox.conftest import BWRAP_UNAVAILABLE
+
+pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE))]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A server of this node that starts two sandboxes and then waits (the test SIGKILLs it).
+TWO_SANDBOX_SERVER = r"""
+import asyncio, json, sys
+from sandbox import Limits, SandboxSpec, make_runtime
+
+async def main():
+    rt = make_runtime("bubblewrap", **json.loads(sys.argv[1]))
+    spec = SandboxSpec(network="none", limits=Limits(max_processes=256))
+    hs = [await rt.start(spec) for _ in range(2)]
+    print(json.dumps([h.sandbox_id for h in hs]), flush=True)
+    await asyncio.sleep(1000)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_running_server_reaps_what_a_server_that_died_beside_it_left(runtime_options):
+    rt = make_runtime("bubblewrap", reap_interval_s=0.2, **runtime_options)
+    rt.start_reaper()  # this server runs from before the other one's death to after it
+    mine = await rt.start(SandboxSpec(network="none", limits=Limits(max_processes=256)))
+    other = await asyncio.create_subprocess_exec(sys.executable, "-c", TWO_SANDBOX_SERVER,
+                                                 json.dumps(runtime_options), cwd=REPO,
+                                                 stdout=asyncio.subprocess.PIPE)
+    try:
+        ids = json.loads(await asyncio.wait_for(other.stdout.readline(), 120))
+    finally:
+        other.kill()
+    await other.wait()
+    run_root = os.path.join(runtime_options["state_dir"], "run")
+    try:
+        for _ in range(300):
+            if sorted(os.listdir(run_root)) == [mine.sandbox_id]:
+                break
+            await asyncio.sleep(0.05)
+        left = [n for n in os.listdir(runtime_options["workspace_root"]) if any(i in n for i in ids)]
+        assert sorted(os.listdir(run_root)) == [mine.sandbox_id] and left == []
+        assert [r["sandbox_id"] for r in rt.store.records()] == [mine.sandbox_id]
+        assert (await mine.bash("echo mine")).output.strip() == "mine"  # its own live sandbox untouched
+    finally:
+        await rt.close_all()
+
+
+def _dead_owner() -> dict:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return {"owner_pid": p.pid, "owner_create_time": 1.0}
+
+
+async def test_forged_records_never_make_the_reaper_kill_a_live_sandbox_or_delete_other_files(
+        bwrap_runtime, short_tmp):
+    rt = bwrap_runtime
+    h = await rt.start(SandboxSpec(network="none", limits=Limits(max_processes=256)))
+    victim = os.path.join(short_tmp, "precious")  # a directory of the user's that is no sandbox's workspace
+    os.makedirs(victim)
+    with open(os.path.join(victim, "data"), "w") as f:
+        f.write("keep")
+    # a workspace-shaped directory reached through a symbolic link on its path
+    real = os.path.join(short_tmp, "real")
+    os.makedirs(os.path.join(real, "prorl-sb-forged3-0123abcd"))
+    os.symlink(real, os.path.join(short_tmp, "link"))
+    # a workspace-shaped directory that a record of another node names (that server may be alive there)
+    remote_ws = os.path.join(short_tmp, "prorl-sb-remote-89abcdef")
+    os.makedirs(remote_ws)
+    dead = _dead_owner()
+    forged = {
+        # every handle of this server's live sandbox, under a dead owner
+        "sb-forged1": {"pid": h.pid, "create_time": h.create_time, "pidns": h.pidns, "workspace": h.workspace,
+                       "workspace_created": True, "run_dir": h._ctx.run_dir, "cgroup": h.bounds.cgroup},
+        # a user's directory as workspace and run directory
+        "sb-forged2": {"pid": None, "workspace": victim, "workspace_created": True, "run_dir": victim},
+        "sb-forged3": {"pid": None, "workspace": os.path.join(short_tmp, "link", "prorl-sb-forged3-0123abcd"),
+                       "workspace_created": True},
+        "sb-remote": {"pid": None, "workspace": remote_ws, "workspace_created": True, "node": "another-node",
+                      "boot_id": "x"},
+        # the live sandbox's own record, overwritten as a dead server's
+        h.sandbox_id: {"pid": h.pid, "create_time": h.create_time, "pidns": h.pidns, "workspace": h.workspace,
+                       "workspace_created": True, "run_dir": h._ctx.run_dir},
+    }
+    for sid, rec in forged.items():
+        with open(os.path.join(rt.store.dir, f"{sid}.json"), "w") as f:
+            json.dump({"sandbox_id": sid, "runtime": "bubblewrap", "started_at": 0, **dead, **rec}, f)
+    # a record reached through a link (pointing at a workspace-shaped directory of the user's), and a FIFO
+    linked_ws = os.path.join(short_tmp, "prorl-sb-linked-00112233")
+    os.makedirs(linked_ws)
+    elsewhere = os.path.join(short_tmp, "elsewhere.json")
+    with open(elsewhere, "w") as f:
+        json.dump({"sandbox_id": "sb-linked", "pid": None, "workspace": linked_ws, "workspace_created": True,
+                   **dead}, f)
+    os.symlink(elsewhere, os.path.join(rt.store.dir, "sb-linked.json"))
+    os.mkfifo(os.path.join(rt.store.dir, "sb-fifo.json"))
+
+    await asyncio.wait_for(rt.reap_orphans(), 60)
+
+    assert (await h.bash("echo alive", timeout_s=5)).output.strip() == "alive"
+    assert os.path.isdir(h.workspace) and os.path.isdir(h._ctx.run_dir)
+    assert open(os.path.join(victim, "data")).read() == "keep"
+    assert os.path.isdir(os.path.join(real, "prorl-sb-forged3-0123abcd"))
+    assert os.path.isdir(remote_ws) and os.path.isdir(linked_ws)
+    await h.close()
+    assert not os.path.exists(h.workspace)
