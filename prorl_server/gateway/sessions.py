@@ -416,8 +416,9 @@ class Gateway:
         the session's backend; with a ``seed``, choice ``i`` is sampled with ``seed + i``). The session's
         conversation continues with the choice whose message the agent's next request carries after the
         history (the first choice when it carries none of them, or when the session ends first); every other
-        choice is recorded then as a complete one-turn branch: a trajectory of the same prompt tokens and that
-        choice's generated tokens, ``split_reason`` ``"branch: ..."``.
+        choice is recorded then as a complete branch: a trajectory of the continued trajectory's tokens so far
+        and that choice's generated tokens, ``split_reason`` ``"branch: ..."``, with its turn records
+        (:meth:`Session.turn_records`).
 
         Returns:
             ``(answer, backend_http_s)``: the ``chat.completion`` object and the seconds this turn spent in
