@@ -189,7 +189,8 @@ class RolloutStats:
     ``stale_cancelled``: jobs cancelled on the servers since the previous call because their prompt group could
     no longer be trained within the staleness bound (module docstring, "Staleness bound");
     ``reward_components``: ``{name: mean of weight * value}`` over the rows handed to TRL (issue #35 part 4),
-    logged by TRL as ``prorl/reward/{name}``."""
+    logged by TRL as ``prorl/reward/{name}``; ``speed`` (with ``completion_time_weight`` > 0) is the mean
+    ``speed`` itself, unweighted."""
 
     step: int
     weight_version: int
