@@ -252,7 +252,8 @@ def finalize(result: JobResult, raw: Any, declared: Iterable[str] = ()) -> JobRe
     reward 0.0, ``failure_kind="handler"``, ``filter: true``, ``error`` naming the component.
 
     Turn ``i``'s ``reward`` is ``sum(weight * per_turn[i])`` over the components with ``per_turn``, the last turn
-    also taking ``weight * value`` of those without, and the rounding rest, so the turns sum to ``reward``.
+    also taking ``weight * value`` of those without, and the rounding rest, so the turns sum to ``reward``
+    (``math.fsum``) to one rounding step, within :data:`TOLERANCE`.
     """
     turns = list(getattr(result, "turns", None) or [])
     if result.failure_kind is not None or raw is None:
