@@ -373,20 +373,23 @@ class SandboxHandle:
         return base64.b64decode(res["data_b64"])
 
     # ------------------------------------------------------------------------------------------- lifecycle
-    async def close(self) -> None:
-        """Stop the sandbox: SIGTERM to its process group, ``close_grace_s``, SIGKILL to everything left; then
-        release its address, delete its run directory (and its workspace if the runtime created it) and its
-        ownership record. Idempotent; concurrent calls wait for the same close. Raises :class:`SandboxError`
-        only if processes survive SIGKILL."""
+    async def close(self, grace_s: Optional[float] = None) -> None:
+        """Stop the sandbox: SIGTERM to its process group, ``grace_s`` seconds (``None``: the runtime's
+        ``close_grace_s``; ``0``: SIGKILL at once, for a sandbox with nothing of a job inside, such as a pooled
+        one never handed out), SIGKILL to everything left; then release its address, delete its run directory
+        (and its workspace if the runtime created it) and its ownership record. Idempotent; concurrent calls
+        wait for the same close (the first call's grace applies). Raises :class:`SandboxError` only if
+        processes survive SIGKILL."""
         if self._closing is None:
-            self._closing = asyncio.ensure_future(self._close())
+            self._closing = asyncio.ensure_future(self._close(self._runtime.close_grace_s if grace_s is None
+                                                              else grace_s))
         await asyncio.shield(self._closing)
 
-    async def _close(self) -> None:
+    async def _close(self, grace_s: float) -> None:
         await self._client.close()
         if self._ending is not None:
             await asyncio.gather(self._ending, return_exceptions=True)
-        survivors = await kill_sandbox(self.pid, self.create_time, grace_s=self._runtime.close_grace_s,
+        survivors = await kill_sandbox(self.pid, self.create_time, grace_s=grace_s,
                                        sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir,
                                                                   self.sandbox_id),
                                        pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
@@ -574,7 +577,8 @@ class SandboxRuntime(abc.ABC):
         except asyncio.CancelledError:
             def close_when_started(t: asyncio.Task) -> None:
                 if not t.cancelled() and t.exception() is None:
-                    closing = asyncio.ensure_future(t.result().close())
+                    # nobody got it, so nothing of a job is inside: no grace to wait
+                    closing = asyncio.ensure_future(t.result().close(grace_s=0.0))
                     self._starting.add(closing)
                     closing.add_done_callback(self._starting.discard)
 

@@ -296,3 +296,25 @@ async def test_a_pooled_sandbox_whose_server_was_stopped_is_replaced_not_handed_
         await got.close()
     finally:
         await pool.close()
+
+
+async def test_closing_a_full_pool_is_bounded_and_waits_for_no_grace(runtime_options):
+    # Red team F9: a server's SIGTERM with a full pool took 2.7 s under load, each waiting sandbox granted its
+    # SIGTERM grace (2 s by default) though nothing of a job is inside one. Fault injection: one execution
+    # server stopped (SIGSTOP) stands for one a loaded machine does not schedule within the grace.
+    rt = make_runtime("bubblewrap", **{**runtime_options, "close_grace_s": 2.0})
+    pool = SandboxPool(rt, size=8, refill_concurrency=4)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 120)
+        psutil.Process(rt.handles[0]._client.peer_pid).suspend()
+        workspaces = [h.workspace for h in rt.handles]
+        t0 = asyncio.get_running_loop().time()
+        await pool.close()
+        took = asyncio.get_running_loop().time() - t0
+        print(f"closing a pool of 8 took {took:.3f} s")
+        assert took < 1.0, f"closing a pool of 8 took {took:.2f} s"  # before: >= 1.0 (half the grace, always)
+        assert rt.handles == [] and not any(os.path.exists(w) for w in workspaces)
+    finally:
+        await pool.close()
+        await rt.close_all()
