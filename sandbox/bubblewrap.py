@@ -7,8 +7,10 @@ masked empty) — no home directories, /root, /opt, /var, /srv or project tree. 
 ``/dev`` (read-only, with a sized ``/dev/shm``), a fresh sized ``/tmp`` and ``/run``
 (``SandboxBounds.tmpfs_bytes`` each; the root tmpfs :data:`ROOT_TMPFS_BYTES`), the Python view under
 ``/prorl`` read-only (:mod:`sandbox.python_view`: the standard library, the allowed distributions only, the
-project's ``sandbox`` package; never the server's site-packages), the spec's binds, the run directory at
-``/run/prorl`` and the workspace at ``spec.workdir`` — the only writable host paths. Host-side state
+project's ``sandbox`` package; never the server's site-packages), of ``/sys`` only the CPU topology
+(:data:`SYS_CPU_DIR`; never ``/sys/fs/cgroup``, which shows every co-tenant sandbox's memory use), the spec's
+binds, the run directory at ``/run/prorl`` and the workspace at ``spec.workdir``: the only writable host
+paths. Host-side state
 (ownership records, other sandboxes' run directories) is never under a writable mount (see
 :meth:`sandbox.runtime.SandboxRuntime.start`). With ``writable_tmpfs`` every top-level directory is an overlay
 whose changes stay in memory (needs bubblewrap >= 0.9; Debian 12 ships 0.8, where it is refused with a clear
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Top-level entries never taken from the image: the sandbox gets its own.
 _SKIP = {"proc", "dev", "tmp", "run", "sys", "lost+found", VIEW_ROOT.strip("/")}
+#: The only part of the host's /sys a sandbox without an image sees (read-only): the CPU topology.
+SYS_CPU_DIR = "/sys/devices/system/cpu"
 #: Size of the tmpfs root (it holds only mount points) and of each tmpfs that masks a path, bytes.
 ROOT_TMPFS_BYTES = 1 << 20
 MASK_TMPFS_BYTES = 4096
@@ -241,7 +245,6 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", *size, "--tmpfs", "/dev/shm",
              "--remount-ro", "/dev", "--perms", "1777", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/run"]
     if spec.image is None:
-        args += ["--ro-bind-try", "/sys", "/sys"]
         if "usr" in provided:
             for path in system_site_dirs():  # other Pythons' packages: not part of what the sandbox may import
                 args += ["--size", str(MASK_TMPFS_BYTES), "--tmpfs", path, "--remount-ro", path]
@@ -258,6 +261,10 @@ def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, pr
                 out += ["--perms", "0755", "--dir", d]
         return out
 
+    if spec.image is None and os.path.isdir(SYS_CPU_DIR):
+        # Of /sys only the CPU topology (glibc's get_nprocs, os.cpu_count, BLAS/OpenMP thread counts): the
+        # whole of it showed /sys/fs/cgroup, every co-tenant job's memory use among it (red team F5).
+        args += parents(SYS_CPU_DIR) + ["--ro-bind", SYS_CPU_DIR, SYS_CPU_DIR]
     for host, container in server_binds(ctx):
         args += parents(container) + ["--ro-bind", host, container]
         if container == VIEW_ROOT:

@@ -146,3 +146,23 @@ async def test_user_namespace_mode_isolates_network_and_maps_fakeroot(runtime_op
         assert int((await h2.bash("grep -c : /proc/net/dev")).output) == host_interfaces
     finally:
         await rt.close_all()
+
+
+async def test_a_sandbox_cannot_read_the_nodes_cgroups_but_its_tools_still_work(bwrap_runtime):
+    # Red team F5: the read-only /sys showed /sys/fs/cgroup, every prorl sandbox's memory use among it (an info
+    # leak about co-tenants' jobs). A second sandbox stands for the co-tenant.
+    a = await bwrap_runtime.start(SandboxSpec(network="none"))
+    b = await bwrap_runtime.start(SandboxSpec(network="none"))
+    try:
+        r = await a.bash("ls /sys/fs/cgroup; find /sys -name 'memory.*' 2>/dev/null | head -3; "
+                         "find /sys -name '*prorl*' -o -name '*sb-*' 2>/dev/null | head -3", timeout_s=20)
+        assert "No such file or directory" in r.output and "memory." not in r.output
+        assert "prorl" not in r.output and b.sandbox_id not in r.output
+        # what needs /sys still works: nproc and os.cpu_count (CPU topology), python, bash, git
+        r = await a.bash("nproc; python -c 'import os; print(os.cpu_count())'; "
+                         "git init -q g && git -C g -c user.name=t -c user.email=t@t commit -q --allow-empty -m x "
+                         "&& git -C g log --oneline | wc -l", timeout_s=30)
+        assert r.output.split() == [str(len(os.sched_getaffinity(0))), str(os.cpu_count()), "1"], r.output
+    finally:
+        await a.close()
+        await b.close()
