@@ -154,23 +154,27 @@ def _boot_id() -> Optional[str]:
         return None
 
 
-def node_identity() -> dict[str, Optional[str]]:
-    """``{"node": hostname, "boot_id": the kernel's boot id}``: written into every record beside its owner, so
-    that a reaper tells a server of this node (and this boot) from one of another node sharing the state
-    directory (a home directory on a cluster's shared file system)."""
-    return {"node": socket.gethostname(), "boot_id": _boot_id()}
+def node_identity() -> dict[str, Any]:
+    """``{"node": hostname, "boot_id": the kernel's boot id, "owner_pidns": this process's pid namespace}``:
+    written into every record beside its owner, so that a reaper tells a server of this node, boot and pid
+    namespace from one of another node sharing the state directory (a home directory on a cluster's shared
+    file system) or of another container on this node (whose pids mean nothing here)."""
+    return {"node": socket.gethostname(), "boot_id": _boot_id(), "owner_pidns": pid_namespace()}
 
 
-def owner_gone(rec: dict[str, Any], here: dict[str, Optional[str]]) -> bool:
+def owner_gone(rec: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether the server that wrote ``rec`` is provably dead, seen from the node ``here``
     (:func:`node_identity`): a record of another node is never (its server's pid means nothing here); one of
-    an earlier boot of this node always; else its pid is gone or belongs to a process of another create time
-    (:func:`same_process`). Records without a node (older servers) count as this node's."""
+    an earlier boot of this node always; one of another pid namespace of this boot never; else its pid is gone
+    or belongs to a process of another create time (:func:`same_process`). Records without these fields (older
+    servers) count as this node's and namespace's."""
     node, boot = rec.get("node"), rec.get("boot_id")
     if node is not None and node != here["node"]:
         return False
     if boot is not None and here["boot_id"] is not None and boot != here["boot_id"]:
         return True
+    if rec.get("owner_pidns") is not None and rec.get("owner_pidns") != here["owner_pidns"]:
+        return False
     pid, ct = rec.get("owner_pid"), rec.get("owner_create_time")
     if not isinstance(pid, int) or not isinstance(ct, (int, float)):
         return True  # no owner named at all: nothing can hold it

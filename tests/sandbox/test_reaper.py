@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from sandbox import Limits, SandboxSpec, make_runtime
+from sandbox.ownership import node_identity
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
 
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE))]
@@ -82,6 +83,9 @@ async def test_forged_records_never_make_the_reaper_kill_a_live_sandbox_or_delet
     # a workspace-shaped directory that a record of another node names (that server may be alive there)
     remote_ws = os.path.join(short_tmp, "prorl-sb-remote-89abcdef")
     os.makedirs(remote_ws)
+    # ... and one that a server in another pid namespace of this node names (a container: its pids mean nothing)
+    other_ns_ws = os.path.join(short_tmp, "prorl-sb-otherns-76543210")
+    os.makedirs(other_ns_ws)
     dead = _dead_owner()
     forged = {
         # every handle of this server's live sandbox, under a dead owner
@@ -93,6 +97,8 @@ async def test_forged_records_never_make_the_reaper_kill_a_live_sandbox_or_delet
                        "workspace_created": True},
         "sb-remote": {"pid": None, "workspace": remote_ws, "workspace_created": True, "node": "another-node",
                       "boot_id": "x"},
+        "sb-otherns": {"pid": None, "workspace": other_ns_ws, "workspace_created": True,
+                       **{**node_identity(), "owner_pidns": 1}},
         # the live sandbox's own record, overwritten as a dead server's
         h.sandbox_id: {"pid": h.pid, "create_time": h.create_time, "pidns": h.pidns, "workspace": h.workspace,
                        "workspace_created": True, "run_dir": h._ctx.run_dir},
@@ -116,6 +122,6 @@ async def test_forged_records_never_make_the_reaper_kill_a_live_sandbox_or_delet
     assert os.path.isdir(h.workspace) and os.path.isdir(h._ctx.run_dir)
     assert open(os.path.join(victim, "data")).read() == "keep"
     assert os.path.isdir(os.path.join(real, "prorl-sb-forged3-0123abcd"))
-    assert os.path.isdir(remote_ws) and os.path.isdir(linked_ws)
+    assert os.path.isdir(remote_ws) and os.path.isdir(linked_ws) and os.path.isdir(other_ns_ws)
     await h.close()
     assert not os.path.exists(h.workspace)
