@@ -51,6 +51,29 @@ def _compatible(p: Any, q: Any) -> bool:
     return p == q or (p is None and _sampled(q) and len(q) == 1) or (q is None and _sampled(p) and len(p) == 1)
 
 
+_FIELDS: dict[type, frozenset] = {}  # per model: its field names (empty: construct the slow way)
+
+
+def _construct(cls: Any, values: dict[str, Any]) -> Any:
+    """``cls.model_construct(**values)`` with every field given, for a model without private attributes or
+    extra fields: the instance state pydantic documents (``__dict__``, ``__pydantic_fields_set__``,
+    ``__pydantic_extra__``, ``__pydantic_private__``) set directly. pydantic 2.14's ``model_construct`` spends
+    ~8.6 us per instance on alias and default bookkeeping, this ~1.1 us: a small group's tree has a model per
+    node and leaf, and that was a third of its build (``tests/core/test_group_tree.py`` compares the two)."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = (frozenset() if cls.__private_attributes__ or cls.model_config.get("extra") == "allow"
+                                 else frozenset(cls.model_fields))
+    if values.keys() != fields:
+        return cls.model_construct(**values)
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", values)
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
+
+
 class TreeInvariantError(ValueError):
     """A tree that does not give back one of its rows exactly: names the leaf (job id, trajectory index) and
     the first row position that differs."""
@@ -83,6 +106,7 @@ class Row:
     response_logprobs: list[float]
     routes: Optional[list[Any]]
     gen_before: list[int]
+    sampled_runs: list[tuple[int, int]]
 
     def logprobs(self, a: int, b: int) -> list[float]:
         """The behaviour logprobs of generated row positions ``[a, b)`` (all generated, ``a >= prompt_len``)."""
@@ -95,16 +119,16 @@ class Row:
         """The provenance of this row's context tokens: None, or :data:`ROUTED_CONTEXT`."""
         return None if self.routes is None else ROUTED_CONTEXT
 
-    def sampled(self) -> list[tuple[int, int]]:
-        """Its generated positions as maximal ``[start, end)`` runs (its ``loss_mask`` 1 runs, row positions)."""
-        out: list[tuple[int, int]] = []
-        for a, b, p in self.runs:
-            if _sampled(p):
-                if out and out[-1][1] == a:
-                    out[-1] = (out[-1][0], b)
-                else:
-                    out.append((a, b))
-        return out
+    def generated(self, a: int, b: int) -> int:
+        """How many of row positions ``[a, b)`` it generated (two bisections, not a walk)."""
+        return self._generated_before(b) - self._generated_before(a)
+
+    def _generated_before(self, x: int) -> int:
+        i = bisect.bisect_right(self.run_starts, x) - 1
+        if i < 0:
+            return 0
+        s, e, p = self.runs[i]
+        return self.gen_before[i] + (min(x, e) - s if p.__class__ is tuple else 0)
 
 
 def _merge_runs(runs: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
@@ -138,7 +162,17 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
                     for v, r in zip(sampled_runs_versions(t.version_runs, n_sampled), recorded)]
         runs: list[tuple[int, int, Any]] = [(0, P, ctx)]
         s = 0  # generated tokens before the segment
-        for i, j, sampled in segments:
+        if recorded is None and len(versions) == 1:  # one version: a run per segment, already maximal
+            tag = (versions[0][0],)
+            for i, j, sampled in segments:
+                if not sampled and runs[-1][1] == P + i and runs[-1][2] is ctx:
+                    runs[-1] = (runs[-1][0], P + j, ctx)
+                else:
+                    runs.append((P + i, P + j, tag if sampled else ctx))
+            segments_left = ()
+        else:
+            segments_left = segments
+        for i, j, sampled in segments_left:
             if not sampled:
                 runs.append((P + i, P + j, ctx))
                 continue
@@ -150,13 +184,14 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
                     runs.append((at, at + c, (v,)))
                     at += c
             s += j - i
-        runs = _merge_runs(runs)
+        runs = _merge_runs(runs) if segments_left else [x for x in runs if x[0] < x[1]]
         gen_before, g = [], 0
         for a, b, p in runs:
             gen_before.append(g)
-            g += (b - a) if _sampled(p) else 0
+            g += (b - a) if p.__class__ is tuple else 0
         out.append(Row(job_id, k, float(result.reward), P, list(t.prompt_ids) + list(t.response_ids), runs,
-                       [a for a, _, _ in runs], t.response_logprobs, recorded, gen_before))
+                       [a for a, _, _ in runs], t.response_logprobs, recorded, gen_before,
+                       [(P + i, P + j) for i, j, sampled in segments if sampled]))
     return out
 
 
@@ -181,7 +216,7 @@ def _row_runs(row: Row, r: int, a: int, b: int) -> list[tuple[int, int, Any, int
     i = bisect.bisect_right(row.run_starts, a) - 1
     while i < len(row.runs) and row.runs[i][0] < b:
         s, e, p = row.runs[i]
-        out.append((max(s, a), min(e, b), p, r if _sampled(p) else -1))
+        out.append((max(s, a), min(e, b), p, r if p.__class__ is tuple else -1))
         i += 1
     return out
 
@@ -221,8 +256,8 @@ def _compatible_prefix(row: Row, runs: list[tuple[int, int, Any, int]], pos: int
 def _absorb(runs: list[tuple[int, int, Any, int]], row: Row, r: int) -> list[tuple[int, int, Any, int]]:
     """A node's ``runs`` once row ``r`` (compatible over all of them) passes through: where the node held
     context and the row sampled, the row's sampled run (and its logprobs) joins the node's."""
-    if not any(_sampled(p) for _, _, p, _ in _row_runs(row, r, runs[0][0], runs[-1][1])):
-        return runs
+    if not any(p.__class__ is not tuple and row.generated(s, e) for s, e, p, _ in runs):
+        return runs  # the row sampled nothing where the node holds context (the common case)
     out: list[tuple[int, int, Any, int]] = []
     for s, e, p, src in runs:
         pieces = [(s, e, p, src)] if _sampled(p) else [
@@ -237,14 +272,20 @@ def _absorb(runs: list[tuple[int, int, Any, int]], row: Row, r: int) -> list[tup
 
 def _same_ids(a: list[int], b: list[int], pos: int, n: int) -> int:
     """The length of the longest common prefix of ``a[pos:]`` and ``b[pos:]``, at most ``n``: the whole
-    slices compared first (C speed), then chunks, then one chunk token by token."""
+    slices compared first (C speed), then chunks, then the first differing chunk by bisection."""
     if a[pos:pos + n] == b[pos:pos + n]:
         return n
     lo = 0
     while lo < n:
         hi = min(n, lo + _CHUNK)
         if a[pos + lo:pos + hi] != b[pos + lo:pos + hi]:
-            return next(k for k in range(lo, hi) if a[pos + k] != b[pos + k])
+            while hi - lo > 1:  # the prefix [lo, mid) equal or not: the first difference lies in [lo, hi)
+                mid = (lo + hi) // 2
+                if a[pos + lo:pos + mid] == b[pos + lo:pos + mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
         lo = hi
     return n
 
@@ -254,7 +295,7 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
     whose first token and provenance it may share). Nodes are numbered in depth-first order, children in the
     order rows first reached them, so a subtree is contiguous. Not verified: see :func:`verify_tree`."""
     root = _Node(-1, 0, 0, None, [])
-    order: dict[int, list[_Node]] = {id(root): []}  # children in the order rows first reached them
+    order: dict[_Node, list[_Node]] = {root: []}  # _Node hashes by identity  # children in the order rows first reached them
     ends: list[_Node] = []
     for r, row in enumerate(rows):
         node, pos, n = root, 0, len(row.ids)
@@ -265,8 +306,8 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
             if child is None:
                 child = _Node(r, pos, n, node, _row_runs(row, r, pos, n))
                 node.children.setdefault(row.ids[pos], []).append(child)
-                order[id(node)].append(child)
-                order[id(child)] = []
+                order[node].append(child)
+                order[child] = []
                 node, pos = child, n
                 break
             length = child.end - child.start  # child.start == pos: a node starts at its depth in every row
@@ -279,29 +320,29 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
                 head = _Node(child.row, child.start, child.start + m, node, head_runs)
                 siblings = node.children[row.ids[pos]]
                 siblings[siblings.index(child)] = head
-                kids = order[id(node)]
+                kids = order[node]
                 kids[kids.index(child)] = head
                 child.parent, child.start = head, child.start + m
                 head.children[owner.ids[child.start]] = [child]
-                order[id(head)] = [child]
+                order[head] = [child]
                 child = head
             child.runs = _absorb(child.runs, row, r)
             node, pos = child, pos + m
         ends.append(node)
 
     nodes: list[TreeNode] = []
-    number: dict[int, int] = {}
-    stack = list(reversed(order[id(root)]))
+    number: dict[_Node, int] = {}
+    stack = list(reversed(order[root]))
     while stack:
         x = stack.pop()
-        number[id(x)] = len(nodes)
+        number[x] = len(nodes)
         owner = rows[x.row]
         sampled: list[tuple[int, int]] = []
         versions: list[tuple] = []
         logprobs: list[float] = []
         routes: Optional[list[Any]] = None
         for a, b, p, src in x.runs:
-            if not _sampled(p):
+            if p.__class__ is not tuple:
                 logprobs += [0.0] * (b - a)
                 continue
             by = rows[src]
@@ -321,22 +362,22 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
                 versions.append((p[0], b - a))
         if routes is None and owner.routes is not None:
             routes = []  # a node of routed rows with no generated token: an empty record, as before
-        nodes.append(TreeNode.model_construct(
-            id=len(nodes), parent=number[id(x.parent)] if x.parent is not root else None, depth=x.start,
+        nodes.append(_construct(TreeNode, dict(
+            id=len(nodes), parent=number[x.parent] if x.parent is not root else None, depth=x.start,
             token_ids=owner.ids[x.start:x.end], sampled=sampled, logprobs=logprobs, version_runs=versions,
-            routed_experts=routes))
-        stack.extend(reversed(order[id(x)]))
+            routed_experts=routes)))
+        stack.extend(reversed(order[x]))
 
     leaves = []
     for row, end in zip(rows, ends):
         path = []
         x = end
         while x is not root:
-            path.append(number[id(x)])
+            path.append(number[x])
             x = x.parent
-        leaves.append(TreeLeaf.model_construct(job_id=row.job_id, trajectory_index=row.index, path=path[::-1],
+        leaves.append(_construct(TreeLeaf, dict(job_id=row.job_id, trajectory_index=row.index, path=path[::-1],
                                                prompt_len=row.prompt_len, length=len(row.ids), reward=row.reward,
-                                               sampled=row.sampled()))
+                                               sampled=list(row.sampled_runs))))
     flat = sum(len(r.ids) for r in rows)
     tree_tokens = sum(len(x.token_ids) for x in nodes)
     return GroupTree(group_id=group_id, format_version=TREE_FORMAT, nodes=nodes, leaves=leaves,
@@ -364,7 +405,9 @@ def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
         out.append((d + at, d + s, None))
         if any(lps[at:s]):
             raise ValueError(f"node {node.id} gives a token it did not generate a behaviour logprob")
-        if node.routed_experts is None:
+        if node.routed_experts is None and len(node.version_runs) == 1:
+            out.append((d + s, d + e, (node.version_runs[0][0],)))
+        elif node.routed_experts is None:
             q = s
             for v, c in runs_slice(node.version_runs, k, e - s):
                 out.append((d + q, d + q + c, (v,)))
@@ -402,7 +445,8 @@ def _prov_difference(mine: list[tuple[int, int, Any]], theirs: list[tuple[int, i
 
 def _leaf_runs(path_runs: list[tuple[int, int, Any]], sampled: Sequence[Sequence[int]], context: Any
                ) -> tuple[list[tuple[int, int, Any]], Optional[tuple[int, Any]]]:
-    """A leaf's provenance runs from its path's (``path_runs``: the nodes' runs, context None) and its own
+    """A leaf's provenance runs from its path's (``path_runs``: the nodes' runs in order, context None, maybe
+    unmerged) and its own
     ``sampled`` runs (sorted, disjoint): a position it sampled takes the node's provenance (a marker that
     never equals a row's where the node did not sample it); any other is the row's ``context``. Also the first
     position the leaf holds as context where its node sampled a token it may not share (a routed token, or a
@@ -479,8 +523,8 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
             if k == len(ids):
                 raise fail(k, "the path ends before the row")
             raise fail(k, f"node {_node_at(nodes, leaf.path, k)}'s token differs")
-        runs = _merge_runs(runs)
-        sampled = leaf.sampled if leaf.sampled is not None else [(a, b) for a, b, p in runs if _sampled(p)]
+        sampled = (leaf.sampled if leaf.sampled is not None
+                   else [(a, b) for a, b, p in _merge_runs(runs) if p.__class__ is tuple])
         last = 0
         for s, e in sampled:
             if not last <= s < e <= len(ids):

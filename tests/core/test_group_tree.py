@@ -456,3 +456,33 @@ async def test_ids_with_control_characters_are_refused(client, bad):
     for field in ("group_id", "job_id"):
         r = await c.post("/jobs", json={"instance": {"data_source": "rows", "rows": [grpo_row(0)]}, field: bad})
         assert r.status == 422, (field, await r.text())
+
+
+def test_random_groups_of_branches_rewrites_and_weight_swaps_build_trees_both_checks_accept():
+    """Many seeded groups mixing what the builder must tell apart: rows that branch, rows that re-send an
+    earlier row's reply as context, equal tokens sampled under two versions, a turn split by a swap; every
+    tree passes both checks, and its nodes built with the fast constructor dump as pydantic's own would."""
+    import random
+
+    from prorl_server.types import TreeNode
+
+    for seed in range(40):
+        rnd = random.Random(seed)
+        base = [rnd.randrange(5, 9) for _ in range(6)]  # a small vocabulary: equal tokens are common
+        rows, hist = [], list(PROMPT[:5])
+        for t in range(rnd.randrange(2, 6)):
+            out = [rnd.randrange(5, 9) for _ in range(rnd.randrange(1, 5))] if rnd.random() < .5 else base[:3]
+            v = rnd.choice([1, 2])
+            split = rnd.random() < .2 and len(out) > 1
+            runs = [[1, 1], [2, len(out) - 1]] if split else [[v, len(out)]]
+            prompt = list(hist) if rnd.random() < .7 else hist[:rnd.randrange(1, len(hist) + 1)]
+            rows.append(dict(prompt_ids=prompt, response_ids=out, response_logprobs=[-.5] * len(out),
+                             loss_mask=[1] * len(out), version_runs=runs))
+            hist = prompt + out + [rnd.randrange(5, 9)]
+        results = [(f"j{k}", result(f"j{k}", rows[k:k + 2], reward=k)) for k in range(0, len(rows), 2)]
+        tree = group_tree("g", results)  # builds and verifies
+        check_tree(tree, dict(results))
+        assert [leaf.sampled for leaf in tree.leaves] == [  # each leaf's own loss mask, whatever its nodes share
+            [(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["response_ids"]))] for r in rows]
+        for n in tree.nodes[:3]:
+            assert n.model_dump_json() == TreeNode.model_construct(**n.__dict__).model_dump_json()
