@@ -45,7 +45,8 @@ def test_shutil_rmtree_fails_on_such_a_tree_and_remove_tree_does_not(tmp_path):
 
 async def test_reap_orphans_cleans_a_deep_workspace_and_a_bad_record_does_not_stop_the_start(tmp_path):
     runtime = make_runtime("local", state_dir=str(tmp_path / "state"), workspace_root=str(tmp_path / "ws"))
-    workspace, run_dir = str(tmp_path / "ws" / "sb-deep"), str(tmp_path / "state" / "run" / "sb-deep")
+    # named as the runtime names workspaces: a reaper removes no other directory
+    workspace, run_dir = str(tmp_path / "ws" / "prorl-sb-deep-0123abcd"), str(tmp_path / "state" / "run" / "sb-deep")
     os.makedirs(tmp_path / "ws", exist_ok=True)
     deep_tree(workspace, 1500)
     os.makedirs(run_dir)
