@@ -189,7 +189,7 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
         for a, b, p in runs:
             gen_before.append(g)
             g += (b - a) if p.__class__ is tuple else 0
-        out.append(Row(job_id, k, float(result.reward), P, list(t.prompt_ids) + list(t.response_ids), runs,
+        out.append(Row(job_id, k, float(result.reward), P, [*t.prompt_ids, *t.response_ids], runs,
                        [a for a, _, _ in runs], t.response_logprobs, recorded, gen_before,
                        [(P + i, P + j) for i, j, sampled in segments if sampled]))
     return out
@@ -380,9 +380,10 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
                                                sampled=list(row.sampled_runs))))
     flat = sum(len(r.ids) for r in rows)
     tree_tokens = sum(len(x.token_ids) for x in nodes)
-    return GroupTree(group_id=group_id, format_version=TREE_FORMAT, nodes=nodes, leaves=leaves,
-                     missing=list(missing), complete=not missing, flat_tokens=flat, tree_tokens=tree_tokens,
-                     tree_token_ratio=tree_tokens / flat if flat else 1.0)
+    return _construct(GroupTree, dict(group_id=group_id, format_version=TREE_FORMAT, nodes=nodes, leaves=leaves,
+                                      missing=list(missing), complete=not missing, flat_tokens=flat,
+                                      tree_tokens=tree_tokens, tree_token_ratio=tree_tokens / flat if flat else 1.0,
+                                      max_logprob_spread=0.0))
 
 
 def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
@@ -418,7 +419,9 @@ def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
                     for q, (v, r) in enumerate(zip(versions, node.routed_experts[k:k + e - s]))]
         k += e - s
         at = e
-    if not math.isfinite(math.fsum(lps)):
+    # a plain sum is finite when every term is (and one C pass); only a non-finite sum needs the per-token look
+    # (finite terms can overflow it), and fsum can raise OverflowError on them
+    if not math.isfinite(sum(lps)) and not all(map(math.isfinite, lps)):
         raise ValueError(f"node {node.id} has a behaviour logprob that is not finite")
     return out
 

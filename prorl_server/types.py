@@ -475,19 +475,21 @@ def sampled_runs_versions(version_runs: list, n_sampled: int) -> list[Optional[i
 
 def mask_runs(mask: list[int], n: int) -> list[tuple[int, int, bool]]:
     """The maximal runs ``(start, end, generated)`` of ``mask`` over its first ``n`` positions (a missing
-    entry reads as 0; an entry counts as generated when it is 1), found with ``list.index`` (C speed), not a
-    token at a time."""
+    entry reads as 0; an entry counts as generated when it is 1), found on the mask as bytes with
+    ``bytes.find`` (memchr), not a token at a time."""
     m = mask if len(mask) == n else list(mask[:n]) + [0] * (n - min(n, len(mask)))
-    if m.count(0) + m.count(1) != n:  # another value (2, True is 1): count it as not generated
-        m = [1 if x == 1 else 0 for x in m]
+    try:
+        b = bytes(m)  # one C pass; a value outside 0..255 (or not an int) raises
+    except (ValueError, TypeError):
+        b = b""
+    if len(b) != n or b.count(0) + b.count(1) != n:  # another value (2, True is 1): count it as not generated
+        b = bytes(1 if x == 1 else 0 for x in m)
     out: list[tuple[int, int, bool]] = []
     i = 0
     while i < n:
-        bit = m[i]
-        try:
-            j = m.index(1 - bit, i)
-        except ValueError:
-            j = n
+        bit = b[i]
+        j = b.find(1 - bit, i)
+        j = n if j < 0 else j
         out.append((i, j, bit == 1))
         i = j
     return out
