@@ -143,15 +143,18 @@ def check_tree(tree: GroupTree, results: Mapping[str, JobResult]) -> None:
 def leaf_loss_mask(tree: GroupTree, k: int) -> list[int]:
     """The loss mask of leaf ``k`` over its whole row (list[int] of length ``leaf.length``: 1 where the row
     generated the token): its own ``sampled`` runs (format 2), or its nodes' (format 1). The row trains on
-    these tokens only; a shared node's other sampled tokens are context here."""
+    these tokens only; a shared node's other sampled tokens are context here. Meant for a tree
+    :func:`check_tree` accepted; runs outside the row are clipped to it."""
     leaf = tree.leaves[k]
     mask = [0] * leaf.length
     if leaf.sampled is not None and tree.format_version >= 2:
         runs = [(s, e) for s, e in leaf.sampled]
     else:
         runs = [(tree.nodes[n].depth + s, tree.nodes[n].depth + e) for n in leaf.path for s, e in tree.nodes[n].sampled]
-    for s, e in runs:
-        mask[s:e] = [1] * (e - s)
+    for s, e in runs:  # clamped: a tree not yet checked must not make it allocate past the row
+        s, e = max(0, s), min(e, leaf.length)
+        if s < e:
+            mask[s:e] = [1] * (e - s)
     return mask
 
 
