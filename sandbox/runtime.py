@@ -46,6 +46,7 @@ from .protocol import MAX_TRANSFER_BYTES
 from .python_view import PythonView, default_view_dir, python_view
 from .sessions import MARKER_VAR, live_session_ids
 from .spec import BashResult, EditorResult, IPythonResult, Limits, SandboxSpec, result_from_dict
+from .system_time import accounting, charge_system
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,10 @@ class SandboxHandle:
         self._verdict: Optional[asyncio.Future] = None
         #: The readiness pipe, whose read end is held until close (its closing ends the execution server).
         self._ready: Optional["_ReadyPipe"] = None
+        #: Tool processes ("bash", "ipython") started, or asked to start, by this handle (see _start_lazily).
+        self._started: set[str] = set()
+        #: A bash or ipython call was made on the model's behalf (inside a sandbox.system_time accumulator).
+        self._model_ran = False
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -320,6 +325,31 @@ class SandboxHandle:
         :meth:`bash` call finds it ready (otherwise that call starts it: ~15 ms here). Returns once asked (one
         round trip), not once the shell is ready. Raises what a call raises (:class:`SandboxDeadError`, ...)."""
         await self._call("ping", {"warm": True}, 5.0)
+        self._started.add("bash")
+
+    async def _start_lazily(self, tool: str) -> None:
+        """Before a call made on the model's behalf (inside :func:`sandbox.system_time.system_seconds`), start
+        ``tool``'s process ("bash": the shell, "ipython": the kernel) with a no-op request (``:``, an empty cell)
+        timed on the host, and charge its seconds to the system (:func:`~sandbox.system_time.charge_system`):
+        the lazy start is sandbox start, not the model's work (issue #35, R6). Only the first start on this handle
+        and only while no process of the model's has run in the sandbox: after one has, the start could be shaped
+        or slowed by it (a file in IPython's startup directory, a CPU hog in the background), so it stays in the
+        call's time as before. Raises what the call raises (a kernel that does not start: :class:`ToolError`)."""
+        if tool in self._started or not accounting():
+            return
+        self._started.add(tool)
+        if self._model_ran:
+            return
+        t0 = time.monotonic()
+        try:
+            if tool == "bash":
+                await self._call("bash", {"command": ":", "timeout_s": 30.0, "max_output_bytes": 1024}, 30.0)
+            else:
+                from .ipython_tool import KERNEL_START_TIMEOUT_S
+
+                await self._call("ipython", {"code": "", "timeout_s": 30.0}, 30.0 + KERNEL_START_TIMEOUT_S)
+        finally:
+            charge_system(time.monotonic() - t0)
 
     # ----------------------------------------------------------------------------------------------- tools
     async def bash(self, command: str, timeout_s: float = 30.0, max_output_bytes: int = 1 << 20) -> BashResult:
@@ -330,19 +360,24 @@ class SandboxHandle:
         :class:`SandboxClosedError`, :class:`ToolTimeout` (the server itself stopped answering)."""
         if timeout_s <= 0 or max_output_bytes <= 0:
             raise ValueError("timeout_s and max_output_bytes must be positive")
+        await self._start_lazily("bash")
+        self._model_ran = self._model_ran or accounting()
         res = await self._call("bash", {"command": command, "timeout_s": timeout_s,
                                         "max_output_bytes": max_output_bytes}, timeout_s)
         return result_from_dict(BashResult, res)
 
     async def ipython(self, code: str, timeout_s: float = 60.0) -> IPythonResult:
         """Run one cell in the persistent IPython kernel (started on first use; its start is not charged to
-        ``timeout_s``). On timeout the kernel is interrupted and ``timed_out=True``. Raises
+        ``timeout_s``, nor, inside :func:`sandbox.system_time.system_seconds`, to the model: see
+        :meth:`_start_lazily`). On timeout the kernel is interrupted and ``timed_out=True``. Raises
         :class:`KernelDiedError` if the kernel dies during the cell (the next call starts a fresh one), and
         the errors of :meth:`bash`."""
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         from .ipython_tool import KERNEL_START_TIMEOUT_S
 
+        await self._start_lazily("ipython")
+        self._model_ran = self._model_ran or accounting()
         res = await self._call("ipython", {"code": code, "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
         return result_from_dict(IPythonResult, res)
 

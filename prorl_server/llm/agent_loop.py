@@ -31,6 +31,12 @@ call's observation only; a failure (below) cancels the batch's other calls and f
 have one call at a time. The turn record's ``t_tool_s`` is the calls' summed time and ``t_tool_critical_s`` the
 wall time of the turn's batches one after another.
 
+**Sandbox start-up is the system's** (issue #35, R6): a sandbox starts its shell or IPython kernel at the first call
+that needs it; :class:`sandbox.runtime.SandboxHandle` times that start on the host and reports it through
+:mod:`sandbox.system_time`, and the loop moves those seconds from the call's time to the turn's ``t_wait_s``
+(metric ``tool_system_s``), so the first ``ipython`` call of a math job costs the model its cell, not the kernel's
+1-2 s start that moves with the host's load.
+
 What the model caused and what it did not (infrastructure faults are never training data):
 
 - **Observations** (the model sees them and is trained on them; counted in the metrics): a malformed call,
@@ -62,6 +68,7 @@ from prorl_server.llm.tool_parser import ParsedTurn, ToolCall, ToolCallError, To
 from prorl_server.llm.turn import AUTO, ContextFullError, TurnEngine
 from prorl_server.types import TokenStats, Trajectory, TurnRecord
 from sandbox.errors import SandboxError, ToolError, ToolTimeout
+from sandbox.system_time import system_seconds
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
@@ -169,7 +176,8 @@ class AgentResult:
     ``metrics``: counters (``tool_calls``, ``tool_errors``, ``malformed_tool_calls``, ``unknown_tool_calls``,
     ``tool_timeouts``, ``llm_failovers``, ``llm_pause_retries``, ``parallel_tool_batches``, ``splits``, ...) and
     seconds (``llm_http_s``, ``tool_s``: wall time in tool calls, ``tool_parallel_saved_s``: the calls' summed time
-    minus that wall time, 0 unless calls ran in parallel, ``overhead_s`` = everything else the loop spent).
+    minus that wall time, 0 unless calls ran in parallel, ``tool_system_s``: of ``tool_s``, sandbox start-up charged to
+    the system (in ``t_wait_s``), ``overhead_s`` = everything else the loop spent).
     ``token_stats``: the conversation's drift report (:class:`~prorl_server.types.TokenStats`). ``turns``: one
     :class:`~prorl_server.types.TurnRecord` per generated turn (spans, counts, times; ``t_tool_s`` sums the
     turn's calls, ``t_tool_critical_s`` is their wall time: equal when the calls ran one after another, less when
@@ -275,7 +283,7 @@ class AgentLoop:
         m: dict[str, float] = {k: 0 for k in ("tool_calls", "tool_errors", "malformed_tool_calls",
                                                 "unknown_tool_calls", "tool_timeouts", "llm_calls",
                                                 "llm_failovers", "llm_pause_retries", "parallel_tool_batches")}
-        m.update(llm_http_s=0.0, tool_s=0.0, tool_parallel_saved_s=0.0)
+        m.update(llm_http_s=0.0, tool_s=0.0, tool_parallel_saved_s=0.0, tool_system_s=0.0)
 
         engine = self.engine
         conv = await engine.start(self.tokenizer, messages,
@@ -321,12 +329,15 @@ class AgentLoop:
                         finish_reason = "max_turns"
                         break
                     t_tools = time.monotonic()
-                    new, overlap = await self._run_tools(parsed, m, hint, deadline)
+                    new, overlap, system = await self._run_tools(parsed, m, hint, deadline)
                     dt = time.monotonic() - t_tools
                     m["tool_s"] += dt
                     m["tool_parallel_saved_s"] += overlap
-                    # the wall time is the critical path; calls run side by side add their overlap to the sum
-                    conv.record_tools(dt + overlap, dt)
+                    m["tool_system_s"] += system
+                    # the wall time less the sandbox's start-up is the model's critical path (the start-up goes
+                    # to t_wait_s, R6); calls run side by side add their overlap to the sum
+                    crit = max(0.0, dt - system)
+                    conv.record_tools(crit + overlap, crit)
                     if finish_call is not None:
                         answer = finish_call.arguments
                         finish_reason = "stop"
@@ -359,15 +370,18 @@ class AgentLoop:
                            turns=list(conv.turns))
 
     async def _run_tools(self, parsed: ParsedTurn, m: dict[str, float], hint: str = _CALL_FORMAT["hermes"],
-                         deadline: Optional[float] = None) -> tuple[list[dict], float]:
+                         deadline: Optional[float] = None) -> tuple[list[dict], float, float]:
         """Run the turn's calls (up to and including the finish tool): one after another, or consecutive calls
         to :func:`parallel_safe` tools side by side with ``AgentConfig.parallel_tool_calls``. One observation
         each, in the calls' text order whatever order they finish in. ``hint``: the call format the parser reads,
         told to the model after a malformed call.
 
         Returns:
-            ``(observations, overlap_s)``: ``overlap_s`` is the calls' summed seconds minus the wall seconds of
-            the batches that ran side by side (host ``time.monotonic``; 0.0 when every call ran alone).
+            ``(observations, overlap_s, system_s)``: ``system_s`` is the seconds of the calls' wall time that were
+            the system's (a sandbox starting its shell or kernel, :mod:`sandbox.system_time`; of a batch, only what
+            lay on its critical path); ``overlap_s`` is the calls' summed model seconds (each call's time less its
+            system seconds) minus the model wall seconds of the batches that ran side by side (host
+            ``time.monotonic``; 0.0 when every call ran alone).
         """
         items: list[ToolCall | ToolCallError] = []
         for item in parsed.items:
@@ -376,17 +390,20 @@ class AgentLoop:
                 break
         obs: list[str] = [""] * len(items)
         overlap = 0.0
+        system = 0.0
         batch: list[int] = []
 
         async def flush() -> None:
-            nonlocal overlap
+            nonlocal overlap, system
             if len(batch) == 1:
-                obs[batch[0]] = await self._call(items[batch[0]], m, deadline)  # type: ignore[arg-type]
+                obs[batch[0]], _, s = await self._timed_call(items[batch[0]], m, deadline)  # type: ignore[arg-type]
+                system += s
             elif batch:
-                outs, saved = await self._run_batch([items[k] for k in batch], m, deadline)  # type: ignore[misc]
+                outs, saved, s = await self._run_batch([items[k] for k in batch], m, deadline)  # type: ignore[misc]
                 for k, o in zip(batch, outs):
                     obs[k] = o
                 overlap += saved
+                system += s
             batch.clear()
 
         for k, item in enumerate(items):
@@ -413,7 +430,7 @@ class AgentLoop:
                                       f"passed {self.config.max_turn_observation_chars} characters]")
                 budget = max(0, budget - len(o))
             out.append({"role": "tool", "tool_call_id": item.id, "name": item.name, "content": o})
-        return out, overlap
+        return out, overlap, system
 
     def _parallel_safe(self, call: ToolCall) -> bool:
         """Whether ``call`` may run beside other calls of its turn: parallel calls are on and its tool is marked
@@ -424,18 +441,17 @@ class AgentLoop:
         return spec is None or bool(getattr(spec[1], "parallel_safe", False))
 
     async def _run_batch(self, calls: list[ToolCall], m: dict[str, float],
-                         deadline: Optional[float]) -> tuple[list[str], float]:
-        """Run ``calls`` concurrently: ``(observations in the calls' order, overlap_s)``. A failure (an exception
-        :meth:`_call` lets through) cancels the others and is raised, the first in call order; so does this
-        coroutine's own cancellation. No call is left running when it returns or raises."""
-        async def timed(call: ToolCall) -> tuple[str, float]:
-            t0 = time.monotonic()
-            o = await self._call(call, m, deadline)
-            return o, time.monotonic() - t0
-
+                         deadline: Optional[float]) -> tuple[list[str], float, float]:
+        """Run ``calls`` concurrently: ``(observations in the calls' order, overlap_s, system_s)``: ``system_s``
+        is the batch's wall seconds beyond its longest call's model seconds (its time less its system seconds),
+        at most the largest system seconds of a call; ``overlap_s`` the calls' summed model seconds minus the
+        batch's model wall time (wall less ``system_s``). A failure (an exception :meth:`_call` lets through)
+        cancels the others and is raised, the first in call order; so does this coroutine's own cancellation.
+        No call is left running when it returns or raises."""
         m["parallel_tool_batches"] += 1
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(timed(c)) for c in calls]
+        # each task runs in its own copy of the context: its own system-seconds accumulator
+        tasks = [asyncio.ensure_future(self._timed_call(c, m, deadline)) for c in calls]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
@@ -447,7 +463,20 @@ class AgentLoop:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
         done = [t.result() for t in tasks]
-        return [o for o, _ in done], max(0.0, math.fsum(d for _, d in done) - wall)
+        model = [max(0.0, d - s) for _, d, s in done]
+        system = min(max(s for _, _, s in done), max(0.0, wall - max(model)))
+        return [o for o, _, _ in done], max(0.0, math.fsum(model) - (wall - system)), system
+
+    async def _timed_call(self, call: ToolCall, m: dict[str, float],
+                          deadline: Optional[float] = None) -> tuple[str, float, float]:
+        """:meth:`_call` timed on the host: ``(observation, seconds, system seconds)``; the system seconds are
+        what the call's sandbox charged for starting its shell or kernel (:mod:`sandbox.system_time`), at most
+        the call's seconds."""
+        t0 = time.monotonic()
+        with system_seconds() as acc:
+            o = await self._call(call, m, deadline)
+        d = time.monotonic() - t0
+        return o, d, min(acc[0], d)
 
     async def _call(self, call: ToolCall, m: dict[str, float], deadline: Optional[float] = None) -> str:
         spec = self.tools.get(call.name)
