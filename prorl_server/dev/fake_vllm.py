@@ -14,6 +14,12 @@ What it implements, as vLLM 0.31 does:
   :class:`trainer_plugins.vllm_progress.ProgressExtension`) and ``fake_load`` (args ``[version]``: new
   weights; stands for ``prorl_load_weights``).
 
+Scripted turns: with ``script`` (``prompt token ids -> token ids``), a request generates the script's tokens
+for its prompt, one per engine step, and ends ``"stop"`` after the last (a model whose turns are fixed, e.g. a
+scripted agent's tool calls, at a fixed per-token step time). :meth:`FakeVLLM.crash` stands for a backend dying
+mid-turn: the connections of the running requests are dropped and every later request's connection is closed at
+once, as a killed process's would be.
+
 What a test can check, and a real engine cannot show: the token id generated at each step is
 ``1000 + version`` of the weights that generated it, and the answer carries ``fake.kv_versions``: for each
 generated token, the oldest weight version among the KV entries it attended to (the prompt's KV included; a
@@ -24,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from aiohttp import web
 
@@ -42,17 +48,33 @@ class _Req:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finish: str = "length"
     recompute: bool = False
+    script: Optional[list[int]] = None  # the tokens this request generates (with FakeVLLM.script)
+    transport: Optional[asyncio.BaseTransport] = None
+    arrived: float = 0.0  # time.monotonic() when the request reached the server
+    scheduled: Optional[float] = None  # ... and when the engine step that gave it its first token began
+    first_token_at: float = 0.0  # when the steps that gave it its first and its last token ended
+    last_token_at: float = 0.0
 
 
 class FakeVLLM:
     """One fake backend. ``step_s``: seconds per engine step (every running request gets one token);
     ``version``: the weights' version; ``progress``: whether ``prorl_progress`` is offered (a vLLM started
     without the worker extension answers an error); ``fail``: endpoint paths (``/pause``, ``/resume``,
-    ``/reset_prefix_cache``) that answer 500, to inject faults."""
+    ``/reset_prefix_cache``) that answer 500, to inject faults; ``script``: ``prompt ids -> generated ids`` (see
+    the module docstring; None: ``TOKEN_BASE + version`` until ``max_tokens``); ``per_request_metrics``: answers
+    carry ``metrics`` as vLLM 0.31 started with ``--enable-per-request-metrics`` does: ``queue_time_ms`` (from
+    the request's arrival, a paused engine's wait included, to the start of the step that gave it its first
+    token), ``time_to_first_token_ms`` (to that step's end) and ``generation_time_ms`` (from there to the end of
+    the step that gave it its last token), on the engine's step clock;
+    ``catch_up``: steps keep to the clock, ``step_s`` apart, whatever the host's load (an accelerator's step time
+    does not depend on the host's CPU): a step the event loop woke late for is made with the ones it missed."""
 
     def __init__(self, *, step_s: float = 0.01, version: int = 0, progress: bool = True,
-                 model: str = "fake") -> None:
+                 model: str = "fake", script: Optional[Callable[[list[int]], list[int]]] = None,
+                 per_request_metrics: bool = False, catch_up: bool = False) -> None:
         self.step_s, self.version, self.progress, self.model = step_s, version, progress, model
+        self.script, self.per_request_metrics, self.catch_up = script, per_request_metrics, catch_up
+        self.dead = False
         self.paused: Optional[str] = None
         self.running: dict[str, _Req] = {}
         self.prefix_cache: dict[tuple[int, ...], list[int]] = {}
@@ -87,24 +109,55 @@ class FakeVLLM:
 
     # ------------------------------------------------------------------ engine
     async def _loop(self) -> None:
+        due: Optional[float] = None  # with catch_up: when the step under way ends (time.monotonic)
         while True:
-            await self._unpaused.wait()
+            if not self._unpaused.is_set():
+                await self._unpaused.wait()
+                due = None
             if not self.running:
                 self._work.clear()
                 await self._work.wait()
+                due = None
                 continue
-            await asyncio.sleep(self.step_s)
+            now = time.monotonic()
+            if due is None:
+                due = now + self.step_s
+            await asyncio.sleep(max(0.0, due - now))
             if self.paused:
+                due = None
                 continue
-            for r in list(self.running.values()):
-                if r.recompute:  # preempted by a reset: its KV is computed again with today's weights
-                    r.kv = [self.version] * len(r.kv)
-                    r.recompute = False
-                r.tokens.append(TOKEN_BASE + self.version)
-                r.kv_min.append(min(r.kv) if r.kv else self.version)
-                r.kv.append(self.version)
-                if len(r.tokens) >= r.max_tokens:
-                    self._end(r, "length")
+            starts = [due - self.step_s]  # when each step this wake-up makes began
+            if self.catch_up:  # a late wake-up makes the steps it missed
+                late = time.monotonic()
+                while late - due >= self.step_s and len(starts) < 10_000:
+                    due += self.step_s
+                    starts.append(due - self.step_s)
+                due += self.step_s
+            else:
+                due = None
+            for start in starts:
+                self._step(start)
+
+    def _step(self, start: float) -> None:
+        """One engine step that began at ``start`` (time.monotonic): one token for every running request (with
+        ``catch_up``, those that had arrived by then)."""
+        for r in list(self.running.values()):
+            if self.catch_up and r.arrived > start:
+                continue
+            if r.recompute:  # preempted by a reset: its KV is computed again with today's weights
+                r.kv = [self.version] * len(r.kv)
+                r.recompute = False
+            if r.scheduled is None:
+                r.scheduled = max(r.arrived, start)
+                r.first_token_at = start + self.step_s
+            r.last_token_at = start + self.step_s
+            r.tokens.append(TOKEN_BASE + self.version if r.script is None else r.script[len(r.tokens)])
+            r.kv_min.append(min(r.kv) if r.kv else self.version)
+            r.kv.append(self.version)
+            if r.script is not None and len(r.tokens) >= len(r.script):
+                self._end(r, "stop")
+            elif len(r.tokens) >= r.max_tokens:
+                self._end(r, "length")
 
     def _end(self, r: _Req, finish: str) -> None:
         r.finish = finish
@@ -115,7 +168,21 @@ class FakeVLLM:
         r.done.set()
 
     # ------------------------------------------------------------------ HTTP
+    def crash(self) -> None:
+        """Die mid-turn: drop the running requests' connections (the client sees the server disconnect) and
+        close every later request's connection unanswered."""
+        self.dead = True
+        for r in list(self.running.values()):
+            if r.transport is not None:
+                r.transport.close()
+            self._end(r, "abort")
+
     async def _completions(self, request: web.Request) -> web.Response:
+        if self.dead:
+            if request.transport is not None:
+                request.transport.close()
+            raise web.HTTPServiceUnavailable()  # not seen: the connection is gone
+        arrived = time.monotonic()
         body = await request.json()
         await self._unpaused.wait()  # a paused engine queues new requests
         prompt = [int(t) for t in body["prompt"]]
@@ -124,7 +191,9 @@ class FakeVLLM:
         self.counts["requests"] += 1
         cached = self.prefix_cache.get(tuple(prompt[:16]))
         kv = (list(cached) + [self.version] * (len(prompt) - len(cached))) if cached else [self.version] * len(prompt)
-        r = _Req(rid, prompt, int(body.get("max_tokens") or 16), kv)
+        r = _Req(rid, prompt, int(body.get("max_tokens") or 16), kv, transport=request.transport, arrived=arrived)
+        if self.script is not None:
+            r.script = list(self.script(prompt)) or None
         self.running[rid] = r
         self._work.set()
         try:
@@ -132,8 +201,15 @@ class FakeVLLM:
         except asyncio.CancelledError:  # the client went away: vLLM aborts the request
             self.running.pop(rid, None)
             raise
+        metrics = None
+        if self.per_request_metrics:
+            scheduled = r.scheduled if r.scheduled is not None else time.monotonic()
+            metrics = {"queue_time_ms": 1000.0 * (scheduled - r.arrived)}
+            if r.tokens:
+                metrics.update(time_to_first_token_ms=1000.0 * (r.first_token_at - scheduled),
+                               generation_time_ms=1000.0 * (r.last_token_at - r.first_token_at))
         return web.json_response({
-            "id": rid, "object": "text_completion", "model": self.model,
+            "id": rid, "object": "text_completion", "model": self.model, "metrics": metrics,
             "choices": [{"index": 0, "text": "", "token_ids": r.tokens, "finish_reason": r.finish,
                          "stop_reason": None,
                          "logprobs": {"tokens": [f"token_id:{t}" for t in r.tokens],

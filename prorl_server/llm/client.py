@@ -39,6 +39,7 @@ import hashlib
 import json
 import itertools
 import logging
+import math
 import re
 import secrets
 import time
@@ -152,6 +153,38 @@ class _PauseHold:
             self.source.release_deadline(key)
 
 
+def engine_times(answer: Any) -> tuple[float, Optional[float]]:
+    """What a completions answer says of its request's time in the engine, in seconds: ``(queue_s,
+    inference_s)``. From vLLM's per-request ``metrics`` (vLLM >= 0.31 started with
+    ``--enable-per-request-metrics``; ``vllm/entrypoints/generate/base/serving.py``
+    ``build_per_request_timing_metrics``, from the engine's ``RequestStateStats``): ``queue_s`` =
+    ``queue_time_ms`` (queued until first scheduled: a full batch, or a scheduler paused by ``/pause``, which
+    queues what it is sent until ``/resume``), 0.0 when absent; ``inference_s`` = ``time_to_first_token_ms +
+    generation_time_ms`` (first scheduled until the last token, on the engine's clock, so a starved host
+    process does not stretch it), None when either is absent. A value that is not a finite number >= 0 counts
+    as absent (the backend is infrastructure, not the policy, but its answer is still bounded here)."""
+    metrics = answer.get("metrics") if isinstance(answer, dict) else None
+
+    def ms(key: str) -> Optional[float]:
+        v = metrics.get(key) if isinstance(metrics, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return None
+        return v / 1000.0
+
+    ttft, gen = ms("time_to_first_token_ms"), ms("generation_time_ms")
+    return ms("queue_time_ms") or 0.0, (None if ttft is None or gen is None else ttft + gen)
+
+
+def _covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``spans`` (``(start, end)`` seconds) clipped to ``[lo, hi]``."""
+    total, reach = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+        if b > a and b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 class SwapMark:
     """One weight swap as seen by the calls in flight when it paused their backend: the version before
     (``before``) and after (``after``, set at resume; None until then or when the swap expired), and when the
@@ -253,8 +286,10 @@ class Completion:
     answer's top-level ``routed_experts`` and ``routed_experts_start`` (a verl relay's ``TokenOutput.routed_experts``;
     vLLM's ``enable_return_routed_experts``); None when the answer has none.
     ``llm_s``: seconds of the kept attempt's HTTP exchange (the model's generation: what
-    :attr:`prorl_server.types.TurnRecord.t_llm_s` reports); ``wait_s``: the rest of the call, the system's
-    (waiting for a backend or a weight swap, paused and failed attempts, back-off), host monotonic clock.
+    :attr:`prorl_server.types.TurnRecord.t_llm_s` reports) less the time inside it that was the system's: a
+    keep-mode weight swap that froze it, and the engine's queue before its first step as the answer reports it;
+    when the answer reports the engine's inference time, at most that (:func:`engine_times`); ``wait_s``: the rest of the call, the system's (waiting for a backend or a weight
+    swap, engine queue, paused and failed attempts, back-off), host monotonic clock.
     """
 
     token_ids: list[int]
@@ -649,10 +684,17 @@ class LLMClient:
             completion = (await asyncio.to_thread(self._completion, *args)
                           if data.get("routed_experts") is not None else self._completion(*args))
             t_end = time.monotonic()
-            # a swap that froze this request in the engine (pause mode keep) held it: the system's time
-            frozen = sum(max(0.0, min(m.resumed_at or t_end, t_end) - max(m.paused_at, t_sent))
-                         for _, m in (call.splits if call is not None else ()))
-            completion.llm_s = max(0.0, t_end - t_sent - frozen)
+            # the system's time inside the exchange: a swap that froze this request in the engine (pause mode
+            # keep), and the time the engine says it queued the request before its first step (a full batch, a
+            # scheduler paused by its trainer: vLLM queues what it is sent while paused), counted once
+            frozen = [(max(m.paused_at, t_sent), min(m.resumed_at or t_end, t_end))
+                      for _, m in (call.splits if call is not None else ())]
+            queue_s, inference_s = engine_times(data)
+            completion.llm_s = max(0.0, t_end - t_sent - _covered([*frozen, (t_sent, t_sent + queue_s)], t_sent,
+                                                                  t_end))
+            if inference_s is not None:  # the engine's own clock, less a freeze after it first scheduled it
+                completion.llm_s = min(completion.llm_s, max(0.0, inference_s - _covered(
+                    frozen, min(t_end, t_sent + queue_s), t_end)))
             if self.journal is not None:
                 owner = getattr(source, "journal_owner", None)
                 if owner is not None:
