@@ -97,17 +97,30 @@ class ShoutHandler(AgentHandler):
                                                      {"role": "user", "content": inst.prompt}],
                                          max_context_tokens=max_len)
         finish = "max_turns"
-        while conv.num_turns < inst.turns:
-            if conv.room < 1:
-                finish = "length"
-                break
-            comp = await job.llm.client.complete(conv.token_ids, backend=job, max_tokens=min(per_turn, conv.room),
-                                                 sampling_params=sp)
-            conv.add_completion(comp)
-            if conv.num_turns < inst.turns and not await conv.add_messages(
-                    [{"role": "user", "content": inst.feedback}]):
-                finish = "length"
-                break
+        try:
+            while conv.num_turns < inst.turns:
+                if conv.room < 1:
+                    finish = "length"
+                    break
+                comp = await job.llm.client.complete(conv.token_ids, backend=job,
+                                                     max_tokens=min(per_turn, conv.room), sampling_params=sp)
+                conv.add_completion(comp)
+                if conv.num_turns < inst.turns and not await conv.add_messages(
+                        [{"role": "user", "content": inst.feedback}]):
+                    finish = "length"
+                    break
+        except BaseException:
+            # Whoever caused it (the job's deadline cancelling a turn, a backend fault), keep the turns the model
+            # completed: a failure scored against it (model_timeout) is trained on them, as the agent loop's are
+            # (red team R10: a timeout in turn 2 returned no trajectory, message or turn).
+            if conv.num_turns:
+                self._keep(job, conv, "error")
+            raise
+        self._keep(job, conv, finish)
+
+    @staticmethod
+    def _keep(job, conv: Conversation, finish: str) -> None:
+        """Write the conversation (its completed turns) and why it ended into ``job``."""
         conv.finish(finish)
         job.messages = conv.messages
         job.trajectories = conv.trajectories()

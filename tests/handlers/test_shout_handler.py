@@ -102,3 +102,36 @@ async def test_a_random_tiny_model_plays_two_turns_on_vllm(shout_server, vllm_se
         assert result["filter"] is False and 0.0 <= result["reward"] <= 1.0
         rewards.append(result["reward"])
     assert any(0.0 < r < 1.0 for r in rewards)  # the random model mixes capitals and lower case
+
+
+async def test_a_timeout_in_the_second_turn_keeps_the_first_turn_it_scores(aiohttp_client, tiny_model_dir):
+    """Red team R10: ``timeout_s`` 2 after a 1.5 s first turn ended ``model_timeout``, scored (``filter: false``),
+    with no trajectory, message or turn: a scored failure must keep what the model did. The backend is
+    :class:`prorl_server.dev.fake_vllm.FakeVLLM` (it stands for vLLM's completions API; 0.1 s a token, so a
+    15-token turn takes 1.5 s)."""
+    from prorl_server.dev.fake_vllm import start_fake_vllm
+    from prorl_server.types import JobResult
+
+    fake, runner, addr = await start_fake_vllm(step_s=0.1, model=str(tiny_model_dir))
+    try:
+        registry = HandlerRegistry()
+        registry.register(ShoutHandler)
+        app = create_app(ServerSettings(tokenizer=str(tiny_model_dir), health_interval_s=3600, backends=[addr],
+                                        sandbox_runtime="none"), registry=registry)
+        client = await aiohttp_client(app)
+        inst = {"data_source": "shout", "prompt": "Say hi."}
+        # a first job loads the tokenizer (seconds on a loaded machine), which the timed job must not wait for
+        r = await client.post("/process", json={"instance": inst, "sampling_params": {"max_tokens": 1}})
+        assert (await r.json())["failure_kind"] is None
+        r = await client.post("/process", json={"instance": inst, "sampling_params": {"max_tokens": 15},
+                                                "timeout_s": 2.0})
+        res = JobResult(**await r.json())
+    finally:
+        await runner.cleanup()
+    assert (res.critical_error, res.failure_kind, res.filter) == ("timeout", "model_timeout", False)
+    assert res.reward == 0.0
+    (traj,) = res.trajectories
+    assert sum(traj.loss_mask) == 15 and traj.num_turns == 1  # the first turn's 15 sampled tokens, kept
+    assert [m["role"] for m in res.messages][-2:] == ["assistant", "user"]  # its turn and the feedback after it
+    (turn,) = res.turns
+    assert turn.response_end - turn.response_start == 15 and turn.t_llm_s >= 1.4
