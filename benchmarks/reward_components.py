@@ -5,8 +5,9 @@
 A job of ``--turns`` turns goes through what the server adds for components: the shipped process terms
 (``tool_call_errors`` from the turn records, ``language_mixing`` from the assistant messages' text),
 ``compose_reward``'s weighted sum, and ``finalize``'s check and per-turn split. Three texts: English (ASCII, the
-common case), a two-script turn (Cyrillic, Latin and Han, ~850 characters) and the bound (16,384 distinct Han
-characters, the worst one turn can cost). Rounds are interleaved so a change of load moves a measurement and
+common case), a two-script turn (Cyrillic, Latin and Han, ~850 characters), and, read whole (red team R3: no cut
+at 16,384 characters any more), turns of 262,144 characters: ASCII, the mixed text repeated, and 32,768 distinct
+Han characters (the many-distinct path, the worst case per character). Rounds are interleaved so a change of load moves a measurement and
 its floor together.
 
 The language-mixing share is also timed before and after its C-speed counting (#35 cost target): the baseline
@@ -32,7 +33,7 @@ import unicodedata
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prorl_server import rewards  # noqa: E402
-from prorl_server.rewards import (MAX_MIXING_CHARS, STANDARD_TERMS, finalize, language_mixing,  # noqa: E402
+from prorl_server.rewards import (STANDARD_TERMS, finalize, language_mixing,  # noqa: E402
                                   mixing_share, tool_call_error_share)
 from prorl_server.types import JobResult, RewardComponent, TurnRecord  # noqa: E402
 
@@ -46,8 +47,8 @@ _BASELINE_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO
 
 def baseline_mixing_share(text: str) -> float:
     """The baseline: ``prorl_server.rewards.mixing_share`` before its C-speed counting (commit 5d1ccf7): a set of
-    the characters (one Python object per non-ASCII character), then ``str.count`` of each distinct one."""
-    text = text[:MAX_MIXING_CHARS]
+    the characters (one Python object per non-ASCII character), then ``str.count`` of each distinct one; reading
+    the whole text, as the share now does (it then cut the text to 16,384 characters)."""
     if text.isascii():
         return 0.0
     distinct = set(text)
@@ -141,13 +142,18 @@ def main() -> None:
     out["mixing_share_us"], out["mixing_share_baseline_us"] = round(new_us, 2), round(old_us, 2)
     print(f"mixing share of the {len(mixed)}-character mixed turn alone: {new_us:.2f} us (baseline {old_us:.2f} us, "
           f"fastest of 2000)")
-    # 16,384 distinct code points of the CJK block (one generator: each draw is a new character)
-    worst = "".join(chr(c) for c in random.Random(0).sample(range(0x4E00, 0xA000), 16384))
-    assert baseline_mixing_share(worst) == mixing_share(worst)
-    out["bound_turn_ms"] = round(once_ms(mixing_share, worst, 5), 2)
-    out["bound_turn_baseline_ms"] = round(once_ms(baseline_mixing_share, worst, 5), 2)
-    print(f" bound: one turn of 16384 distinct Han characters {out['bound_turn_ms']:.2f} ms (baseline "
-          f"{out['bound_turn_baseline_ms']:.2f} ms; language mixing, fastest of 5)")
+    # turns of 256k characters, read whole: ASCII, the mixed text, and 32,768 distinct Han characters (the CJK
+    # block and extension B; one generator: each draw is a new character) repeated
+    n = 1 << 18
+    han = [chr(c) for c in random.Random(0).sample([*range(0x4E00, 0xA000), *range(0x20000, 0x2A6E0)], 1 << 15)]
+    long_turns = {"ascii": (TEXTS["ascii"] * (n // len(TEXTS["ascii"]) + 1))[:n],
+                  "mixed": (mixed * (n // len(mixed) + 1))[:n], "distinct": "".join(han * (n // len(han)))}
+    for name, text in long_turns.items():
+        assert len(text) == n and baseline_mixing_share(text) == mixing_share(text)
+        out[f"turn_256k_{name}_ms"] = round(once_ms(mixing_share, text, 5), 4)
+        out[f"turn_256k_{name}_baseline_ms"] = round(once_ms(baseline_mixing_share, text, 5), 4)
+        print(f"256k: one {name} turn of {n} characters {out[f'turn_256k_{name}_ms']:.4f} ms (baseline "
+              f"{out[f'turn_256k_{name}_baseline_ms']:.4f} ms; language mixing, fastest of 5)")
     out["target_us_per_turn"] = 50.0
     print(json.dumps(out))
 

@@ -36,10 +36,6 @@ OUTCOME = "outcome"
 SPEED = "speed"
 #: Largest ``|reward - sum(weight * value)|`` the server accepts, relative to ``max(1, sum |weight * value|)``.
 TOLERANCE = 1e-12
-#: Characters of one assistant turn the language-mixing share reads (its start): bounded work per turn (an
-#: ASCII turn costs one ``str.isascii`` call; other text C-speed counts, then one Unicode-name lookup per
-#: distinct letter; ``benchmarks/reward_components.py`` measures it).
-MAX_MIXING_CHARS = 16384
 
 #: Process term: the share of the job's turns whose tool calls did not parse, negated (value in [-1, 0]).
 TOOL_CALL_ERRORS = "tool_call_errors"
@@ -120,15 +116,11 @@ def tool_call_error_share(turns: list[Any]) -> tuple[float, Optional[list[float]
     return math.fsum(per), per
 
 
-#: Tokens of one turn :func:`generated_texts` decodes (its start): with at most ~4 characters a token, the
-#: :data:`MAX_MIXING_CHARS` that :func:`mixing_share` reads.
-MAX_MIXING_TOKENS = 4096
-
-
 def generated_texts(trajectories: list[Any], tokenizer: Any) -> list[str]:
     """The text of each generated span (one a turn: the runs of ``loss_mask`` 1, in order) of ``trajectories``,
-    decoded from the recorded token ids with ``tokenizer`` (its first :data:`MAX_MIXING_TOKENS` tokens each)."""
-    return [tokenizer.decode(ids[:MAX_MIXING_TOKENS], skip_special_tokens=True)
+    decoded from the recorded token ids with ``tokenizer``, whole: a turn is bounded by the tokens the server
+    generated for it, and a cut would let padding hide what follows (red team R3)."""
+    return [tokenizer.decode(ids, skip_special_tokens=True)
             for t in trajectories for _, ids in t.spans()]
 
 
@@ -156,11 +148,16 @@ _cached_script_group = functools.lru_cache(maxsize=4096)(_script_group)
 
 
 def mixing_share(text: str) -> float:
-    """The share of the letters of ``text`` (its first :data:`MAX_MIXING_CHARS` characters) that are not in its
-    most frequent script, in [0, 1); 0.0 for text with no letter or in one script. A letter's script is the
-    first word of its Unicode name (``LATIN``, ``CYRILLIC``, ``GREEK``, ``ARABIC``, ``HANGUL``, ...; Han, kana
-    and Bopomofo count as one CJK script), from the standard library's ``unicodedata``."""
-    text = text[:MAX_MIXING_CHARS]
+    """The share of the letters of ``text`` that are not in its most frequent script, in [0, 1); 0.0 for text with
+    no letter or in one script. A letter's script is the first word of its Unicode name (``LATIN``, ``CYRILLIC``,
+    ``GREEK``, ``ARABIC``, ``HANGUL``, ...; Han, kana and Bopomofo count as one CJK script), from the standard
+    library's ``unicodedata``.
+
+    The whole text is read (red team R3: reading only its first 16,384 characters let 16,400 ASCII letters of
+    padding hide any mixing); ``text`` is one generated turn, bounded by the tokens the server generated. The
+    cost is linear at C speed: an ASCII turn is one ``str.isascii`` call, other text C-speed counts and one
+    Unicode-name lookup per distinct letter (``benchmarks/reward_components.py`` measures a 256k-character turn).
+    """
     if text.isascii():  # the common case, at C speed: every letter is Latin
         return 0.0
     # Iterating a non-ASCII str makes one object per character (~35 ns each: 30 us of an 850-character turn), so
@@ -170,17 +167,24 @@ def mixing_share(text: str) -> float:
     latin = len(ascii_part) - len(ascii_part.translate(None, _ASCII_LETTERS))
     counts: dict[str, int] = {"LATIN": latin} if latin else {}
     rest = text.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass")
+    counted = ""  # a character counted but left in ``rest`` (see below)
     for _ in range(_COUNT_DISTINCT):
         if not rest:
             break
         ch = rest[0]
+        k = rest.count(ch)
         if ch.isalpha():
             group = _cached_script_group(ch)
-            counts[group] = counts.get(group, 0) + rest.count(ch)
+            counts[group] = counts.get(group, 0) + k
+        if k * _COUNT_DISTINCT < len(rest):
+            # A rare character: many distinct ones are likely left, and each further pass would copy all of
+            # ``rest`` to drop little of it (a 256k-character turn of 32k distinct letters: 35 of its ~110 ms).
+            counted = ch
+            break
         rest = rest.replace(ch, "")
-    if rest:  # many distinct characters (the bound is MAX_MIXING_CHARS): one Counter pass over the rest
+    if rest:  # many distinct characters: one Counter pass (C) over the rest
         for ch, k in collections.Counter(rest).items():
-            if ch.isalpha():
+            if ch.isalpha() and ch != counted:
                 group = _script_group(ch)
                 counts[group] = counts.get(group, 0) + k
     total = sum(counts.values())

@@ -1,10 +1,13 @@
 """The faster language-mixing share (issue #35, cost target) gives exactly the values of the function it replaced,
-so ``prorl-journal regrade`` of a result recorded before reproduces its components byte for byte.
+so ``prorl-journal regrade`` of a result recorded before reproduces its components byte for byte; and both read the
+whole turn (red team R3: reading only its first 16,384 characters let 16,400 ASCII letters of padding hide any
+mixing).
 
 Fast tier: pure functions. The oracle is the implementation before the change (commit 5d1ccf7), kept here
 verbatim; the strings are random mixes of ASCII, Latin-1, Cyrillic, Greek, Arabic, Hebrew, Devanagari, Han, kana,
 Hangul, fullwidth and halfwidth forms, combining marks, astral letters and emoji, lone surrogates, unassigned and
-private-use code points, with few and many distinct characters, shorter and longer than the bound.
+private-use code points, with few and many distinct characters, short and long (past the 16,384 characters the
+share once read).
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import collections
 import random
 import unicodedata
 
-from prorl_server.rewards import MAX_MIXING_CHARS, mixing_share
+from prorl_server.rewards import generated_texts, mixing_share
+from prorl_server.types import Trajectory
 
 _OLD_COUNT_DISTINCT = 256
 _OLD_SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
@@ -20,8 +24,8 @@ _OLD_SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMO
 
 
 def old_mixing_share(text: str) -> float:
-    """prorl_server.rewards.mixing_share as of commit 5d1ccf7 (the oracle)."""
-    text = text[:MAX_MIXING_CHARS]
+    """prorl_server.rewards.mixing_share as of commit 5d1ccf7 (the oracle), reading the whole text as the share now
+    does (it then cut the text to its first 16,384 characters)."""
     if text.isascii():
         return 0.0
     distinct = set(text)
@@ -65,3 +69,16 @@ def test_the_faster_mixing_share_equals_the_old_one_on_random_mixed_strings():
     differ = [t[:40] for t in texts if repr(mixing_share(t)) != repr(old_mixing_share(t))]
     assert not differ, differ[:5]
     assert sum(old_mixing_share(t) > 0 for t in texts) > 800  # most draws do mix scripts
+
+
+def test_padding_a_turn_with_ascii_letters_does_not_hide_its_mixing():
+    assert mixing_share("a" * 16400 + "Привет мир") == 1.0 - 16400 / 16409  # 9 Cyrillic letters after the padding
+    assert mixing_share("Привет мир " + "a" * 16400) == 1.0 - 16400 / 16409
+
+
+def test_generated_texts_decode_the_whole_turn(tokenizer):
+    ids = tokenizer.encode("Привет мир " * 900, add_special_tokens=False)
+    assert len(ids) > 4096  # past the 4,096 tokens a turn's decoding was cut to
+    traj = Trajectory(prompt_ids=[1], response_ids=ids, response_logprobs=[0.0] * len(ids), loss_mask=[1] * len(ids),
+                      num_turns=1)
+    assert generated_texts([traj], tokenizer) == [tokenizer.decode(ids, skip_special_tokens=True)]
