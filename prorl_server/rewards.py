@@ -10,8 +10,9 @@ dense penalties of MiniMax's Forge (tool-invocation errors, language mixing).
 
 Every process term here is computed on the host from what the server recorded (the turn records and the
 generated text of the assistant messages), never from anything the policy wrote into a sandbox, and every one
-is a penalty (value in [-1, 0]): a constant, empty or silent answer can earn no process credit that a right
-answer does not also get. ``prorl-journal regrade`` recomputes them from the same record
+here is a penalty (value in [-1, 0]): a constant, empty or silent answer can earn no process credit that a right
+answer does not also get. (A handler's own terms may be credits: ``shout``'s ``turn_scores`` is in [0, 1], 0 for
+an empty turn.) ``prorl-journal regrade`` recomputes them from the same record
 (:func:`prorl_server.pipeline.handler_result` applies :func:`finalize` in both places).
 """
 from __future__ import annotations
