@@ -217,16 +217,20 @@ node_main() {
         if [ "${#groups[@]}" = 0 ] && [ "${PRORL_VLLM_CPU:-0}" = 1 ]; then groups=("cpu"); fi
         [ "${#groups[@]}" = 0 ] && nlog "PRORL_VLLM_MODEL is set but this node has no GPU: no vLLM here"
         local vcmd=${PRORL_VLLM_CMD:-${PRORL_PYTHON:-python3} -m vllm.entrypoints.openai.api_server}
+        # per-request metrics: each answer says how long the engine queued it, which the rollout server charges to
+        # the system, not the model (docs/http-api.md, t_llm_s); vLLM refuses it beside --disable-log-stats
+        local metrics=(--enable-per-request-metrics)
+        case " ${PRORL_VLLM_ARGS:-} " in *" --disable-log-stats "*) metrics=() ;; esac
         for group in "${groups[@]}"; do
             vport=$("${PRORL_PYTHON:-python3}" -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
             local tp=(); [ "$group" != cpu ] && [ "$per" -gt 1 ] && tp=(--tensor-parallel-size "$per")
             # shellcheck disable=SC2086
             if [ "$group" = cpu ]; then
-                $vcmd --model "$PRORL_VLLM_MODEL" --host "$adv" --port "$vport" "${tp[@]}" ${PRORL_VLLM_ARGS:-} \
+                $vcmd --model "$PRORL_VLLM_MODEL" --host "$adv" --port "$vport" "${tp[@]}" "${metrics[@]}" ${PRORL_VLLM_ARGS:-} \
                     >"$PRORL_L_RUN_DIR/$node.vllm-$vport.log" 2>&1 &
             else
                 CUDA_VISIBLE_DEVICES=$group $vcmd --model "$PRORL_VLLM_MODEL" --host "$adv" --port "$vport" \
-                    "${tp[@]}" ${PRORL_VLLM_ARGS:-} >"$PRORL_L_RUN_DIR/$node.vllm-$vport.log" 2>&1 &
+                    "${tp[@]}" "${metrics[@]}" ${PRORL_VLLM_ARGS:-} >"$PRORL_L_RUN_DIR/$node.vllm-$vport.log" 2>&1 &
             fi
             children+=("$!")
             vllm_urls+=("http://$adv:$vport")

@@ -85,7 +85,10 @@ def plan_vllm(model: os.PathLike | str, *, host: str = "127.0.0.1", port: Option
     """
     port = port or free_port(host)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host,
-            "--port", str(port), "--enforce-eager", "--dtype", "float32"]
+            "--port", str(port), "--enforce-eager", "--dtype", "float32",
+            # each answer says how long the engine queued it (a full batch, a paused scheduler): the LLM client
+            # charges that to the system, not to the model's t_llm_s (prorl_server.llm.client.engine_times)
+            "--enable-per-request-metrics"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     if max_num_batched_tokens:

@@ -280,3 +280,25 @@ async def test_backend_killed_mid_rollout_fails_over_without_duplicating_tokens(
                                                            max_context_tokens=2048))
         with pytest.raises(LLMUnavailableError):
             await loop.run(START, backend=lambda ex: dead.acquire("dead-job", exclude=ex))
+
+
+async def test_vllm_reports_each_requests_engine_times_and_the_client_reads_them(vllm_server, tokenizer):
+    # The launcher starts vLLM with --enable-per-request-metrics, so an answer carries the engine's queue time and
+    # inference time, which the client uses to keep the engine's queue out of t_llm_s. Without the flag (or on a
+    # vLLM that does not send them) engine_times falls back to (0.0, None) and this test fails.
+    import time
+
+    from prorl_server.llm.client import engine_times
+
+    ids = tokenizer("Count: one two three", add_special_tokens=False)["input_ids"]
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        async with session.post(f"{vllm_server.address}/v1/completions",
+                                json={"prompt": ids, "max_tokens": 8,
+                                      "ignore_eos": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+        wall = time.monotonic() - t0
+    queue_s, inference_s = engine_times(answer)
+    assert inference_s is not None, f"no per-request metrics in the answer: {sorted(answer)}"
+    assert 0.0 <= queue_s < wall and 0.0 < inference_s <= wall + 0.05
