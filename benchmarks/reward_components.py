@@ -7,8 +7,8 @@ A job of ``--turns`` turns goes through what the server adds for components: the
 ``compose_reward``'s weighted sum, and ``finalize``'s check and per-turn split. Three texts: English (ASCII, the
 common case), a two-script turn (Cyrillic, Latin and Han, ~850 characters), and, read whole (red team R3: no cut
 at 16,384 characters any more), turns of 262,144 characters: ASCII, the mixed text repeated, and 32,768 distinct
-Han characters (the many-distinct path, the worst case per character). Rounds are interleaved so a change of load moves a measurement and
-its floor together.
+Han characters (the many-distinct path, the worst case per character). Rounds are interleaved so a change of
+load moves a measurement and its floor together.
 
 The language-mixing share is also timed before and after its C-speed counting (#35 cost target): the baseline
 is the function it replaced (:func:`baseline_mixing_share`, kept here), run in the same rounds, alone and inside

@@ -327,14 +327,16 @@ class SandboxHandle:
         await self._call("ping", {"warm": True}, 5.0)
         self._started.add("bash")
 
-    async def _start_lazily(self, tool: str) -> None:
+    async def _start_lazily(self, tool: str, timeout_s: float) -> None:
         """Before a call made on the model's behalf (inside :func:`sandbox.system_time.system_seconds`), start
         ``tool``'s process ("bash": the shell, "ipython": the kernel) with a no-op request (``:``, an empty cell)
         timed on the host, and charge its seconds to the system (:func:`~sandbox.system_time.charge_system`):
         the lazy start is sandbox start, not the model's work (issue #35, R6). Only the first start on this handle
         and only while no process of the model's has run in the sandbox: after one has, the start could be shaped
         or slowed by it (a file in IPython's startup directory, a CPU hog in the background), so it stays in the
-        call's time as before. Raises what the call raises (a kernel that does not start: :class:`ToolError`)."""
+        call's time as before. ``timeout_s``: the call's own limit (seconds), which a shell's start gets too, as
+        it would inside the call. Raises what the call raises (a shell not ready within ``timeout_s``:
+        :class:`SandboxError`; a kernel that does not start: :class:`ToolError`)."""
         if tool in self._started or not accounting():
             return
         self._started.add(tool)
@@ -343,11 +345,12 @@ class SandboxHandle:
         t0 = time.monotonic()
         try:
             if tool == "bash":
-                await self._call("bash", {"command": ":", "timeout_s": 30.0, "max_output_bytes": 1024}, 30.0)
+                await self._call("bash", {"command": ":", "timeout_s": timeout_s, "max_output_bytes": 1024},
+                                 timeout_s)
             else:
                 from .ipython_tool import KERNEL_START_TIMEOUT_S
 
-                await self._call("ipython", {"code": "", "timeout_s": 30.0}, 30.0 + KERNEL_START_TIMEOUT_S)
+                await self._call("ipython", {"code": "", "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
         finally:
             charge_system(time.monotonic() - t0)
 
@@ -360,7 +363,7 @@ class SandboxHandle:
         :class:`SandboxClosedError`, :class:`ToolTimeout` (the server itself stopped answering)."""
         if timeout_s <= 0 or max_output_bytes <= 0:
             raise ValueError("timeout_s and max_output_bytes must be positive")
-        await self._start_lazily("bash")
+        await self._start_lazily("bash", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("bash", {"command": command, "timeout_s": timeout_s,
                                         "max_output_bytes": max_output_bytes}, timeout_s)
@@ -376,7 +379,7 @@ class SandboxHandle:
             raise ValueError("timeout_s must be positive")
         from .ipython_tool import KERNEL_START_TIMEOUT_S
 
-        await self._start_lazily("ipython")
+        await self._start_lazily("ipython", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("ipython", {"code": code, "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
         return result_from_dict(IPythonResult, res)

@@ -21,7 +21,8 @@ fewer lower-case letters in it, which is the task.
 
 Reward components (:mod:`prorl_server.rewards`): ``outcome`` is that share, placed on the last turn;
 ``turn_scores`` (a credit in [0, 1], not a penalty: the mean capital share of the turns that answered the
-feedback, each on its own turn; an empty turn scores 0) and ``language_mixing`` are process terms of weight 0 unless the request's ``reward_weights`` names them.
+feedback, each on its own turn; an empty turn scores 0) and ``language_mixing`` are process terms of weight 0
+unless the request's ``reward_weights`` names them.
 """
 from __future__ import annotations
 

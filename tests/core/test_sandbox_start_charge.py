@@ -28,7 +28,8 @@ async def test_first_ipython_call_charges_the_kernel_start_to_wait_not_tool(aioh
 
     def script(prompt: str, turn: int) -> str:
         if turn < 2:
-            return f'Step {turn}.\n<tool_call>\n{{"name": "ipython", "arguments": {{"code": "print(6 * 7)"}}}}\n</tool_call>'
+            call = '{"name": "ipython", "arguments": {"code": "print(6 * 7)"}}'
+            return f"Step {turn}.\n<tool_call>\n{call}\n</tool_call>"
         return '<tool_call>\n{"name": "finish", "arguments": {"answer": "42"}}\n</tool_call>'
 
     registry = HandlerRegistry()
