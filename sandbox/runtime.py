@@ -244,7 +244,7 @@ class SandboxHandle:
         self._ready: Optional["_ReadyPipe"] = None
         #: Tool processes ("bash", "ipython") started, or asked to start, by this handle (see _start_lazily).
         self._started: set[str] = set()
-        #: A bash or ipython call was made on the model's behalf (inside a sandbox.system_time accumulator).
+        #: A bash, ipython or editor call was made on the model's behalf (inside a sandbox.system_time accumulator).
         self._model_ran = False
 
     def __repr__(self) -> str:
@@ -332,9 +332,9 @@ class SandboxHandle:
         ``tool``'s process ("bash": the shell, "ipython": the kernel) with a no-op request (``:``, an empty cell)
         timed on the host, and charge its seconds to the system (:func:`~sandbox.system_time.charge_system`):
         the lazy start is sandbox start, not the model's work (issue #35, R6). Only the first start on this handle
-        and only while no process of the model's has run in the sandbox: after one has, the start could be shaped
-        or slowed by it (a file in IPython's startup directory, a CPU hog in the background), so it stays in the
-        call's time as before. ``timeout_s``: the call's own limit (seconds), which a shell's start gets too, as
+        and only while no call of the model's has run in the sandbox: after one has, the start could be shaped or
+        slowed by what it did (a file in IPython's startup directory or a ``usercustomize.py`` in the workspace,
+        which is HOME; a CPU hog in the background), so it stays in the call's time as before. ``timeout_s``: the call's own limit (seconds), which a shell's start gets too, as
         it would inside the call. Raises what the call raises (a shell not ready within ``timeout_s``:
         :class:`SandboxError`; a kernel that does not start: :class:`ToolError`)."""
         if tool in self._started or not accounting():
@@ -389,6 +389,9 @@ class SandboxHandle:
         absolute inside the sandbox or relative to the workspace; keywords ``view_range``, ``file_text``,
         ``old_str``, ``new_str``, ``insert_line``. Raises :class:`PathOutsideWorkspaceError` for a path that
         leaves the workspace (``..`` or symlinks), :class:`EditorError` for any other refusal."""
+        # a file the model writes can shape a later shell or kernel start (the workspace is HOME: a
+        # usercustomize.py under ~/.local), so that start is no longer charged to the system (_start_lazily)
+        self._model_ran = self._model_ran or accounting()
         res = await self._call("editor", {"command": command, "path": path, **kw}, 30.0)
         return result_from_dict(EditorResult, res)
 
