@@ -25,6 +25,7 @@ from aiohttp import web
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.plugin.registry import HandlerRegistry, UnknownHandlerError, default_registry
 from prorl_server.balancer import BackendPool, NoBackendError
+from prorl_server.completion_time import GroupConflictError
 from prorl_server.config import ServerSettings, journal_path
 from prorl_server.journal.store import Journal
 from prorl_server.membership import FleetControl
@@ -107,6 +108,8 @@ def _submit(request: web.Request, req: ProcessRequest):
         raise ApiError(503, "journal_unavailable", str(e)) from None
     except DuplicateJobError as e:
         raise ApiError(409, "duplicate_job", str(e), "job_id") from None
+    except GroupConflictError as e:  # #35: a member its completion-time group cannot take
+        raise ApiError(409, "group_conflict", str(e), "group_size") from None
     except HandlerUnavailableError as e:  # a configuration fault: a 4xx a client stops on, never a 503 to retry
         raise ApiError(400, "handler_unavailable", str(e), "instance.data_source") from None
 
@@ -130,7 +133,7 @@ async def get_job(request: web.Request) -> web.Response:
 async def cancel(request: web.Request) -> web.Response:
     req = await parse_body(request, CancelRequest)
     try:
-        cancelled, state = await request.app[PIPELINE].cancel(req.job_id)
+        cancelled, state = await request.app[PIPELINE].cancel(req.job_id, by_client=True)
     except KeyError:
         raise ApiError(404, "unknown_job", f"no job with id {req.job_id!r}", "job_id") from None
     return json_response(CancelResponse(job_id=req.job_id, cancelled=cancelled, state=state))

@@ -31,7 +31,7 @@ from prorl_server.metrics import Metrics
 from prorl_server.plugin.handler import InstanceValidationError
 from prorl_server.rewards import SPEED, finalize
 from prorl_server.turn_records import charge_run_time
-from prorl_server.completion_time import CompletionGroups
+from prorl_server.completion_time import CompletionGroups, GroupConflictError  # noqa: F401 (raised by submit)
 from prorl_server.types import STAGES, JobResult, JobState, ProcessRequest, Stage, StageStatus
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,8 @@ class Pipeline:
             NoBackendError: the handler needs an LLM and no backend was ever registered (while backends are
                 being swapped, or are down, the job is accepted and waits up to ``backend_wait_s``).
             DuplicateJobError: ``job_id`` is already in flight.
+            GroupConflictError: a ``completion_time`` member its open group cannot take (another ``group_size``,
+                or one beyond the size with no filtered member to replace; :meth:`CompletionGroups.admit`).
             HandlerUnavailableError: the handler needs a sandbox runtime and this server has none.
             JournalUnavailableError: the journal's writes fail now (a finished result already recorded under
                 ``job_id`` is still answered).
@@ -238,6 +240,8 @@ class Pipeline:
         job.reward_weights = dict(req.reward_weights or {})
         #: (group id, group size) of a job whose result waits for its group's relative completion time
         job.completion_group = (req.group_id, req.group_size) if req.completion_time else None
+        if job.completion_group is not None:  # the last check: a job refused here took no slot of its group
+            self.completion_groups.admit(job.job_id, req.group_id, req.group_size)
         self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
         if req.group_id is not None:
@@ -394,8 +398,11 @@ class Pipeline:
         return body
 
     # ------------------------------------------------------------------ cancellation
-    async def cancel(self, job_id: str, reason: str = "cancelled by request") -> tuple[bool, JobState]:
-        """Cancel a job wherever it is. Idempotent: a finished job is left as it is.
+    async def cancel(self, job_id: str, reason: str = "cancelled by request",
+                     by_client: bool = False) -> tuple[bool, JobState]:
+        """Cancel a job wherever it is. Idempotent: a finished job is left as it is. A ``completion_time``
+        member whose result is held for its group is released at once as cancelled (filtered); ``by_client``
+        (``POST /cancel``): its group does not wait for a replacement of it (:class:`CompletionGroups`).
 
         Returns ``(cancelled_now, state)``. Raises KeyError for an unknown id.
         """
@@ -406,9 +413,14 @@ class Pipeline:
             raise KeyError(job_id)
         if job.finished:
             return False, job.status
+        if getattr(job, "completion_group", None) is not None:
+            # held for its group (#35 R15): answered now, never after the group's wait
+            if job.finishing and await self.completion_groups.cancel(job, reason, by_client):
+                return True, job.status
+            job.group_cancel = (reason, by_client)
         if job.finishing:  # already ending (e.g. closing sandboxes): wait for it
             await asyncio.shield(job.done)
-            return False, job.status
+            return getattr(job, "group_released", False), job.status
         job.cancel_requested = True
         job.error = reason
         if job.task is not None and not job.task.done():
@@ -592,7 +604,7 @@ class Pipeline:
         if group is not None:  # answered, with its speed, when its group ends (#35 part 3)
             # its admission slot goes now: the members still to run may need it to end the group
             self._release_admission(job)
-            await self.completion_groups.hold(job, group[0], group[1], result)
+            await self.completion_groups.hold(job, group[0], result)
             return
         await self._deliver(job, result)
 

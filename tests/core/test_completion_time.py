@@ -256,3 +256,122 @@ async def test_speed_in_reward_weights_without_completion_time_is_refused(server
     assert r.status == 422, await r.text()
     message = (await r.json())["error"]["message"]
     assert "speed" in message and "completion_time" in message
+
+
+class FlakyTurnHandler(OneTurnHandler):
+    """:class:`OneTurnHandler` whose init fails (a fault of the harness, before the model acted: filtered, the
+    system's doing) when the instance says ``fail``; stands for a sandbox that could not start."""
+
+    name = "flaky_turn"
+
+    async def init(self, job) -> None:
+        if job.instance.get("fail"):
+            raise RuntimeError("injected: the sandbox could not start")
+
+
+def member(group: str, job_id: str, tokens: int, size: int = 2, fail: bool = False) -> dict:
+    return {"job_id": job_id, "group_id": group, "group_size": size, "completion_time": True,
+            "instance": {"data_source": "flaky_turn", "fail": fail}, "sampling_params": {"max_tokens": tokens}}
+
+
+async def state(client, job_id: str) -> dict:
+    return await (await client.get(f"/jobs/{job_id}")).json()
+
+
+@pytest.fixture
+async def flaky(server):
+    from prorl_server.app import REGISTRY
+
+    client, fake = server
+    client.app[REGISTRY].register(FlakyTurnHandler)
+    return client, fake
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_a_member_of_a_group_that_ended_is_answered_at_once_with_speed_0(flaky):
+    """R17: a group id reused after its group ended (a trainer's retry of a filtered member) is not a new group
+    that waits ``completion_time_wait_s`` for members that never come."""
+    client, _ = flaky
+    firsts = await asyncio.gather(*(client.post("/process", json=member("ended", f"e-{i}", n))
+                                    for i, n in enumerate((20, 60))))
+    assert [(await a.json())["speed"] for a in firsts] == pytest.approx([0.5, -0.5], abs=0.12)
+    late = await asyncio.wait_for(client.post("/process", json=member("ended", "e-late", 20)), 10)
+    result = await late.json()
+    assert result["speed"] == 0.0 and result["resolved"] is True
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_a_member_with_another_group_size_or_beyond_the_size_is_refused(flaky):
+    """R9: sizes disagree -> 409 naming both; a third member of a size-2 group with no filtered member -> 409."""
+    client, _ = flaky
+    assert (await client.post("/jobs", json=member("sz", "sz-0", 20))).status == 202
+    r = await client.post("/jobs", json=member("sz", "sz-1", 20, size=3))
+    assert r.status == 409, await r.text()
+    err = (await r.json())["error"]
+    assert err["type"] == "group_conflict" and err["field"] == "group_size"
+    assert "3" in err["message"] and "2" in err["message"]
+    assert (await client.post("/jobs", json=member("sz", "sz-1", 20))).status == 202
+    r = await client.post("/jobs", json=member("sz", "sz-2", 20))
+    assert r.status == 409, await r.text()
+    assert "replace" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_a_filtered_member_is_answered_at_once_and_its_group_waits_for_its_replacement(flaky):
+    """R9: a member the system failed (filtered) is answered at once, so the trainer can re-submit it; the group
+    takes the re-submission beyond its size and waits for it, so the fault costs no member its speed."""
+    client, fake = flaky
+    assert (await client.post("/jobs", json=member("rp", "rp-0", 20))).status == 202
+    failed = await asyncio.wait_for(client.post("/process", json=member("rp", "rp-1", 60, fail=True)), 10)
+    failed = await failed.json()
+    assert failed["filter"] is True and failed["speed"] == 0.0
+    await until(lambda: not fake.running and fake.counts["requests"] >= 1)
+    await asyncio.sleep(0.3)
+    assert (await state(client, "rp-0"))["state"] != "done"  # held for the replacement
+    again = await asyncio.wait_for(client.post("/process", json=member("rp", "rp-1b", 60)), 20)
+    assert (await again.json())["speed"] == pytest.approx(-0.5, abs=0.12)
+    assert (await state(client, "rp-0"))["result"]["speed"] == pytest.approx(0.5, abs=0.12)
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 2.0}], indirect=True)
+async def test_a_group_whose_filtered_member_is_not_replaced_ends_after_the_wait(flaky):
+    client, _ = flaky
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    ok = asyncio.ensure_future(client.post("/process", json=member("nr", "nr-0", 20)))
+    failed = await (await client.post("/process", json=member("nr", "nr-1", 20, fail=True))).json()
+    assert failed["filter"] is True
+    assert not ok.done()  # waits for a replacement, not answered on the filtered attempt
+    result = await (await asyncio.wait_for(ok, 20)).json()
+    assert loop.time() - t0 >= 1.9 and result["speed"] == 0.0  # the group's wait; one resolved member: 0
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_cancel_of_a_held_member_answers_at_once_and_does_not_hold_its_group(flaky):
+    """R15: ``POST /cancel`` of a member whose result is held answers at once (``cancelled: true``), its result is
+    filtered ``cancelled``, and the rest of its group ends without waiting for it or a replacement."""
+    client, fake = flaky
+    assert (await client.post("/jobs", json=member("cx", "cx-0", 20, size=3))).status == 202
+    await until(lambda: not fake.running and fake.counts["requests"] >= 1)
+    await asyncio.sleep(0.2)
+    assert (await state(client, "cx-0"))["state"] != "done"  # held
+    r = await asyncio.wait_for(client.post("/cancel", json={"job_id": "cx-0"}), 5)
+    assert await r.json() == {"job_id": "cx-0", "cancelled": True, "state": "done"}
+    result = (await state(client, "cx-0"))["result"]
+    assert result["failure_kind"] == "cancelled" and result["filter"] is True and result["reward"] == 0.0
+    rest = await asyncio.wait_for(asyncio.gather(
+        *(client.post("/process", json=member("cx", f"cx-{i}", n, size=3)) for i, n in ((1, 20), (2, 60)))), 20)
+    assert [(await a.json())["speed"] for a in rest] == pytest.approx([0.5, -0.5], abs=0.12)
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_cancel_of_a_running_member_answers_at_once_and_does_not_hold_its_group(flaky):
+    """R15 for a member still generating: its cancel is answered when it ends, not when its group ends."""
+    client, fake = flaky
+    slow = asyncio.ensure_future(client.post("/process", json=member("cr", "cr-0", 300)))
+    await until(lambda: any(len(r.tokens) >= 3 for r in fake.running.values()))
+    r = await asyncio.wait_for(client.post("/cancel", json={"job_id": "cr-0"}), 5)
+    assert (await r.json())["cancelled"] is True
+    assert (await (await asyncio.wait_for(slow, 5)).json())["failure_kind"] == "cancelled"
+    other = await asyncio.wait_for(client.post("/process", json=member("cr", "cr-1", 20)), 10)
+    assert (await other.json())["speed"] == 0.0  # one member left: no median to beat
