@@ -45,7 +45,9 @@ filter: true, trajectories: []``), so callers treat a dead server exactly like a
 Retry and failover (one rule for every caller). A filtered result is re-submitted as a new job (a new job
 id) up to ``max_sample_retries`` times; each re-submission goes to the server the caller's
 :class:`trainer_plugins.admission.ServerChooser` picks with every server on which this sample was already
-filtered excluded, while another server is left. :meth:`JobSubmitter.run` is that loop;
+filtered excluded, while another server is left; a ``completion_time`` request (issue #35) excludes only a
+server that was itself the fault (``rollout_server``, ``draining``): its group's server waits for the
+replacement, and elsewhere the job would be a group of its own. :meth:`JobSubmitter.run` is that loop;
 ``RolloutClient`` applies the same rule itself (:meth:`JobSubmitter.retry_server`) because it regenerates
 samples inside groups. A ``draining`` refusal is no fault (the server leaves on purpose and never took the job):
 it does not use up a retry (:func:`uses_retry`), unless the sample had been filtered on that server already
@@ -584,7 +586,10 @@ class JobSubmitter:
                 return JobOutcome(result=result, server=server, attempts=attempts)
             attempts.append(Attempt(job_id=job_id, server=server, failure_kind=result.failure_kind,
                                     error=result.error))
-            failed_on.add(server)
+            # a completion-time member goes back to the server holding its group (which waits for the
+            # replacement, #35) unless that server is the fault: elsewhere it would be a group of its own
+            if not request.completion_time or result.failure_kind in (ROLLOUT_SERVER, DRAINING):
+                failed_on.add(server)
             retries += counted
             log.warning("job %s (%s) on %s must not be trained on (failure_kind=%s: %s); re-submitting", job_id,
                         what or "instance", server, result.failure_kind, result.error)

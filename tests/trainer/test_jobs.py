@@ -203,3 +203,33 @@ def test_rollout_client_and_trl_pick_policies_by_name():
     rollout = ProRLRollout(["http://127.0.0.1:1"], {"p": {"data_source": "arithmetic"}}, server_chooser="rendezvous")
     assert isinstance(rollout.chooser, RendezvousByGroup)
     assert isinstance(ProRLRollout(["http://127.0.0.1:1"], {}).chooser, LeastInFlight)
+
+
+async def test_a_completion_time_member_is_retried_on_its_groups_server(aiohttp_server):
+    """#35 R9: a filtered completion-time member goes back to the server holding its group, which waits for the
+    replacement; sent elsewhere it would be a group of its own there, each server waiting completion_time_wait_s.
+    Stub servers stand for rollout servers: the group's answers a sandbox fault (filtered) first, then a result."""
+    calls: dict[str, list[str]] = {"a": [], "b": []}
+
+    def stub(name: str) -> web.Application:
+        async def process(request):
+            job_id = (await request.json())["job_id"]
+            calls[name].append(job_id)
+            if len(calls[name]) == 1:
+                r = JobResult(job_id=job_id, trajectory_id=job_id, handler="x", reward=0.0, resolved=False,
+                              critical_error="init", failure_kind="sandbox", filter=True, error="injected")
+            else:
+                r = JobResult(job_id=job_id, trajectory_id=job_id, handler="x", reward=1.0, resolved=True)
+            return web.json_response(r.model_dump(mode="json"))
+
+        app = web.Application()
+        app.router.add_post("/process", process)
+        return app
+
+    urls = {n: str((await aiohttp_server(stub(n))).make_url("")).rstrip("/") for n in ("a", "b")}
+    gid = next(g for g in (f"g{k}" for k in range(100)) if server_for_group([urls["a"], urls["b"]], g) == urls["a"])
+    request = process_request({"data_source": "x"}, group_id=gid, group_size=2, speed_weight=1.0)
+    async with JobSubmitter() as jobs:
+        outcome = await jobs.run([urls["a"], urls["b"]], request, chooser=RendezvousByGroup())
+    assert outcome.filtered is False and outcome.server == urls["a"]
+    assert len(calls["a"]) == 2 and calls["b"] == []

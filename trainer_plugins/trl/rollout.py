@@ -72,8 +72,9 @@ every job goes with ``completion_time: true``, its prompt group's ``group_id`` a
 ends, each with ``speed`` in [-1, 1] (its model time against the group's resolved median; 0 when unresolved)
 and ``reward`` = outcome + ``w * speed``, so ``prorl_reward`` (what :func:`server_reward` trains on) and the
 per-turn split (``speed`` on the last turn) already include it. ``prorl/reward/speed`` logs the batch's mean
-``speed`` itself, unweighted. The server counts a group's ended jobs, a filtered attempt and its
-re-submission each once, so with retries a group can end before its slowest row, which then gets ``speed`` 0.
+``speed`` itself, unweighted. A filtered attempt is answered at once and its group waits for the
+re-submission, which goes back to the group's server (``trainer_plugins/jobs.py``, "Retry and failover"); one
+that comes after its group ended gets ``speed`` 0.
 With 0 (the default) none of these fields is sent.
 
 Importance sampling: TRL corrects the gap between the sampling policy and the trainer
