@@ -375,3 +375,21 @@ async def test_cancel_of_a_running_member_answers_at_once_and_does_not_hold_its_
     assert (await (await asyncio.wait_for(slow, 5)).json())["failure_kind"] == "cancelled"
     other = await asyncio.wait_for(client.post("/process", json=member("cr", "cr-1", 20)), 10)
     assert (await other.json())["speed"] == 0.0  # one member left: no median to beat
+
+
+@pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)
+async def test_a_weight_swap_dropping_a_stale_held_member_does_not_wait_for_its_group(flaky):
+    """``max_staleness`` cancels a held member whose first turn is too old (the server's cancel: filtered, the
+    trainer re-submits): the pause answers at once instead of after the group's wait."""
+    client, fake = flaky
+    assert (await client.post("/jobs", json=member("st", "st-0", 20))).status == 202
+    await until(lambda: not fake.running and fake.counts["requests"] >= 1)
+    await asyncio.sleep(0.2)
+    assert (await state(client, "st-0"))["state"] != "done"  # held
+    r = await asyncio.wait_for(client.post("/weights/pause", json={"weight_version": 2, "max_staleness": 1}), 10)
+    paused = await r.json()
+    assert paused["dropped_jobs"] == 1, paused
+    result = (await state(client, "st-0"))["result"]
+    assert result["failure_kind"] == "cancelled" and result["filter"] is True
+    r = await client.post("/weights/resume", json={"swap_id": paused["swap_id"], "weight_version": 2})
+    assert r.status == 200, await r.text()
