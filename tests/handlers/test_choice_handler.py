@@ -1,5 +1,5 @@
-"""The ``choice`` handler (handlers/choice.py): multiple choice whose reply ends at the first option letter;
-reward 1 when that letter is the key.
+"""The ``choice`` handler (handlers/choice.py): multiple choice whose reply ends at the first option digit;
+reward 1 when that option is the key.
 
 Fast tier: a real rollout server (the project's app on loopback) whose LLM backend is the scripted policy of
 tests/conftest.py (a test double for a capable model, vLLM's token-in/token-out dialect with the tiny model's
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.choice import CATEGORIES, LETTERS, ChoiceHandler, first_letter, load_dataset, stop_strings
+from handlers.choice import CATEGORIES, OPTIONS, ChoiceHandler, first_option, load_dataset, stop_strings
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
 from prorl_server.plugin.registry import HandlerRegistry
@@ -33,13 +33,13 @@ async def run(client, instance, **sampling):
     return await r.json()
 
 
-INSTANCE = {"data_source": "choice", "prompt": "Which of these is a fruit?\nA) red\nB) pear\nC) saw\nD) gold\n"
-                                               "Answer with the letter only.", "answer": "B"}
+INSTANCE = {"data_source": "choice", "prompt": "Which of these is a fruit?\n1) red\n2) pear\n3) saw\n4) gold\n"
+                                               "Answer with the number only.", "answer": "2"}
 
 
-@pytest.mark.parametrize("reply, reward", [("B", 1.0), ("the answer: B", 1.0), ("A", 0.0), ("D", 0.0),
-                                           ("ABCD", 0.0), ("b) pear", 0.0), ("", 0.0), ("pear", 0.0)])
-async def test_the_reward_is_whether_the_first_option_letter_is_the_key(choice_server, scripted_policy, reply,
+@pytest.mark.parametrize("reply, reward", [("2", 1.0), ("the answer: 2", 1.0), ("1", 0.0), ("4", 0.0),
+                                           ("1234", 0.0), ("two) pear", 0.0), ("", 0.0), ("pear", 0.0)])
+async def test_the_reward_is_whether_the_first_option_number_is_the_key(choice_server, scripted_policy, reply,
                                                                         reward):
     client = await choice_server(await scripted_policy(lambda prompt, turn: reply))
     result = await run(client, INSTANCE)
@@ -50,13 +50,13 @@ async def test_the_reward_is_whether_the_first_option_letter_is_the_key(choice_s
     assert turn["t_llm_s"] >= 0.0  # the model time the completion-time reward is computed from
 
 
-async def test_a_constant_letter_scores_a_quarter_of_the_dataset(choice_server, scripted_policy):
-    client = await choice_server(await scripted_policy(lambda prompt, turn: "C"))
+async def test_a_constant_answer_scores_a_quarter_of_the_dataset(choice_server, scripted_policy):
+    client = await choice_server(await scripted_policy(lambda prompt, turn: "3"))
     rewards = [(await run(client, inst))["reward"] for inst in load_dataset(limit=16)]
     assert sum(rewards) == 4.0  # balanced keys: a constant (or always-first) answer is no policy
 
 
-async def test_the_request_stops_at_an_option_letter_beside_the_requests_own_stop(choice_server, aiohttp_server,
+async def test_the_request_stops_at_an_option_number_beside_the_requests_own_stop(choice_server, aiohttp_server,
                                                                                   tokenizer, tiny_model_dir):
     """The recording double stands for vLLM: it answers one reply and keeps each request body."""
     from aiohttp import web
@@ -72,7 +72,7 @@ async def test_the_request_stops_at_an_option_letter_beside_the_requests_own_sto
 
     async def completions(request):
         bodies.append(await request.json())
-        ids = tokenizer.encode("B", add_special_tokens=False) + [end_id]
+        ids = tokenizer.encode("2", add_special_tokens=False) + [end_id]
         return web.json_response({"choices": [{
             "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": "stop",
             "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids)}}]})
@@ -86,34 +86,55 @@ async def test_the_request_stops_at_an_option_letter_beside_the_requests_own_sto
     result = await run(client, INSTANCE, stop=["\n\n"], max_tokens=24)
     assert result["reward"] == 1.0
     (body,) = bodies
-    assert body["stop"] == ["\n\n", "A", "B", "C", "D"] and body["max_tokens"] == 24
+    assert body["stop"] == ["\n\n", "1", "2", "3", "4"] and body["max_tokens"] == 24
 
 
-@pytest.mark.parametrize("instance, field", [({"prompt": "q", "answer": "E"}, "answer"),
-                                             ({"prompt": "q", "answer": "a"}, "answer"),
-                                             ({"answer": "A"}, "prompt"), ({"prompt": "", "answer": "A"}, "prompt")])
+@pytest.mark.parametrize("instance, field", [({"prompt": "q", "answer": "5"}, "answer"),
+                                             ({"prompt": "q", "answer": "A"}, "answer"),
+                                             ({"answer": "1"}, "prompt"), ({"prompt": "", "answer": "1"}, "prompt")])
 async def test_a_malformed_instance_is_refused_at_submit_naming_the_field(choice_server, scripted_policy,
                                                                           instance, field):
     asked = []
-    client = await choice_server(await scripted_policy(lambda prompt, turn: asked.append(prompt) or "A"))
+    client = await choice_server(await scripted_policy(lambda prompt, turn: asked.append(prompt) or "1"))
     r = await client.post("/process", json={"instance": {"data_source": "choice", **instance}})
     err = (await r.json())["error"]
     assert r.status == 422 and err["field"] == f"instance.{field}", err
     assert not asked  # never run
 
 
-def test_first_letter_and_stop_strings():
-    assert first_letter("xyz, then C and A") == "C" and first_letter("abcd") is None
-    assert stop_strings(None) == list(LETTERS) and stop_strings("A") == list(LETTERS)
-    assert stop_strings(["\n"]) == ["\n", *LETTERS]
+def test_first_option_and_stop_strings():
+    assert first_option("xyz, 0 then 3 and 1") == "3" and first_option("one 5 9") is None
+    assert stop_strings(None) == list(OPTIONS) and stop_strings("1") == list(OPTIONS)
+    assert stop_strings(["\n"]) == ["\n", *OPTIONS]
 
 
 def test_the_dataset_is_seeded_balanced_and_has_one_right_option():
     a, b = load_dataset(limit=16, seed=1), load_dataset(limit=16, seed=1)
     assert a == b and len({x["prompt"] for x in a}) == 16
-    assert sorted(x["answer"] for x in a) == sorted(LETTERS * 4)
+    assert sorted(x["answer"] for x in a) == sorted(OPTIONS * 4)
     for x in a:
         cat = x["prompt"].split("Which of these is a ")[1].split("?")[0]
         options = {line[0]: line[3:] for line in x["prompt"].splitlines()[1:5]}
         right = [c for c, o in options.items() if o in CATEGORIES[cat]]
         assert right == [x["answer"]]
+
+
+@pytest.mark.real
+async def test_on_vllm_a_random_tiny_model_stops_at_its_first_option_number(choice_server, vllm_server, tokenizer):
+    client = await choice_server(vllm_server.address)
+    stopped = 0
+    for inst in load_dataset(limit=8):
+        result = await run(client, inst, max_tokens=128)
+        (t,) = result["trajectories"]
+        (turn,) = result["turns"]
+        ids = t["response_ids"]
+        assert result["filter"] is False and len(ids) == sum(t["loss_mask"]) <= 128
+        # only the last sampled token holds an option digit: vLLM stopped on it and kept it in the tokens
+        assert all(first_option(tokenizer.decode([i])) is None for i in ids[:-1])
+        if first_option(tokenizer.decode(ids[-1:])):
+            stopped += 1
+            assert turn["finish_reason"] == "stop"
+            assert result["resolved"] is (first_option(tokenizer.decode(ids)) == inst["answer"])
+        else:  # 128 tokens without a digit (or the model's own end-of-turn token): no answer
+            assert result["reward"] == 0.0 and not result["resolved"]
+    assert stopped >= 6  # 2.3% of the tiny model's tokens hold an option digit: 128 tokens pass one by 95%
