@@ -109,7 +109,7 @@ def _submit(request: web.Request, req: ProcessRequest):
     except DuplicateJobError as e:
         raise ApiError(409, "duplicate_job", str(e), "job_id") from None
     except GroupConflictError as e:  # #35: a member its completion-time group cannot take
-        raise ApiError(409, "group_conflict", str(e), "group_size") from None
+        raise ApiError(409, e.type, str(e), "group_size") from None
     except HandlerUnavailableError as e:  # a configuration fault: a 4xx a client stops on, never a 503 to retry
         raise ApiError(400, "handler_unavailable", str(e), "instance.data_source") from None
 

@@ -86,8 +86,14 @@ MAX_ENDED_GROUPS = 4096
 
 
 class GroupConflictError(ValueError):
-    """A ``completion_time`` member that its open group cannot take: another ``group_size`` than the group's, or
-    one member more than ``group_size`` with no filtered member to replace (the HTTP routes answer 409)."""
+    """A ``completion_time`` member that its open group cannot take (the HTTP routes answer 409 with
+    :attr:`type`): ``group_size_mismatch``, another ``group_size`` than the group's (the client's mistake: no
+    retry fixes it), or ``group_full``, one member more than ``group_size`` with no filtered member to replace
+    (a member of it still runs: once the group ends, the id takes late members)."""
+
+    def __init__(self, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.type = type_
 
 
 def cancelled_result(result: JobResult, reason: str) -> JobResult:
@@ -158,7 +164,8 @@ class CompletionGroups:
             g = self.groups[group_id] = _Group(size=size)
         if size != g.size:
             raise GroupConflictError(f"group_size {size} differs from {g.size}, the size of the open group "
-                                     f"{group_id!r}: every member of a group gives the same group_size")
+                                     f"{group_id!r}: every member of a group gives the same group_size",
+                                     "group_size_mismatch")
         if job_id in g.live:
             return
         if len(g.live) + len(g.held) + g.awaited + g.optional < g.size:
@@ -170,7 +177,8 @@ class CompletionGroups:
         else:
             raise GroupConflictError(
                 f"group {group_id!r} has its group_size {g.size} members ({len(g.live)} running, {len(g.held)} "
-                "ended) and none ended filtered: a member beyond the size is taken only to replace a filtered one")
+                "ended) and none ended filtered: a member beyond the size is taken only to replace a filtered one",
+                "group_full")
         g.live.add(job_id)
 
     async def hold(self, job: Any, group_id: str, result: JobResult) -> None:

@@ -17,6 +17,8 @@ the rollout server answers              outcome
                                         takes the server out of the rotation
 503 (no LLM backend yet, stopped,       offered again on the same server every 0.25 s for
 ``journal_unavailable``: a full disk)   ``unavailable_retry_s``, then a filtered ``rollout_server`` result
+409 ``group_full`` (a completion-time   a filtered ``rollout_server`` result (retried; the group's running
+group whose members all run or ended)   member ends, and the group with it)
 410 ``result_expired`` (the job ran and  a filtered ``expired`` result, never re-submitted (:func:`never_rerun`):
 its result was answered; the server's   the sample was finished and delivered once; running it again would
 journal has since deleted it)           give one id two samples
@@ -402,6 +404,9 @@ class JobSubmitter:
         if 400 <= status < 500 and _error_type(data) == "unknown_handler":
             raise UnknownHandlerError(f"rollout server {server} has no {_handler(request)!r} handler "
                                       f"(HTTP {status} unknown_handler), for {what or 'the instance'}: {message}")
+        if status == 409 and _error_type(data) == "group_full":  # a member of its group still runs (#35): it ends
+            return filtered_result(job_id, ROLLOUT_SERVER, f"rollout server {server}: {message}",
+                                   handler=_handler(request))
         if 400 <= status < 500 and status not in (408, 429):
             raise InvalidInstanceError(f"rollout server {server} refused {what or 'the instance'}: HTTP {status} "
                                        f"{message}")

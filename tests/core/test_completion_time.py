@@ -308,12 +308,13 @@ async def test_a_member_with_another_group_size_or_beyond_the_size_is_refused(fl
     r = await client.post("/jobs", json=member("sz", "sz-1", 20, size=3))
     assert r.status == 409, await r.text()
     err = (await r.json())["error"]
-    assert err["type"] == "group_conflict" and err["field"] == "group_size"
+    assert err["type"] == "group_size_mismatch" and err["field"] == "group_size"
     assert "3" in err["message"] and "2" in err["message"]
     assert (await client.post("/jobs", json=member("sz", "sz-1", 20))).status == 202
     r = await client.post("/jobs", json=member("sz", "sz-2", 20))
     assert r.status == 409, await r.text()
-    assert "replace" in (await r.json())["error"]["message"]
+    err = (await r.json())["error"]
+    assert err["type"] == "group_full" and "replace" in err["message"]
 
 
 @pytest.mark.parametrize("settings", [{"completion_time_wait_s": 60.0}], indirect=True)

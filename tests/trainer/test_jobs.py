@@ -233,3 +233,25 @@ async def test_a_completion_time_member_is_retried_on_its_groups_server(aiohttp_
         outcome = await jobs.run([urls["a"], urls["b"]], request, chooser=RendezvousByGroup())
     assert outcome.filtered is False and outcome.server == urls["a"]
     assert len(calls["a"]) == 2 and calls["b"] == []
+
+
+async def test_a_full_completion_time_group_is_a_filtered_attempt_and_a_size_mismatch_stops(aiohttp_server):
+    """#35 R9: ``409 group_full`` (a member of the group still runs, e.g. one whose connection was lost) is a
+    filtered attempt, retried; ``409 group_size_mismatch`` is the trainer's mistake, which no retry fixes."""
+    from trainer_plugins.jobs import InvalidInstanceError
+
+    async def process(request):
+        body = await request.json()
+        kind = "group_full" if body["group_size"] == 2 else "group_size_mismatch"
+        return web.json_response({"error": {"type": kind, "message": kind, "field": "group_size"}}, status=409)
+
+    app = web.Application()
+    app.router.add_post("/process", process)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    async with JobSubmitter() as jobs:
+        r = await jobs.submit(url, process_request({"data_source": "x"}, job_id="j", group_id="g", group_size=2,
+                                                   speed_weight=1.0))
+        assert r.filter is True and r.failure_kind == ROLLOUT_SERVER and "group_full" in r.error
+        with pytest.raises(InvalidInstanceError, match="group_size_mismatch"):
+            await jobs.submit(url, process_request({"data_source": "x"}, job_id="k", group_id="g", group_size=3,
+                                                   speed_weight=1.0))
