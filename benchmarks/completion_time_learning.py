@@ -4,9 +4,9 @@ component on beside the same run with it off.
 The whole loop is real, as in ``benchmarks/learning_curve.py``: a vLLM CPU server with the tiny random model
 (built locally) and the weight-loader worker extension, a rollout server in its own process, and TRL's
 ``GRPOTrainer`` in this process with ``rollout_func=ProRLRollout(...)`` and ``WeightPushCallback``. The task is
-``choice`` (``handlers/choice.py``): a multiple-choice question whose reply stops at the first option letter
-``A``-``D``, outcome 1 when that letter is the key. Every token the model samples before the letter is generation
-time that buys nothing, so a shorter path to the same outcome exists: name a letter at once.
+``choice`` (``handlers/choice.py``): a multiple-choice question whose reply stops at the first option number
+``1``-``4``, outcome 1 when that option is the key. Every token the model samples before the digit is generation
+time that buys nothing, so a shorter path to the same outcome exists: name an option at once.
 
 Two runs, same seed and settings, one after the other on the same vLLM server (its weights reset to the initial
 model's before each run, a fresh rollout server each): **on**, ``ProRLRollout(completion_time_weight=w)`` (the
@@ -22,7 +22,7 @@ the same for generated tokens, and the mean outcome reward over those steps. The
 median model time of resolved rollouts falls by at least 30% from the first to the last 10 steps
 (``time_ratio <= 0.7``) while the mean outcome does not fall (``outcome_last >= outcome_first``).
 
-    .venv/bin/python benchmarks/completion_time_learning.py               # about 8-10 min on 2 busy cores
+    .venv/bin/python benchmarks/completion_time_learning.py               # about 6-8 min on 2 busy cores
     .venv/bin/python benchmarks/completion_time_learning.py --steps 3 --window 1 --runs off   # the plumbing
 """
 from __future__ import annotations
@@ -90,13 +90,15 @@ async def warm_up(address: str, n: int, max_tokens: int, rounds: int = 3) -> Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    ap.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
     ap.add_argument("--window", type=int, default=10, help="steps compared at the start and the end of a run")
     ap.add_argument("--runs", default="on,off", help="which runs, in order (on, off)")
     ap.add_argument("--weight", type=float, default=1.0, help="the completion-time component's weight w (on run)")
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8, help="GRPO num_generations (the completion-time group)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens of the reply at most")
+    # a reply with no option digit within max_tokens is unresolved, which pushes the off run to shorter replies
+    # too; 192 tokens (a random reply passes a digit by 99%) keeps that pressure small (96: off went 26 -> 4)
+    ap.add_argument("--max-tokens", type=int, default=192, help="tokens of the reply at most")
     ap.add_argument("--lr", type=float, default=1e-2,
                     help="3e-3 (learning_curve.py's) moved the replies' length too little in 40 steps")
     ap.add_argument("--seed", type=int, default=0)
