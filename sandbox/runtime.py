@@ -40,8 +40,9 @@ from .errors import (FileTransferError, SandboxClosedError, SandboxDeadError, Sa
 from .leases import Lease
 from .loopback import DEFAULT_LEASE_DIR, DEFAULT_NETWORK, LoopbackAllocator
 from .remove import remove_tree
-from .ownership import (LAUNCHER_MARKER_VAR, OwnershipStore, default_state_dir, kill_sandbox, launcher_marked,
-                        marked_launchers, node_identity, owner_gone, pid_namespace, process_identity, same_process)
+from .ownership import (LAUNCHER_MARKER_VAR, MarkedProcess, OwnershipStore, default_state_dir, kill_sandbox,
+                        live_pid_namespaces, marked_processes, node_identity, orphan_adopters, owner_gone, pid_namespace,
+                        process_identity, same_process)
 from .protocol import MAX_TRANSFER_BYTES
 from .python_view import PythonView, default_view_dir, python_view
 from .sessions import MARKER_VAR, live_session_ids
@@ -889,9 +890,14 @@ class SandboxRuntime(abc.ABC):
         A record is only a claim (a forged or stale one may name anything), so what it names is checked first:
         nothing a live sandbox holds (this runtime's, or one a live server's record names: its id, launcher,
         pid namespace, directories, cgroup) is touched; a launcher is killed by pid only if the host's marker
-        in its environment names the record's sandbox; a workspace is removed only if it is a directory of
+        in its environment names the record's sandbox; a pid namespace only if one of its processes carries
+        that marker (a namespace's init does while it lives: bwrap forks it without clearing the
+        environment); nothing at all if a process carrying the marker has a live parent that adopts no
+        orphans (:func:`sandbox.ownership.orphan_adopters`: a live server spawned it, so its record here is a
+        copy, defence in depth beside the owner check); a workspace is removed only if it is a directory of
         this user named ``prorl-<sandbox_id>-<hex>`` with no symbolic link on its path, a run directory only
-        under this state directory, a cgroup only by its own sandbox's name."""
+        under this state directory, a cgroup only by its own sandbox's name. What was left alone is logged in
+        one line per reap, however many records asked for it."""
         if self._reaping is None:
             self._reaping = asyncio.Lock()
         async with self._reaping:  # the periodic reap and a call never act on one record twice at once
@@ -901,18 +907,31 @@ class SandboxRuntime(abc.ABC):
             records = await asyncio.to_thread(self.store.records)
             dead = [r for r in records if owner_gone(r, self._node)]
             live = [r for r in records if not any(r is d for d in dead)]
+            if not dead:
+                return 0
             held = self._held_state(live)
+            marked, adopters, namespaces = await asyncio.to_thread(
+                lambda: (marked_processes(), orphan_adopters(), live_pid_namespaces()))
+            refused: dict[str, list[str]] = {"own": [], "live_parent": [], "unproven_pidns": []}
             reaped = 0
             for rec in dead:
                 if rec["sandbox_id"] in self._handles:
-                    log.warning("ownership record %s names a sandbox of this server as a dead server's: not "
-                                "reaped (forged or stale)", rec["sandbox_id"])
+                    refused["own"].append(rec["sandbox_id"])
                     continue
                 try:
-                    reaped += await self._reap(rec, held)
+                    reaped += await self._reap(rec, held, marked, adopters, namespaces, refused)
                 except Exception:  # what one orphan left (shaped by its sandbox) never stops a server
                     log.exception("reaping orphan sandbox %s failed; its record is kept for the next reap",
                                   rec.get("sandbox_id"))
+            if reaped:
+                log.info("reaped %d orphan sandbox record(s) left by servers that are gone", reaped)
+            why = {"own": "name a sandbox of this server (record kept)",
+                   "live_parent": "name a launcher a live process spawned (record kept)",
+                   "unproven_pidns": "name a pid namespace no process of theirs is in (namespace not killed)"}
+            for kind, ids in refused.items():
+                if ids:
+                    log.warning("%d dead-owner ownership record(s) %s: forged or stale, e.g. %s", len(ids),
+                                why[kind], ", ".join(ids[:3]))
             return reaped
 
     def _held_state(self, live_records: list[dict]) -> dict[str, set]:
@@ -951,29 +970,45 @@ class SandboxRuntime(abc.ABC):
             return None
         return ws if stat.S_ISDIR(st.st_mode) and self.sandbox_uid(st.st_uid) else None
 
-    async def _reap(self, rec: dict, held: Optional[dict[str, set]] = None) -> int:
-        """Kill and clean up one orphan's record (see :meth:`reap_orphans`); 1 if it was reaped."""
-        held = held if held is not None else self._held_state([])
+    async def _reap(self, rec: dict, held: dict[str, set], marked: dict[str, list[MarkedProcess]],
+                    adopters: set[int], namespaces: set[int], refused: dict[str, list[str]]) -> int:
+        """Kill and clean up one orphan's record (see :meth:`reap_orphans`); 1 if it was reaped. ``marked``:
+        :func:`sandbox.ownership.marked_processes` of this reap; ``adopters``:
+        :func:`sandbox.ownership.orphan_adopters`; ``namespaces``: the live pid namespaces
+        (:func:`sandbox.ownership.live_pid_namespaces`); ``refused``: ids of records left alone, by why."""
         sid = rec["sandbox_id"]
+        started_at = rec.get("started_at") if isinstance(rec.get("started_at"), (int, float)) else None
+        mine = [m for m in marked.get(sid, ()) if m.pid not in held["launcher"]
+                and (started_at is None or m.create_time >= started_at - 1.0)]
+        pids = {m.pid for m in mine}
+        if any(m.ppid not in pids and m.ppid not in adopters and psutil.pid_exists(m.ppid) for m in mine):
+            refused["live_parent"].append(sid)
+            return 0
         run_dir = rec.get("run_dir") or ""
         run_dir = run_dir if isinstance(run_dir, str) and self._owns(run_dir) and run_dir not in held["path"] \
             and os.path.basename(run_dir) == sid else ""
         sessions = _trusted_sessions(rec.get("runtime"), run_dir, sid) if run_dir else set()
         pid, ct = rec.get("pid"), rec.get("create_time")
-        if not isinstance(pid, int) or pid in held["launcher"] or not launcher_marked(pid, sid):
+        if not isinstance(pid, int) or pid not in pids:
             pid, ct = 0, None  # not this sandbox's launcher (gone, reused, or another sandbox's): never killed
         pidns = rec.get("pidns")
         pidns = pidns if isinstance(pidns, int) and pidns not in held["pidns"] else None
-        started_at = rec.get("started_at") if isinstance(rec.get("started_at"), (int, float)) else None
+        if pidns is not None and not any(m.pidns == pidns for m in mine):
+            # No process of that namespace proves it is this sandbox's: a live namespace always holds its
+            # init, which carries the marker, so this one is gone or belongs to someone else (a forged record).
+            if pidns in namespaces:
+                refused["unproven_pidns"].append(sid)
+            pidns = None
         survivors = await kill_sandbox(pid, ct, grace_s=self.close_grace_s, sessions=sessions, pidns=pidns,
                                        not_before=started_at)
         # What the record cannot name: a launcher its server died before recording (a provisional record),
         # or a launcher's forked children (bwrap's namespace init) that outlived it before the sandbox's
         # pid namespace was recorded (die-with-parent races a parent's death). They carry the marker the
         # host put in the launcher's environment.
-        for lpid, lct in await asyncio.to_thread(marked_launchers, sid, started_at):
-            if lpid not in held["launcher"]:
-                survivors += await kill_sandbox(lpid, lct, grace_s=self.close_grace_s, not_before=started_at)
+        for m in mine:
+            if m.ppid not in pids:
+                survivors += await kill_sandbox(m.pid, m.create_time, grace_s=self.close_grace_s,
+                                                not_before=started_at)
         if survivors:
             log.error("orphan sandbox %s: processes survived SIGKILL: %s", sid, [p.pid for p in survivors])
             return 0
@@ -983,8 +1018,8 @@ class SandboxRuntime(abc.ABC):
             await asyncio.to_thread(bounds.remove_cgroup, cgroup, rec.get("cgroup_version") or 2)
         await asyncio.to_thread(self._cleanup_dirs, run_dir or None, self._reapable_workspace(rec, held))
         await asyncio.to_thread(self.store.remove, sid)
-        log.warning("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
-                    sid, rec.get("runtime"), rec.get("pid"))
+        log.debug("reaped orphan sandbox %s (runtime %s, pid %s) left by a server that is gone",
+                  sid, rec.get("runtime"), rec.get("pid"))
         return 1
 
     def start_reaper(self) -> None:

@@ -125,3 +125,53 @@ async def test_forged_records_never_make_the_reaper_kill_a_live_sandbox_or_delet
     assert os.path.isdir(remote_ws) and os.path.isdir(linked_ws) and os.path.isdir(other_ns_ws)
     await h.close()
     assert not os.path.exists(h.workspace)
+
+
+def _forged_pidns_record(sid: str, pidns: int, dead: dict) -> dict:
+    return {"sandbox_id": sid, "runtime": "bubblewrap", "pid": None, "create_time": None, "started_at": 0,
+            "workspace_created": False, "pidns": pidns, **node_identity(), **dead}
+
+
+async def test_a_record_naming_only_another_servers_sandbox_pid_namespace_kills_nothing(runtime_options,
+                                                                                       short_tmp, caplog):
+    """Red team #36 (pidns2.py): a fresh record id, a dead owner and ``pidns`` = the namespace of a live sandbox
+    of another live server (its own state directory): the reaper killed every process in it. Now a namespace
+    is killed only when one of its processes carries the record's launcher marker; thousands of such records
+    log one line, not one warning each (5,003 lines seen)."""
+    rt = make_runtime("bubblewrap", **runtime_options)
+    other = make_runtime("bubblewrap", **{**runtime_options, "state_dir": os.path.join(short_tmp, "other")})
+    try:
+        victim = await other.start(SandboxSpec(network="none"))
+        assert victim.pidns is not None
+        dead = _dead_owner()
+        for i in range(40):
+            with open(os.path.join(rt.store.dir, f"sb-ns{i:04d}.json"), "w") as f:
+                json.dump(_forged_pidns_record(f"sb-ns{i:04d}", victim.pidns, dead), f)
+        caplog.set_level("INFO", logger="sandbox")
+        await asyncio.wait_for(rt.reap_orphans(), 120)
+        assert (await victim.bash("echo alive", timeout_s=5)).output.strip() == "alive"
+        noisy = [r for r in caplog.records if r.levelno >= 30 and "sb-ns" in r.getMessage()]
+        assert len(noisy) <= 1, [r.getMessage() for r in noisy[:3]]
+    finally:
+        await rt.close_all()
+        await other.close_all()
+
+
+async def test_a_live_servers_record_copied_as_a_dead_servers_does_not_kill_its_sandbox(runtime_options,
+                                                                                        short_tmp):
+    """Red team #36 (same uid): server B's live record copied into A's state directory with a dead owner made
+    A kill B's live sandbox (id, launcher and marker all match). Defence in depth: a launcher whose parent is
+    alive and is not an adopter of orphans (init, or a subreaper above this server) belongs to a live server."""
+    rt = make_runtime("bubblewrap", **runtime_options)
+    other = make_runtime("bubblewrap", **{**runtime_options, "state_dir": os.path.join(short_tmp, "other")})
+    try:
+        victim = await other.start(SandboxSpec(network="none"))
+        rec = json.load(open(os.path.join(other.store.dir, f"{victim.sandbox_id}.json")))
+        with open(os.path.join(rt.store.dir, f"{victim.sandbox_id}.json"), "w") as f:
+            json.dump({**rec, **_dead_owner()}, f)
+        await asyncio.wait_for(rt.reap_orphans(), 60)
+        assert (await victim.bash("echo alive", timeout_s=5)).output.strip() == "alive"
+        assert os.path.isdir(victim.workspace)
+    finally:
+        await rt.close_all()
+        await other.close_all()
