@@ -64,7 +64,7 @@ async def replay(rec: ArgvRecorder, tail: list[str]) -> float:
     fds = []
     if "--seccomp" in argv:
         i = argv.index("--seccomp")
-        fd = os.open(rec.rt._seccomp, os.O_RDONLY)
+        fd = rec.rt.seccomp_fd()
         fds.append(fd)
         argv[i + 1] = str(fd)
     argv = argv[:argv.index("--") + 1] + tail

@@ -120,7 +120,7 @@ class BubblewrapRuntime(SandboxRuntime):
     ``spec.workspace`` is chowned to the sandbox user. ``host_dirs``: top-level host directories bound
     read-only in addition to :data:`HOST_SYSTEM_DIRS` when a spec has no image (e.g. ``("opt",)``); raises
     ``ValueError`` for a path that is not a top-level name. Every sandbox runs under :func:`no_fallocate_filter`
-    (bwrap ``--seccomp``) where the machine is known."""
+    (bwrap ``--seccomp``, read from a pipe of its own, never from a file) where the machine is known."""
 
     kind = "bubblewrap"
 
@@ -139,16 +139,11 @@ class BubblewrapRuntime(SandboxRuntime):
         self._host_dirs = tuple(dict.fromkeys((*HOST_SYSTEM_DIRS, *(d.strip("/") for d in host_dirs))))
         if any(not d or "/" in d or d in _SKIP for d in self._host_dirs):
             raise ValueError(f"host_dirs must be top-level directory names, got {host_dirs!r}")
-        # Kept in the private state directory (0700): nothing a sandbox can write decides its filter.
-        program = no_fallocate_filter()
-        self._seccomp: Optional[str] = None
-        if program is not None:
-            self._seccomp = os.path.join(self.state_dir, "seccomp-no-fallocate.bpf")
-            tmp = f"{self._seccomp}.{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(program)
-            os.replace(tmp, self._seccomp)
-        else:
+        # Kept in memory and handed to each bwrap through a pipe of its own: a file in the state directory,
+        # reopened at every start, was swapped by a same-uid process for an allow-all program (the next sandbox
+        # could fallocate) or a FIFO (every start hung in its open) (red team #36).
+        self._seccomp: Optional[bytes] = no_fallocate_filter()
+        if self._seccomp is None:
             log.warning("bubblewrap: no seccomp filter for %s; fallocate is not refused in sandboxes",
                         platform.machine())
 
@@ -184,11 +179,28 @@ class BubblewrapRuntime(SandboxRuntime):
     def build_command(self, spec: SandboxSpec, ctx: LaunchContext) -> list[str]:
         argv = build_bwrap_command(self.bwrap, spec, ctx, privileged=self._root, overlay=self._overlay,
                                    host_dirs=self._host_dirs)
-        if self._seccomp is not None:
-            fd = os.open(self._seccomp, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self.seccomp_fd()
+        if fd is not None:
             ctx.launch_fds.append(fd)
             argv[1:1] = ["--seccomp", str(fd)]
         return argv
+
+    def seccomp_fd(self) -> Optional[int]:
+        """A fresh descriptor (close-on-exec; pass it with ``pass_fds``) from which bwrap's ``--seccomp FD``
+        reads :func:`no_fallocate_filter`'s program to its end: the read end of a pipe that already holds the
+        whole program (a few hundred bytes, well under a pipe's buffer) and whose write end is closed. ``None``
+        on a machine without a filter. Raises ``OSError`` if no pipe can be made."""
+        if self._seccomp is None:
+            return None
+        r, w = os.pipe()
+        try:
+            os.write(w, self._seccomp)
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        return r
 
 
 def build_bwrap_command(bwrap: str, spec: SandboxSpec, ctx: LaunchContext, *, privileged: bool = False,

@@ -460,7 +460,8 @@ class SandboxRuntime(abc.ABC):
     - ``python``: interpreter that runs the execution server of a ``local`` sandbox (default: this one,
       ``sys.executable``). An isolated sandbox always gets this server's interpreter, seen through its
       Python view (:mod:`sandbox.python_view`); naming another one there is a ``ValueError``.
-    - ``start_timeout_s``: how long to wait for the execution server (seconds).
+    - ``start_timeout_s``: deadline of a whole start, preparation to the execution server's first answer
+      (seconds; past it :meth:`start` raises :class:`SandboxStartError`, the host's doing).
     - ``close_grace_s``: SIGTERM → SIGKILL grace on close (seconds).
     - ``loopback_dir`` / ``loopback_network``: see :class:`sandbox.loopback.LoopbackAllocator`.
 
@@ -600,35 +601,47 @@ class SandboxRuntime(abc.ABC):
         """Start a sandbox and wait until its execution server answers. ``spec``: a :class:`SandboxSpec`, a
         dict of its fields (e.g. from a config file), or ``None`` for the defaults; ``fields`` override single
         fields (``start(image=..., network="loopback")``). Raises ``TypeError``/``ValueError`` for a bad spec,
-        :class:`SandboxStartError` (with the launcher's log tail) if the sandbox exits or does not answer
-        within ``start_timeout_s``, and for every ``OSError`` of preparing or launching it (a full disk, a
+        :class:`SandboxStartError` (with the launcher's log tail) if the sandbox exits before it answers, if
+        the whole start (any step of it, e.g. one blocked by the node) takes more than ``start_timeout_s``
+        seconds, and for every ``OSError`` of preparing or launching it (a full disk, a
         refused cgroup, a lease directory it cannot use, a failed fork: the host's, never the sandbox's
         doing; the ``OSError`` is its ``__cause__``). Cancelling the caller is safe at any point: the start finishes in the
-        background and the sandbox is closed at once (``close_all`` waits for that too)."""
+        background and the sandbox is closed at once (``close_all`` waits for that too, up to
+        ``start_timeout_s + close_grace_s``); so is one that passed its deadline."""
         if spec is None:
             spec = SandboxSpec(**fields)
         elif isinstance(spec, dict):
             spec = SandboxSpec(**{**spec, **fields})
         elif fields:
             spec = dataclasses.replace(spec, **fields)
-        task = asyncio.ensure_future(self._start(spec))
+        steps: dict[str, float] = {}
+        task = asyncio.ensure_future(self._start(spec, steps))
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            def close_when_started(t: asyncio.Task) -> None:
-                if not t.cancelled() and t.exception() is None:
-                    # nobody got it, so nothing of a job is inside: no grace to wait
-                    closing = asyncio.ensure_future(t.result().close(grace_s=0.0))
-                    self._starting.add(closing)
-                    closing.add_done_callback(self._starting.discard)
 
+        def close_when_started(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                # nobody got it, so nothing of a job is inside: no grace to wait
+                closing = asyncio.ensure_future(t.result().close(grace_s=0.0))
+                self._starting.add(closing)
+                closing.add_done_callback(self._starting.discard)
+
+        try:
+            # A deadline on the whole start, not only on the execution server's answer: a step blocked by the
+            # node (a FIFO planted where a file is read, a hung file system) held a job's init and the pool's
+            # refill forever (red team #36). The blocked worker thread cannot be interrupted; the start goes on
+            # in the background and what it makes is closed at once.
+            done, _ = await asyncio.wait({task}, timeout=self.start_timeout_s)
+        except asyncio.CancelledError:
             task.add_done_callback(close_when_started)
             raise
+        if not done:
+            task.add_done_callback(close_when_started)
+            raise SandboxStartError(f"{self.kind} sandbox did not start within start_timeout_s="
+                                    f"{self.start_timeout_s:g} s (steps done: {', '.join(steps) or 'none'})")
+        return task.result()
 
-    async def _start(self, spec: SandboxSpec) -> SandboxHandle:
-        steps: dict[str, float] = {}
+    async def _start(self, spec: SandboxSpec, steps: dict[str, float]) -> SandboxHandle:
         lap = _Laps(steps)
         await self.prepare_launch(spec)
         lap("probe")
@@ -1045,8 +1058,17 @@ class SandboxRuntime(abc.ABC):
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
+        # Starts in flight finish (and are closed) within their deadline; one blocked by the node past it
+        # (its worker thread cannot be interrupted) must not hold a server's shutdown: its launcher, if it ever
+        # runs, dies with this process (--die-with-parent, the readiness pipe).
+        deadline = time.monotonic() + self.start_timeout_s + self.close_grace_s
         while self._starting:
-            await asyncio.gather(*list(self._starting), return_exceptions=True)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("%d sandbox start(s) still blocked after start_timeout_s: not waited for",
+                          len(self._starting))
+                break
+            await asyncio.wait(list(self._starting), timeout=left)
         handles = list(self._handles.values())
         results = await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
         for h, r in zip(handles, results):
