@@ -160,7 +160,7 @@ class OwnershipStore:
         this user with one link (a symbolic link is never followed, a FIFO never blocks the open), larger than
         :data:`MAX_RECORD_BYTES` or not a JSON object is skipped with a warning: what a reaper acts on must be
         a record this server's user wrote, never one planted through a link or by another user."""
-        out = []
+        out, skipped = [], []
         for name in sorted(os.listdir(self.dir)):
             if not name.endswith(".json"):
                 continue
@@ -169,7 +169,10 @@ class OwnershipStore:
                     and name == f"{rec['sandbox_id']}.json":
                 out.append(rec)
             else:
-                log.warning("ownership record %s skipped: not a regular file of this user holding a record", name)
+                skipped.append(name)
+        if skipped:  # one line however many were planted (a line each flooded the log)
+            log.warning("%d ownership record(s) skipped: not a regular file of this user holding a record, e.g. %s",
+                        len(skipped), ", ".join(skipped[:3]))
         return out
 
 
