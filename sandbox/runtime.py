@@ -542,6 +542,8 @@ class SandboxRuntime(abc.ABC):
         self.reap_interval_s = reap_interval_s
         self._reaper: Optional[asyncio.Task] = None
         self._reaping: Optional[asyncio.Lock] = None
+        #: (kind, sandbox id) of dead-owner records a reap left alone and logged (see reap_orphans).
+        self._refused_seen: set[tuple[str, str]] = set()
         self._own_pidns = pid_namespace()
 
     # ------------------------------------------------------------------------------------ for subclasses
@@ -940,8 +942,14 @@ class SandboxRuntime(abc.ABC):
                 log.info("reaped %d orphan sandbox record(s) left by servers that are gone", reaped)
             why = {"own": "name a sandbox of this server (record kept)",
                    "live_parent": "name a launcher a live process spawned (record kept)",
-                   "unproven_pidns": "name a pid namespace no process of theirs is in (namespace not killed)"}
+                   "unproven_pidns": "name a pid namespace where no process carries their launcher marker "
+                                     "(namespace not killed)"}
             for kind, ids in refused.items():
+                # once per record, not at every periodic reap while it stays (kept records come back)
+                ids = [i for i in ids if (kind, i) not in self._refused_seen]
+                if len(self._refused_seen) > 100_000:
+                    self._refused_seen.clear()
+                self._refused_seen.update((kind, i) for i in ids)
                 if ids:
                     log.warning("%d dead-owner ownership record(s) %s: forged or stale, e.g. %s", len(ids),
                                 why[kind], ", ".join(ids[:3]))

@@ -158,7 +158,7 @@ async def test_a_record_naming_only_another_servers_sandbox_pid_namespace_kills_
 
 
 async def test_a_live_servers_record_copied_as_a_dead_servers_does_not_kill_its_sandbox(runtime_options,
-                                                                                        short_tmp):
+                                                                                        short_tmp, caplog):
     """Red team #36 (same uid): server B's live record copied into A's state directory with a dead owner made
     A kill B's live sandbox (id, launcher and marker all match). Defence in depth: a launcher whose parent is
     alive and is not an adopter of orphans (init, or a subreaper above this server) belongs to a live server."""
@@ -172,6 +172,9 @@ async def test_a_live_servers_record_copied_as_a_dead_servers_does_not_kill_its_
         await asyncio.wait_for(rt.reap_orphans(), 60)
         assert (await victim.bash("echo alive", timeout_s=5)).output.strip() == "alive"
         assert os.path.isdir(victim.workspace)
+        caplog.clear()  # the record is kept: the next periodic reaps say nothing more of it
+        await asyncio.wait_for(rt.reap_orphans(), 60)
+        assert not [r for r in caplog.records if victim.sandbox_id in r.getMessage()]
     finally:
         await rt.close_all()
         await other.close_all()
