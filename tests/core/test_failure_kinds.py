@@ -457,7 +457,7 @@ async def test_the_observations_of_one_turn_are_bounded_together():
 
     loop = AgentLoop(None, None, {"probe": ({"type": "object", "properties": {}}, probe)}, AgentConfig())
     calls = [ToolCall(name="probe", arguments={}) for _ in range(60)]
-    out = await loop._run_tools(ParsedTurn(content="", calls=calls, items=list(calls)), {
+    out, _, _ = await loop._run_tools(ParsedTurn(content="", calls=calls, items=list(calls)), {
         k: 0 for k in ("tool_calls", "tool_errors", "unknown_tool_calls", "tool_timeouts")})
     assert len(out) == 60
     assert sum(len(o["content"]) for o in out) < 65536 + 60 * 200, [len(o["content"]) for o in out][:5]
