@@ -61,7 +61,11 @@ def settings(request, tmp_path) -> dict:
 
 @pytest.fixture
 async def server(aiohttp_client, tiny_model_dir, settings):
-    fake, runner, addr = await start_fake_vllm(step_s=STEP_S, model=str(tiny_model_dir))
+    # vLLM started with --enable-per-request-metrics on a device whose step time does not follow the host's load
+    # (per_request_metrics, catch_up): the client caps t_llm_s at the engine's own time, so a starved test process
+    # does not stretch a member's model time (before, the speeds missed by 0.4 on a loaded 2-core host)
+    fake, runner, addr = await start_fake_vllm(step_s=STEP_S, model=str(tiny_model_dir), per_request_metrics=True,
+                                               catch_up=True)
     reg = HandlerRegistry()
     reg.register(OneTurnHandler)
     settings = {"sandbox_runtime": "none", **settings}  # the handler needs no sandbox
