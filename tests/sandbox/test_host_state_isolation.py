@@ -63,7 +63,14 @@ async def test_forged_sessions_file_from_bubblewrap_sandbox_kills_nothing_on_clo
 
 
 async def test_forged_files_from_bubblewrap_sandbox_kill_nothing_when_reaped(bwrap_runtime, runtime_options,
-                                                                             victim, procs):
+                                                                             victim, procs, monkeypatch):
+    import sandbox.runtime
+
+    # This process plays both the crashed server and the next one, so the sandbox's launcher is still its child;
+    # after a real SIGKILL it would be re-parented to init (or a subreaper). Stand for that: this process counts
+    # as an adopter of orphans, or the reaper rightly leaves a sandbox whose parent is alive (a live server's).
+    adopters = sandbox.runtime.orphan_adopters
+    monkeypatch.setattr(sandbox.runtime, "orphan_adopters", lambda: adopters() | {os.getpid()})
     h = await bwrap_runtime.start()
     r = await h.bash("RUN=/run/prorl; " + _forge_script(victim.pid), timeout_s=20)
     assert r.output.strip().endswith("forged"), r.output
