@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -44,8 +45,13 @@ from prorl_server.plugin.toolkit import run_agent
 
 STEP_S = 0.005  # seconds per generated token
 WORK_S = 0.1  # seconds per tool call
+# the 1,000 groups, as a measurement outside CI: PRORL_TIMING_NOISE="10,100,12,30" (waves, groups a wave,
+# run workers, spread seconds) runs 10 x 100 groups in ~10 min; the CI run keeps the defaults
 WAVES, GROUPS, RUN_WORKERS = 3, 8, 3
 SPREAD_S = 14.0  # a wave's jobs are submitted over this many seconds
+if os.environ.get("PRORL_TIMING_NOISE"):
+    _w, _g, _r, _s = os.environ["PRORL_TIMING_NOISE"].split(",")
+    WAVES, GROUPS, RUN_WORKERS, SPREAD_S = int(_w), int(_g), int(_r), float(_s)
 
 
 def call(name: str, **args) -> str:
