@@ -31,8 +31,10 @@ def _sampled_runs(traj: Trajectory) -> list[int]:
     return [i for i, m in enumerate(traj.loss_mask) if m]
 
 
-def check_records(trajectories: list[Trajectory], turns: list[TurnRecord]) -> None:
-    """The spans of ``turns`` tile the sampled tokens of ``trajectories`` exactly, once each, in order."""
+def assert_turns_tile(trajectories: list[Trajectory], turns: list[TurnRecord]) -> None:
+    """The spans of ``turns`` tile the sampled tokens of ``trajectories`` exactly, once each, in order, one record
+    per turn; every time is finite and >= 0 and a turn's critical tool path is at most its tool time. Shared by
+    the tests of turn records (here, the 1,000-job target, gateway branches)."""
     covered: dict[int, list[int]] = {i: [] for i in range(len(trajectories))}
     last = (-1, -1)
     for t in turns:
@@ -44,10 +46,17 @@ def check_records(trajectories: list[Trajectory], turns: list[TurnRecord]) -> No
         for v in (t.t_llm_s, t.t_tool_s, t.t_tool_critical_s, t.t_wait_s):
             assert math.isfinite(v) and v >= 0
         assert t.t_tool_critical_s <= t.t_tool_s + 1e-12
-        assert t.t_llm_s > 0 and t.finish_reason in ("stop", "length")
     for i, traj in enumerate(trajectories):
         assert covered[i] == _sampled_runs(traj), f"trajectory {i}: spans do not tile its sampled tokens"
+        assert len([t for t in turns if t.trajectory_index == i]) == traj.num_turns
     assert len(turns) == sum(t.num_turns for t in trajectories)
+
+
+def check_records(trajectories: list[Trajectory], turns: list[TurnRecord]) -> None:
+    """:func:`assert_turns_tile`, and every turn generated (``t_llm_s`` > 0) and ended by stop or length."""
+    assert_turns_tile(trajectories, turns)
+    for t in turns:
+        assert t.t_llm_s > 0 and t.finish_reason in ("stop", "length")
 
 
 def check_result(r: JobResult) -> None:

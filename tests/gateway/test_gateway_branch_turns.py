@@ -10,30 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 
 from prorl_server.types import Trajectory, TurnRecord
+from tests.core.test_turn_records import assert_turns_tile
 
 AUTH = {"Authorization": "Bearer server-secret"}  # the gateway_server fixture's token
 
 
 def tiles(trajectories: list[Trajectory], turns: list[TurnRecord]) -> None:
     """The spans of ``turns`` tile each trajectory's ``loss_mask`` 1 positions exactly, in order, and there is
-    one record per turn of every trajectory."""
-    covered: dict[int, list[int]] = {i: [] for i in range(len(trajectories))}
-    last = (-1, -1)
-    for t in turns:
-        assert 0 <= t.trajectory_index < len(trajectories)
-        assert t.response_start <= t.response_end <= len(trajectories[t.trajectory_index].response_ids)
-        assert (t.trajectory_index, t.response_start) > last, "turns out of order or overlapping"
-        last = (t.trajectory_index, t.response_end - 1)
-        covered[t.trajectory_index].extend(range(t.response_start, t.response_end))
-        assert t.finish_reason == "stop"
-        assert all(math.isfinite(v) and v >= 0 for v in (t.t_llm_s, t.t_tool_s, t.t_tool_critical_s, t.t_wait_s))
-    for i, traj in enumerate(trajectories):
-        assert covered[i] == [k for k, m in enumerate(traj.loss_mask) if m], f"trajectory {i} is not tiled"
-        assert len([t for t in turns if t.trajectory_index == i]) == traj.num_turns
-    assert len(turns) == sum(t.num_turns for t in trajectories)
+    one record per turn of every trajectory (:func:`assert_turns_tile`); every turn ended by a stop."""
+    assert_turns_tile(trajectories, turns)
+    assert all(t.finish_reason == "stop" for t in turns)
 
 
 async def test_n_choices_branches_carry_turn_records_and_the_continued_turn_is_timed_like_n_1(
