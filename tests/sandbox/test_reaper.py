@@ -50,13 +50,17 @@ async def test_a_running_server_reaps_what_a_server_that_died_beside_it_left(run
     await other.wait()
     run_root = os.path.join(runtime_options["state_dir"], "run")
     try:
+        def state():
+            left = [n for n in os.listdir(runtime_options["workspace_root"]) if any(i in n for i in ids)]
+            return sorted(os.listdir(run_root)), left, [r["sandbox_id"] for r in rt.store.records()]
+
+        # A reap removes the directories first and the record last (the record is how they are found), each in
+        # a thread: wait for all three, not for the first (CI at 6877312 read the record between the two).
         for _ in range(300):
-            if sorted(os.listdir(run_root)) == [mine.sandbox_id]:
+            if state() == ([mine.sandbox_id], [], [mine.sandbox_id]):
                 break
             await asyncio.sleep(0.05)
-        left = [n for n in os.listdir(runtime_options["workspace_root"]) if any(i in n for i in ids)]
-        assert sorted(os.listdir(run_root)) == [mine.sandbox_id] and left == []
-        assert [r["sandbox_id"] for r in rt.store.records()] == [mine.sandbox_id]
+        assert state() == ([mine.sandbox_id], [], [mine.sandbox_id])
         assert (await mine.bash("echo mine")).output.strip() == "mine"  # its own live sandbox untouched
     finally:
         await rt.close_all()
