@@ -274,21 +274,25 @@ def packed_row_logprobs(model: Any, tree: PackedTree, mask: Optional[torch.Tenso
     mask = ancestor_mask(tree, dtype) if mask is None else mask
     out = model(input_ids=tree.input_ids[None].to(device), attention_mask=mask.to(device),
                 position_ids=tree.position_ids[None].to(device), use_cache=False)
-    logits = out.logits[0].float() if dtype in (torch.float16, torch.bfloat16) else out.logits[0]
+    logits = out.logits[0]
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # autocast's too
     logp = torch.log_softmax(logits / temperature, dim=-1)
     ent = -(logp.exp() * logp).sum(-1) if compute_entropy else None
-    rows, ents = [], [] if compute_entropy else None
+    # every row's (source position, target token) pairs in ONE index: indexing [S, V] once per row would make
+    # the backward allocate and scatter into an [S, V] zero tensor per row (measured: 60% of the packed
+    # fwd+bwd with 32 rows of 5,240 packed tokens)
+    srcs, lens = [], []
     for idx in tree.row_index:
-        if idx.numel() < 2:
-            rows.append(logp.new_zeros(0))
-            if ents is not None:
-                ents.append(logp.new_zeros(0))
-            continue
-        src = idx[:-1] if transitions == "parent" else idx[1:] - 1
-        targets = tree.input_ids[idx[1:]].to(device)
-        rows.append(logp[src.to(device)].gather(-1, targets[:, None])[:, 0])
-        if ents is not None:
-            ents.append(ent[src.to(device)])
+        n = max(idx.numel() - 1, 0)
+        lens.append(n)
+        if n:
+            srcs.append(idx[:-1] if transitions == "parent" else idx[1:] - 1)
+    if not srcs:
+        return [logp.new_zeros(0) for _ in lens], ([logp.new_zeros(0) for _ in lens] if compute_entropy else None)
+    src = torch.cat(srcs).to(device)
+    targets = tree.input_ids[torch.cat([idx[1:] for idx in tree.row_index if idx.numel() > 1])].to(device)
+    rows = list(logp[src, targets].split(lens))
+    ents = list(ent[src].split(lens)) if ent is not None else None
     return rows, ents
 
 
