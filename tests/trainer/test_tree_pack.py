@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trainer_plugins.trl.tree_pack import (TreePackedLogps, ancestor_mask, build_prefix_tree, max_difference,  # noqa: E402
-                                           pack, packed_row_logprobs, per_row_logprobs)
+from trainer_plugins.trl.tree_pack import (TREE_ATTENTION, TreePackedLogps, ancestor_mask,  # noqa: E402
+                                           attention_layout, build_prefix_tree, max_difference, pack,
+                                           packed_row_logprobs, per_row_logprobs)
 
 #: the issue's bounds: max |delta logprob| in fp32 and fp64, relative gradient difference in fp32 and fp64
 FP32, FP64, FP32_GRAD, GRAD64 = 2e-6, 1e-12, 1e-5, 1e-9
@@ -91,16 +92,107 @@ def test_gradients_equal_the_per_row_forward(model, dtype, bound, fp64_norm):
     assert float((packed - ref).norm() / ref.norm()) <= bound
 
 
-@pytest.mark.parametrize("control", ["causal mask", "packed position ids", "missing branch transition"])
+@pytest.mark.parametrize("control", ["causal mask", "causal layout", "packed position ids",
+                                     "missing branch transition"])
 def test_negative_controls_fail_by_1000x_the_bound(model, control):
+    """Each control on the path it breaks: a plain causal mask over the packed tree as the dense 4-D mask
+    and as the node-by-node attention's layout (every node over all packed tokens before it)."""
     rows = group_rows()
     tree = pack(*build_prefix_tree(rows), position_ids="packed" if control == "packed position ids" else "depth")
-    mask = ancestor_mask(tree, torch.float32, "causal" if control == "causal mask" else "ancestor")
+    mask = ancestor_mask(tree, torch.float32, "causal") if control == "causal mask" else None
+    layout = attention_layout(tree, "causal") if control == "causal layout" else None
     transitions = "packed" if control == "missing branch transition" else "parent"
     with torch.no_grad():
-        packed, _ = packed_row_logprobs(model, tree, mask=mask, transitions=transitions)
+        packed, _ = packed_row_logprobs(model, tree, mask=mask, transitions=transitions, layout=layout)
         ref = per_row_logprobs(model, rows)
     assert max_difference(packed, ref) >= 1000 * FP32
+
+
+def agent_rows(seed: int = 2, agents: int = 2, turns: int = 4) -> list[list[int]]:
+    """Agents that re-send their whole history every turn (one row per turn), as the benchmark's rewrite case."""
+    rnd = random.Random(seed)
+    tok = lambda n: [rnd.randrange(10, 4000) for _ in range(n)]  # noqa: E731
+    prompt, rows = tok(40), []
+    for _ in range(agents):
+        history = list(prompt)
+        for _ in range(turns):
+            history += tok(9)
+            rows.append(list(history))
+            history += tok(6)
+    return rows
+
+
+def test_an_sdpa_model_attends_node_by_node_without_an_s_by_s_mask(model, monkeypatch):
+    """The packed forward of an SDPA model computes attention per node over its ancestors (far fewer
+    query-key pairs than S x S) and builds no dense mask, with the per-row forward's logprobs and gradient."""
+    from trainer_plugins.trl import tree_pack
+
+    def dense(*a, **kw):
+        raise AssertionError("a dense S x S mask was built")
+
+    monkeypatch.setattr(tree_pack, "ancestor_mask", dense)
+    rows = agent_rows()
+    tree = pack(*build_prefix_tree(rows))
+    layout = attention_layout(tree)
+    assert layout.pairs < 0.5 * tree.size ** 2
+
+    def grads(logps):
+        model.zero_grad()
+        sum(w * lp.sum() for w, lp in zip([1.0, -0.5, 2.0, 0.5] * 2, logps)).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    packed = packed_row_logprobs(model, tree)[0]
+    assert model.config._attn_implementation == TREE_ATTENTION
+    ref = per_row_logprobs(model, rows)
+    g_packed, g_ref = grads(packed), grads(ref)
+    model.zero_grad()
+    assert max_difference(packed, ref) <= FP32
+    assert float((g_packed - g_ref).norm() / g_ref.norm()) <= FP32_GRAD
+
+
+def test_tree_attention_is_sdpa_for_every_other_forward(tiny_model_dir):
+    """A model switched to the tree attention answers a padded batch (TRL's layout) bit for bit as SDPA does."""
+    from trainer_plugins.trl.tree_pack import enable_tree_attention
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa",
+                                                          dtype=torch.float32).eval()
+    ids, mask, _ = padded_batch(group_rows()[:4], 48)
+    with torch.no_grad():
+        before = m(input_ids=ids, attention_mask=mask).logits
+        assert enable_tree_attention(m)
+        after = m(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+
+
+def test_the_dense_mask_path_stays_exact_for_eager_models(tiny_model_dir):
+    """Eager attention is not switched: the packed forward uses the dense ancestor mask, still exact."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager",
+                                                          dtype=torch.float32).eval()
+    rows = group_rows()
+    with torch.no_grad():
+        packed, _ = packed_row_logprobs(m, pack(*build_prefix_tree(rows)))
+        ref = per_row_logprobs(m, rows)
+    assert m.config._attn_implementation == "eager"
+    assert max_difference(packed, ref) <= FP32
+
+
+def test_gradient_checkpointing_recomputes_with_the_tree_attention(tiny_model_dir):
+    """Gradient checkpointing re-runs each layer's forward in the backward: it must find the tree attention
+    and its layout again (the switch is kept), giving the per-row gradient."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa",
+                                                          dtype=torch.float32)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()  # checkpointing is active in training mode only (attention dropout is 0)
+    rows = group_rows(1)
+
+    def grads(logps):
+        m.zero_grad()
+        sum(w * lp.sum() for w, lp in zip([0.5, -1.0, 2.0, 0.25, -0.75, 1.5], logps)).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    g_packed = grads(packed_row_logprobs(m, pack(*build_prefix_tree(rows)))[0])
+    g_ref = grads(per_row_logprobs(m, rows))
+    assert float((g_packed - g_ref).norm() / g_ref.norm()) <= FP32_GRAD
 
 
 class PerRowTrainer:
@@ -151,11 +243,20 @@ def test_the_trl_mixin_packs_a_batch_and_returns_trls_layout(model):
     assert s.packed_batches == 1 and s.fallback_reason is None and s.tree_token_ratio < 0.7
 
 
-def test_a_mask_leak_across_branches_is_caught_by_the_self_check_and_rows_are_forwarded(model, monkeypatch):
+@pytest.mark.parametrize("path", ["tree attention", "dense mask"])
+def test_a_mask_leak_across_branches_is_caught_by_the_self_check_and_rows_are_forwarded(model, tiny_model_dir,
+                                                                                        monkeypatch, path):
     from trainer_plugins.trl import tree_pack
 
-    real = tree_pack.ancestor_mask
-    monkeypatch.setattr(tree_pack, "ancestor_mask", lambda tree, dtype, kind="ancestor": real(tree, dtype, "causal"))
+    if path == "tree attention":
+        real = tree_pack.attention_layout
+        monkeypatch.setattr(tree_pack, "attention_layout", lambda tree, kind="ancestor": real(tree, "causal"))
+    else:  # an eager model keeps the dense 4-D mask
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager",
+                                                                  dtype=torch.float32).eval()
+        real = tree_pack.ancestor_mask
+        monkeypatch.setattr(tree_pack, "ancestor_mask",
+                            lambda tree, dtype, kind="ancestor": real(tree, dtype, "causal"))
     rows = group_rows()[:5]
     ids, mask, C = padded_batch(rows, 48)
     trainer = PackedTrainer()
@@ -183,8 +284,8 @@ def test_packed_entropies_equal_the_per_row_ones(model):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_trls_grpo_trainer_trains_tree_packed(tiny_model_dir, tmp_path, bf16):
     """TRL 1.16's own GRPOTrainer (generation with transformers on CPU, no vLLM) with the mixin: every loss
-    forward is packed and the first-batch self-check against TRL's own per-row forward passes, in fp32 and
-    under the bf16 autocast that GRPOConfig turns on by default."""
+    forward is packed with the node-by-node tree attention and the first-batch self-check against TRL's own
+    per-row forward passes, in fp32 and under the bf16 autocast that GRPOConfig turns on by default."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -205,6 +306,7 @@ def test_trls_grpo_trainer_trains_tree_packed(tiny_model_dir, tmp_path, bf16):
     assert s.fallback_reason is None and s.packed_batches >= 2 and s.row_batches == 0
     assert s.self_check_delta <= (5e-2 if bf16 else 1e-5)
     assert s.tree_token_ratio < 0.8  # the group's shared prompt is forwarded once
+    assert trainer.model.config._attn_implementation == TREE_ATTENTION  # attention node by node, no S x S mask
 
 
 def trl_batch(prompts: list[list[int]], completions: list[list[int]]):

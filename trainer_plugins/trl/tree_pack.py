@@ -259,21 +259,129 @@ def ancestor_mask(tree: PackedTree, dtype: torch.dtype, kind: str = "ancestor") 
     return mask[None, None]
 
 
+#: The attention implementation :func:`enable_tree_attention` registers (transformers' ``AttentionInterface`` and
+#: ``AttentionMaskInterface``): SDPA, and for a packed tree's forward (the ``tree_attention`` keyword) attention
+#: node by node, each node's queries over its ancestors' keys and its own (:func:`tree_attention_forward`).
+TREE_ATTENTION = "prorl_tree_sdpa"
+
+
+@dataclass
+class TreeAttentionLayout:
+    """Per node of a :class:`PackedTree` (packed order), what its queries attend to: ``spans[n] = (a, b)``, its
+    packed query range; ``keys[n]``, LongTensor [K_n] of the packed key indices (its ancestors' tokens, root
+    first, then its own ``b - a``); ``masks[n]``, bool Tensor [b - a, K_n] (True: attend), or None when the
+    node has no ancestors (plain causal: SDPA's ``is_causal``). ``pairs``: the query-key pairs computed,
+    sum over nodes of ``node_len x (ancestor tokens + node_len)``, against ``S x S`` for a dense mask."""
+
+    spans: list[tuple[int, int]]
+    keys: list[torch.Tensor]
+    masks: list[Optional[torch.Tensor]]
+
+    @property
+    def pairs(self) -> int:
+        return sum((b - a) * int(k.numel()) for (a, b), k in zip(self.spans, self.keys))
+
+
+def attention_layout(tree: PackedTree, kind: str = "ancestor") -> TreeAttentionLayout:
+    """The node-by-node attention of ``tree``: ``kind`` ``"ancestor"`` (exact: the same pairs as
+    :func:`ancestor_mask`) or ``"causal"`` (each node over every packed token before it, a plain causal mask
+    over the packed tree: a negative control)."""
+    if kind not in ("ancestor", "causal"):
+        raise ValueError(f"kind must be 'ancestor' or 'causal', not {kind!r}")
+    spans, keys, masks = [], [], []
+    for n, chain in enumerate(tree.ancestors):
+        a, b = tree.node_start[n], tree.node_start[n] + tree.node_len[n]
+        if kind == "causal":
+            before = torch.arange(0, a)
+        else:
+            before = torch.cat([torch.arange(tree.node_start[m], tree.node_start[m] + tree.node_len[m])
+                                for m in chain[:-1]] or [torch.zeros(0, dtype=torch.long)])
+        k = torch.cat([before, torch.arange(a, b)])
+        L, P = b - a, int(before.numel())
+        # own tokens causally; SDPA's is_causal is top-left aligned, right only without ancestors
+        mask = None if P == 0 else torch.ones(L, P + L, dtype=torch.bool).tril(P)
+        spans.append((a, b))
+        keys.append(k)
+        masks.append(mask)
+    return TreeAttentionLayout(spans, keys, masks)
+
+
+def tree_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                           scaling: Optional[float] = None, tree_attention: Optional[TreeAttentionLayout] = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """An attention function for transformers' ``AttentionInterface`` (signature of its ``sdpa_attention_forward``:
+    ``query`` [1, H, S, D], ``key``/``value`` [1, H_kv, S, D]; returns [1, S, H, D] and no weights). Without
+    ``tree_attention`` it is transformers' SDPA, unchanged. With it, each node's queries attend to their
+    ``keys`` through :func:`torch.nn.functional.scaled_dot_product_attention` on the node's block only, so a
+    packed tree costs ``layout.pairs`` query-key pairs instead of ``S x S`` and no ``S x S`` mask exists."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if tree_attention is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"tree attention takes one packed sequence, not a batch of {query.shape[0]}")
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    outs = []
+    for (a, b), k, mask in zip(tree_attention.spans, tree_attention.keys, tree_attention.masks):
+        k = k.to(query.device)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, k], value[:, :, k], attn_mask=None if mask is None else mask.to(query.device),
+            dropout_p=dropout, is_causal=mask is None, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def enable_tree_attention(model: Any) -> bool:
+    """Switch an SDPA model (``attn_implementation="sdpa"``) to :data:`TREE_ATTENTION`, which is SDPA for every
+    forward but a packed tree's (same attention function, same mask function), so :func:`packed_row_logprobs`
+    computes attention node by node. The switch is kept (gradient checkpointing re-runs the forward in the
+    backward and must find the same implementation). Returns whether the model now uses it; other
+    implementations (eager, flex, flash) are left alone and packed forwards use the dense 4-D mask."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 (exists)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == TREE_ATTENTION:
+        return True
+    if current != "sdpa":
+        return False
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(TREE_ATTENTION)
+    return getattr(model.config, "_attn_implementation", None) == TREE_ATTENTION
+
+
 def packed_row_logprobs(model: Any, tree: PackedTree, mask: Optional[torch.Tensor] = None,
                         transitions: str = "parent", temperature: float = 1.0,
-                        compute_entropy: bool = False) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+                        compute_entropy: bool = False, layout: Optional[TreeAttentionLayout] = None
+                        ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
     """One forward of the packed tree; per row, the logprob of each of its tokens after the first (Tensor
     [T_row - 1], position ``t - 1`` holds token ``t``'s), and with ``compute_entropy`` the entropy at the
     same positions.
+
+    Attention: with ``mask`` (a 4-D additive mask, :func:`ancestor_mask`), that dense mask; else, for an SDPA
+    model (switched by :func:`enable_tree_attention`, kept), node by node (``layout``, default
+    :func:`attention_layout` of ``tree``); else (eager, flex) the dense :func:`ancestor_mask`.
 
     ``transitions``: ``"parent"`` (exact: row position ``t``'s logits are those at the packed index of row
     position ``t - 1``) or ``"packed"`` (the packed predecessor, which for a child's first token is another
     branch's last token: a negative control)."""
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    mask = ancestor_mask(tree, dtype) if mask is None else mask
+    extra: dict[str, Any] = {}
+    if mask is None and enable_tree_attention(model):
+        extra["tree_attention"] = attention_layout(tree) if layout is None else layout
+        # an empty 4-D mask: transformers passes a 4-D mask through as it is, and any attention that ignored
+        # the layout would fail on its shape instead of silently attending everywhere
+        mask = torch.zeros(1, 1, 0, 0, dtype=dtype)
+    elif mask is None:
+        mask = ancestor_mask(tree, dtype)
     out = model(input_ids=tree.input_ids[None].to(device), attention_mask=mask.to(device),
-                position_ids=tree.position_ids[None].to(device), use_cache=False)
+                position_ids=tree.position_ids[None].to(device), use_cache=False, **extra)
     logits = out.logits[0]
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # autocast's too
     logp = torch.log_softmax(logits / temperature, dim=-1)
