@@ -38,6 +38,9 @@ import logging
 import time
 from typing import Any, Optional
 
+import psutil
+
+from . import procstate
 from .errors import SandboxError
 from .runtime import SandboxHandle, SandboxRuntime
 from .spec import SandboxSpec
@@ -46,29 +49,37 @@ log = logging.getLogger(__name__)
 
 #: Seconds a pooled sandbox has to answer the liveness ping on acquire before it counts as dead.
 ACQUIRE_PING_S = 2.0
+#: Seconds a refill waits, after a sandbox's warm-up, for its execution server to have spawned the shell.
+SHELL_WAIT_S = 2.0
 #: Counter names of :attr:`SandboxPool.counters` (what the server exports on /metrics).
 COUNTERS = ("hits", "misses", "dead", "cold_fallbacks", "refill_starts", "refill_failures")
 
 
-#: ``/proc/PID/stat`` states of a process that cannot answer: stopped (``T``: SIGSTOP from its user or root),
-#: stopped by a tracer (``t``), zombie (``Z``), dead (``X``). proc(5).
-_NOT_ANSWERING = frozenset(b"TtZX")
-
-
 def _stopped(pid: Optional[int]) -> bool:
     """Whether process ``pid`` (the execution server, the verified peer of the pool's connection) is stopped or
-    gone: its state field in ``/proc/PID/stat`` (the first after the command name, which may hold any byte but
-    ends at the last ``)``) is one of :data:`_NOT_ANSWERING`, or the file is unreadable. A stopped server keeps
+    gone (:data:`sandbox.procstate.NOT_ANSWERING`, or its ``/proc/PID/stat`` unreadable). A stopped server keeps
     its connection open and would hold a job's first call until the call's timeout (red team F6). One small
     procfs read, ~10 us. ``None`` (no connection yet): ``False``, the ping decides."""
     if pid is None:
         return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split(maxsplit=1)[0]
-    except (OSError, IndexError):
-        return True
-    return state[0] in _NOT_ANSWERING
+    s = procstate.stat(pid)
+    return s is None or s[0] in procstate.NOT_ANSWERING
+
+
+def _warm_processes(launcher_pid: int, server_pid: Optional[int]) -> tuple[procstate.Known, ...]:
+    """The processes of a warmed-up sandbox that acquire checks (:func:`sandbox.procstate.snapshot`): its
+    launcher chain, the execution server and the server's children, once the persistent shell is among them
+    (the warm-up returns before the server has spawned it; waited for at most :data:`SHELL_WAIT_S`). Blocking
+    (a pass over ``/proc`` each try): run in a worker thread."""
+    deadline = time.monotonic() + SHELL_WAIT_S
+    while server_pid is not None:
+        try:
+            if psutil.Process(server_pid).children() or time.monotonic() > deadline:
+                break
+        except psutil.Error:
+            return ()  # the server is gone: acquire's own checks see that
+        time.sleep(0.005)
+    return procstate.snapshot(launcher_pid, leaf_parent=server_pid)
 
 
 def spec_key(spec: SandboxSpec) -> str:
@@ -195,7 +206,8 @@ class SandboxPool:
         stopped nor a zombie (:func:`_stopped`), and its connection open with no hang-up (checked without a
         round trip; without a connection, a ping within :data:`ACQUIRE_PING_S`). A dead one is closed in the background (its leases, cgroup and directories
         released)."""
-        ok = h.alive and h._death is None and not _stopped(h._client.peer_pid)
+        ok = (h.alive and h._death is None and not _stopped(h._client.peer_pid)
+              and procstate.fault(h.processes) is None)
         if ok and not h._client.connection_alive():
             try:
                 # the client's own call (not the handle's, which grants a tool's grace): a stopped server must
@@ -265,6 +277,8 @@ class SandboxPool:
                 raise
             try:
                 await h.warm_up()  # its shell starts while it waits: a job's first bash call finds it ready
+                # what acquire (and the first call made for the model) checks: none of these stopped or gone
+                h.processes = await asyncio.to_thread(_warm_processes, h.pid, h._client.peer_pid)
             except BaseException as e:
                 if not isinstance(e, asyncio.CancelledError):
                     self.counters["refill_failures"] += 1

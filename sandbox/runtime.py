@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from . import bounds
+from . import bounds, procstate
 from .bounds import DEFAULT_MEMORY_BYTES, DEFAULT_TMPFS_BYTES, DEFAULT_WORKSPACE_BYTES
 from .client import SERVER_GRACE_S, ExecClient
 from .errors import (FileTransferError, SandboxClosedError, SandboxDeadError, SandboxError, SandboxEvictedError,
@@ -247,6 +247,9 @@ class SandboxHandle:
         self._started: set[str] = set()
         #: A bash, ipython or editor call was made on the model's behalf (inside a sandbox.system_time accumulator).
         self._model_ran = False
+        #: Host processes (pid, start time) that must all run before the model's first call: set by the warm
+        #: pool (:func:`sandbox.procstate.snapshot` after warm-up); empty for a cold start.
+        self.processes: tuple[procstate.Known, ...] = ()
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -328,6 +331,19 @@ class SandboxHandle:
         await self._call("ping", {"warm": True}, 5.0)
         self._started.add("bash")
 
+    def _check_untouched(self) -> None:
+        """Before the first call made on the model's behalf: raise :class:`SandboxStartError` (the system's
+        fault, filtered) if a known process of the sandbox (:attr:`processes`) is stopped, a zombie or gone.
+        Nothing of the model has run in it yet, so a co-tenant or the host did it (#36 red team row 11: a warm
+        shell SIGSTOPped after acquire made the first call time out, scored). After that call the host cannot
+        tell a stop from outside from the model's own ``kill -STOP $$``, so it is never checked again."""
+        if self._model_ran or not self.processes or not accounting():
+            return
+        reason = procstate.fault(self.processes)
+        if reason is not None:
+            raise SandboxStartError(f"sandbox {self.sandbox_id} was not usable at the model's first call "
+                                    f"(before any of its commands ran): {reason}")
+
     async def _start_lazily(self, tool: str, timeout_s: float) -> None:
         """Before a call made on the model's behalf (inside :func:`sandbox.system_time.system_seconds`), start
         ``tool``'s process ("bash": the shell, "ipython": the kernel) with a no-op request (``:``, an empty cell)
@@ -361,9 +377,12 @@ class SandboxHandle:
         functions persist across calls. ``timeout_s`` (seconds): then Ctrl-C, SIGKILL of the foreground job,
         and at last a fresh shell; the partial output comes back with ``timed_out=True``. Output beyond
         ``max_output_bytes`` is dropped with a notice (``truncated=True``). Raises :class:`SandboxDeadError`,
-        :class:`SandboxClosedError`, :class:`ToolTimeout` (the server itself stopped answering)."""
+        :class:`SandboxClosedError`, :class:`ToolTimeout` (the server itself stopped answering),
+        :class:`SandboxStartError` (a pooled sandbox found stopped before the model's first call:
+        :meth:`_check_untouched`)."""
         if timeout_s <= 0 or max_output_bytes <= 0:
             raise ValueError("timeout_s and max_output_bytes must be positive")
+        self._check_untouched()
         await self._start_lazily("bash", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("bash", {"command": command, "timeout_s": timeout_s,
@@ -380,6 +399,7 @@ class SandboxHandle:
             raise ValueError("timeout_s must be positive")
         from .ipython_tool import KERNEL_START_TIMEOUT_S
 
+        self._check_untouched()
         await self._start_lazily("ipython", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("ipython", {"code": code, "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
@@ -392,6 +412,7 @@ class SandboxHandle:
         leaves the workspace (``..`` or symlinks), :class:`EditorError` for any other refusal."""
         # a file the model writes can shape a later shell or kernel start (the workspace is HOME: a
         # usercustomize.py under ~/.local), so that start is no longer charged to the system (_start_lazily)
+        self._check_untouched()
         self._model_ran = self._model_ran or accounting()
         res = await self._call("editor", {"command": command, "path": path, **kw}, 30.0)
         return result_from_dict(EditorResult, res)
