@@ -17,11 +17,12 @@ an empty turn.) ``prorl-journal regrade`` recomputes them from the same record
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import math
 import unicodedata
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 from pydantic import ValidationError
 
@@ -29,6 +30,8 @@ from prorl_server.types import JobResult, RewardComponent
 
 if TYPE_CHECKING:
     from prorl_server.job import Job
+
+_T = TypeVar("_T")
 
 #: The component every result has: the task's own score (weight 1).
 OUTCOME = "outcome"
@@ -106,6 +109,35 @@ def process_terms(job: "Job", names: Iterable[str] = STANDARD_TERMS,
     return out
 
 
+#: Characters of generated text up to which host scoring runs on the event loop (:func:`off_loop`): the worst
+#: such text for :func:`mixing_share` (2,048 distinct letters) costs ~1.2 ms here, a hop to a thread and back
+#: ~0.2 ms of CPU (0.4 ms wall) on this 2-core machine.
+INLINE_CHARS = 2048
+
+
+async def off_loop(fn: Callable[..., _T], *args: Any, chars: int) -> _T:
+    """``fn(*args)`` off the event loop (``asyncio.to_thread``) when it reads more than :data:`INLINE_CHARS`
+    characters (``chars``) of generated text, else inline. For host scoring of what the policy generated: its
+    cost grows with the text (a 262,144-character turn of 32,768 distinct letters: ~50 ms of language mixing),
+    and on the loop it would stall every other job's I/O for as long. ``fn`` must only read the job (its eval
+    awaits the call, so nothing of the job changes meanwhile); from the thread it holds the GIL at most a switch
+    interval (``sys.getswitchinterval``, 5 ms) plus its longest C call at a time. Raises what ``fn`` raises."""
+    if chars <= INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def process_terms_async(job: "Job", names: Iterable[str] = STANDARD_TERMS,
+                              texts: Optional[list[str]] = None) -> dict[str, RewardComponent]:
+    """:func:`process_terms` (the same values), computed off the event loop when its text is long
+    (:func:`off_loop`; only non-ASCII text counts: an ASCII turn costs one ``str.isascii``, O(1) in CPython).
+    What a handler's ``eval`` awaits. Raises what :func:`process_terms` raises."""
+    seen = texts if texts is not None else [m.get("content") for m in job.messages
+                                            if isinstance(m, dict) and m.get("role") == "assistant"]
+    chars = sum(len(t) for t in seen if isinstance(t, str) and not t.isascii())
+    return await off_loop(process_terms, job, tuple(names), texts, chars=chars)
+
+
 def tool_call_error_share(turns: list[Any]) -> tuple[float, Optional[list[float]]]:
     """``(value, per_turn)`` of :data:`TOOL_CALL_ERRORS`: turn i gets ``-1/n`` when its tool calls had a parse
     error (``tool_call_errors > 0`` in its record, counted by the server's tool-call parser), else 0; the value
@@ -128,6 +160,9 @@ def generated_texts(trajectories: list[Any], tokenizer: Any) -> list[str]:
 #: Distinct non-ASCII characters :func:`mixing_share` counts one by one (``str.count``, then ``str.replace`` to
 #: drop them: O(distinct x length) at C speed); those left after are counted in one ``collections.Counter`` pass.
 _COUNT_DISTINCT = 64
+#: Characters one ``Counter.update`` call of :func:`mixing_share` counts: a C call holds the GIL throughout (one
+#: pass over 262,144 distinct letters: ~25 ms, an event-loop stall even from a worker thread); a chunk ~1.5 ms.
+_COUNTER_CHUNK = 1 << 14
 #: Unicode scripts that one language writes together, as one group (Japanese mixes Han and kana).
 _SCRIPT_GROUP = {"CJK": "CJK", "HIRAGANA": "CJK", "KATAKANA": "CJK", "BOPOMOFO": "CJK", "IDEOGRAPHIC": "CJK",
                  "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
@@ -183,8 +218,11 @@ def mixing_share(text: str) -> float:
             counted = ch
             break
         rest = rest.replace(ch, "")
-    if rest:  # many distinct characters: one Counter pass (C) over the rest
-        for ch, k in collections.Counter(rest).items():
+    if rest:  # many distinct characters: Counter passes (C) over the rest
+        counter: collections.Counter[str] = collections.Counter()
+        for i in range(0, len(rest), _COUNTER_CHUNK):
+            counter.update(rest[i:i + _COUNTER_CHUNK])
+        for ch, k in counter.items():
             if ch.isalpha() and ch != counted:
                 group = _script_group(ch)
                 counts[group] = counts.get(group, 0) + k

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 from handlers.code.task import SOLUTION, evaluate_solution, grading_limits, sandbox_spec
 from prorl_server.plugin import (AgentHandler, InfrastructureError, InstanceValidationError, InvalidInstanceError,
                                  NotRegradableError)
-from prorl_server.plugin import STANDARD_TERMS, compose_reward, generated_texts, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, generated_texts, process_terms_async
 from sandbox import Bind, ToolError
 
 GATEWAY_DIR = "/run/prorl-gateway"
@@ -360,7 +360,7 @@ class CliAgentHandler(AgentHandler):
             job.resolved = bool(info.get("resolved", job.reward >= 1.0))
             job.extra["eval"] = {"reward_info": info}
         # the outcome, plus the opted-in process terms (host-computed: turn records and generated tokens)
-        compose_reward(job, job.reward, process_terms(job, texts=state.generated_texts or []))
+        compose_reward(job, job.reward, await process_terms_async(job, texts=state.generated_texts or []))
 
 
 #: Seconds of the job's budget kept for the eval stage when the agent's time is clamped to it (besides the

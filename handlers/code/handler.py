@@ -24,7 +24,7 @@ from handlers.code.task import (DEFAULT_EVAL_TIMEOUT_S, SOLUTION, CodeInstance, 
                                 grading_limits, instance_by_id, sandbox_spec)
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms_async
 from sandbox import ToolError
 
 __all__ = ["CodeHandler", "DEFAULT_EVAL_TIMEOUT_S", "SOLUTION", "evaluate_solution", "sandbox_spec"]
@@ -96,7 +96,7 @@ class CodeHandler(AgentHandler):
         reward, info = await evaluate_solution(job.open_sandbox, job.instance, job.state.solution,
                                                limits.timeout_s, limits.call_timeout_s)
         job.resolved = reward == 1.0
-        compose_reward(job, reward, process_terms(job))  # the outcome, plus the opted-in process terms
+        compose_reward(job, reward, await process_terms_async(job))  # the outcome, plus the opted-in process terms
         job.extra["eval"] = info
 
 

@@ -25,7 +25,7 @@ from handlers.math.scoring import score
 from prorl_server.cpu_pool import CpuTimeoutError, WorkerCrashedError
 from prorl_server.plugin import AgentConfig, AgentHandler, NotRegradableError
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms_async
 from sandbox import Limits, SandboxSpec
 
 SYSTEM_PROMPT = ("Solve the problem. You may compute with the ipython tool and reason with the think tool. "
@@ -152,5 +152,5 @@ class MathHandler(AgentHandler):
         except Exception as e:  # the scorer raised on the answer: its 0.0
             reward, info = 0.0, {"reason": f"scoring raised {type(e).__name__} on the answer"}
         job.resolved = reward >= 1.0
-        compose_reward(job, reward, process_terms(job))  # the outcome, plus the opted-in process terms
+        compose_reward(job, reward, await process_terms_async(job))  # the outcome, plus the opted-in process terms
         job.extra["eval"] = info

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prorl_server.llm.conversation import Conversation
 from prorl_server.plugin import AgentHandler, NotRegradableError
-from prorl_server.plugin import LANGUAGE_MIXING, compose_reward, process_terms, turn_records
+from prorl_server.plugin import LANGUAGE_MIXING, compose_reward, off_loop, process_terms_async, turn_records
 from prorl_server.types import RewardComponent, TokenStats
 
 DEFAULT_FEEDBACK = "Louder! Say it again in capital letters only."
@@ -144,18 +144,19 @@ class ShoutHandler(AgentHandler):
         inst: ShoutInstance = job.state.instance
         # The reward is the last generated turn's alone, and only if the episode reached it: a rollout cut
         # short by the context has no answer to the feedback.
-        last = next((m.get("content") or "" for m in reversed(job.messages) if m.get("role") == "assistant"), "")
+        texts = [m.get("content") or "" for m in job.messages if m.get("role") == "assistant"]
+        # A per-character pass over each turn: off the event loop when the turns are long (the policy's doing).
+        shares = await off_loop(lambda: [capital_share(t) for t in texts], chars=sum(map(len, texts)))
         reached = job.state.turns >= inst.turns
-        share, cased = capital_share(last) if reached else (0.0, 0)
+        share, cased = shares[-1] if reached and texts else (0.0, 0)
         job.resolved = reached and cased >= inst.min_letters and share == 1.0
         job.extra.setdefault("shout", {}).update(capital_share=share, cased_letters=cased)
         # Per-turn placement: the outcome is the last turn's; each turn that answered the feedback scores its
         # own capital share (host-computed from the generated text the server recorded, as the outcome is).
-        texts = [m.get("content") or "" for m in job.messages if m.get("role") == "assistant"]
         aligned = len(texts) == len(turn_records(job)) and texts
-        answers = [capital_share(t)[0] / (len(texts) - 1) for t in texts[1:]]
+        answers = [s / (len(texts) - 1) for s, _ in shares[1:]]
         per_turn = [0.0, *answers] if len(texts) > 1 else ([0.0] * len(texts))
-        terms = process_terms(job, (LANGUAGE_MIXING,))
+        terms = await process_terms_async(job, (LANGUAGE_MIXING,))
         weight = float(job.reward_weights.get("turn_scores", 0.0))
         terms["turn_scores"] = RewardComponent(value=math.fsum(per_turn), weight=weight,
                                                per_turn=per_turn if aligned else None)

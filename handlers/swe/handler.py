@@ -51,7 +51,7 @@ from prorl_server.cpu_pool import CpuTimeoutError
 from prorl_server.plugin import (AgentConfig, AgentHandler, InfrastructureError, InvalidInstanceError,
                                  NotRegradableError, preparing_sandbox)
 from prorl_server.plugin.toolkit import run_agent, sandbox_tools
-from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms
+from prorl_server.plugin import STANDARD_TERMS, compose_reward, process_terms_async
 from sandbox import Limits, SandboxSpec, ToolError
 
 REPO_SRC = "/repo_src"
@@ -213,7 +213,7 @@ class SweHandler(AgentHandler):
     async def eval(self, job) -> None:
         await self._grade(job)
         if job.failure_kind is None:  # the outcome, plus the opted-in process terms (a failure earns none)
-            compose_reward(job, job.reward, process_terms(job))
+            compose_reward(job, job.reward, await process_terms_async(job))
 
     async def _grade(self, job) -> None:
         inst = job.instance

@@ -66,6 +66,9 @@ def test_the_faster_mixing_share_equals_the_old_one_on_random_mixed_strings():
               "\U0001D400\U0001D401 ab", "ｆｕｌｌ ｗｉｄｔｈ ﾊﾝｶｸ 漢字", "", "plain ascii only"]
     texts += ["".join(chr(c) for c in random.Random(0).sample(range(0x4E00, 0xA000), 16384)) + "Latin tail",
               "Ωmega " * 5000, "".join(chr(c) for c in range(0x20, 0x3000))]  # past the bound, many distinct
+    # many distinct letters over several of the share's Counter chunks (16,384 characters each), a partial last one
+    texts += ["".join(random.Random(1).choices([chr(c) for c in [*range(0x4E00, 0xA000), *range(0x400, 0x4FF)]],
+                                               k=40000)) + "Latin tail"]
     differ = [t[:40] for t in texts if repr(mixing_share(t)) != repr(old_mixing_share(t))]
     assert not differ, differ[:5]
     assert sum(old_mixing_share(t) > 0 for t in texts) > 800  # most draws do mix scripts
