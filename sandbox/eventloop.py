@@ -3,15 +3,14 @@
 Why not asyncio: importing asyncio costs ~45 ms on this class of machine, which alone would break the
 bubblewrap start target (issue #36: p50 < 20 ms); this loop imports in well under 1 ms. The execution server
 needs only file descriptor readiness, timers and a thread-safe wake-up (for the IPython thread, which does run
-asyncio, lazily, on first use). It polls with ``select.poll`` and wakes through an ``os.pipe``, not through
+asyncio, lazily, on first use). It polls with ``select.poll`` and wakes through a pipe, not through
 ``selectors`` and ``socket``: those import ``enum`` and ``collections`` and build enum classes of every
 socket constant (~7 ms a start).
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-import os
+import posix  # not `os`: it imports _collections_abc, stat and posixpath (~1.1 ms at every start)
 import select
 import _thread  # not `threading`: a lock is all that is needed, and its import is not free
 import time
@@ -19,6 +18,10 @@ import time
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable, Optional
+
+# Imported by the first call_later (every heap operation follows one), not at the top: its C part is a shared
+# object to load, and a start schedules no timer.
+heapq = None
 
 
 class Timer:
@@ -44,9 +47,9 @@ class EventLoop:
         self._seq = itertools.count()
         self._ready: list[Callable[[], None]] = []
         self._lock = _thread.allocate_lock()
-        self._wake_r, self._wake_w = os.pipe()  # close-on-exec, as every descriptor Python opens
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_r, self._wake_w = posix.pipe()  # close-on-exec, as every descriptor Python opens
+        posix.set_blocking(self._wake_r, False)
+        posix.set_blocking(self._wake_w, False)
         self._readers: dict[int, Callable[[], None]] = {}
         self._writers: dict[int, Callable[[], None]] = {}
         self._poll.register(self._wake_r, select.POLLIN)
@@ -81,6 +84,9 @@ class EventLoop:
 
     # -- time
     def call_later(self, delay_s: float, cb: Callable[[], None]) -> Timer:
+        global heapq
+        if heapq is None:
+            import heapq
         t = Timer(time.monotonic() + max(0.0, delay_s), cb)
         heapq.heappush(self._timers, (t.when, next(self._seq), t))
         return t
@@ -89,7 +95,7 @@ class EventLoop:
         with self._lock:
             self._ready.append(cb)
         try:
-            os.write(self._wake_w, b"\0")
+            posix.write(self._wake_w, b"\0")
         except OSError:
             pass  # the wake-up pipe is already full: the loop will run the callback anyway
 
@@ -97,7 +103,7 @@ class EventLoop:
         """Stop after the current iteration. Safe in a signal handler (no lock; one byte to the wake-up pipe)."""
         self._stopping = True
         try:
-            os.write(self._wake_w, b"\0")
+            posix.write(self._wake_w, b"\0")
         except OSError:
             pass
 
@@ -115,7 +121,7 @@ class EventLoop:
             for fd, events in polled:
                 if fd == self._wake_r:
                     try:
-                        while os.read(self._wake_r, 4096):
+                        while posix.read(self._wake_r, 4096):
                             pass
                     except OSError:
                         pass
@@ -136,5 +142,5 @@ class EventLoop:
                     t.callback()
 
     def close(self) -> None:
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        posix.close(self._wake_r)
+        posix.close(self._wake_w)

@@ -18,12 +18,14 @@ exits when that write finds no reader, and later when the host's read end closes
 
 SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
 Imports are kept minimal (no asyncio, pydantic, json, re, enum, socket, signal, selectors, collections or functools;
-tests/sandbox/test_start_path.py checks) because this module's start time is the sandbox's start time.
+and ``os``, ``binascii``, ``heapq`` and the bash tool's modules only on their first use; tests/sandbox/
+test_start_path.py checks) because this module's start time is the sandbox's start time.
 """
 from __future__ import annotations
 
-import binascii
-import os
+# `posix`, not `os`, on the start path: `os` imports and runs _collections_abc, stat and posixpath (~1.1 ms at
+# every start); the tools that need os.path (file transfers, the editor, the shell) import it when first used.
+import posix
 import sys
 # The C modules behind `socket`, `signal` and `functools`: those import enum and collections and build enum
 # classes of every constant (~7 ms at every sandbox start); the server needs a Unix socket, two handlers and
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
 
 from . import protocol
 from .protocol import UNKNOWN_REQUEST
-from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES, BashSession
 from .errors import FileTransferError, SandboxError
 from .eventloop import EventLoop
 
@@ -122,10 +123,9 @@ class ExecServer:
         self.run_dir = config["run_dir"]
         env = dict(config.get("env") or {})
         limits = dict(config.get("limits") or {})
-        self.bash = BashSession(self.loop, workspace=self.workspace, env=env, run_dir=self.run_dir,
-                                limits=limits, sessions_file=config.get("sessions_file"))
-        self._ipython_args = dict(workspace=self.workspace, env=env, run_dir=self.run_dir, limits=limits,
-                                  sessions_file=config.get("sessions_file"))
+        self._tool_args = dict(workspace=self.workspace, env=env, run_dir=self.run_dir, limits=limits,
+                               sessions_file=config.get("sessions_file"))
+        self._bash = None
         self._ipython = None
         self._editor = None
         self._running: dict[Any, Optional[_Conn]] = {}
@@ -144,22 +144,32 @@ class ExecServer:
         return self._editor
 
     @property
+    def bash(self):
+        if self._bash is None:
+            # lazily: its module and C modules cost ~1.5 ms at every start, and a sandbox used only for files
+            # or IPython never needs it (the shell itself starts on the first bash request or a warm ping)
+            from .bash_tool import BashSession
+
+            self._bash = BashSession(self.loop, **self._tool_args)
+        return self._bash
+
+    @property
     def ipython(self):
         if self._ipython is None:
             from .ipython_tool import IPythonSession
 
-            self._ipython = IPythonSession(self.loop, **self._ipython_args)
+            self._ipython = IPythonSession(self.loop, **self._tool_args)
         return self._ipython
 
     # ------------------------------------------------------------------------------------------- serving
     def serve_forever(self) -> None:
         try:
-            os.unlink(self.socket_path)
+            posix.unlink(self.socket_path)
         except FileNotFoundError:
             pass
         lst = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         lst.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o600)
+        posix.chmod(self.socket_path, 0o600)
         lst.listen(16)
         lst.setblocking(False)
         self._listener = lst
@@ -169,7 +179,7 @@ class ExecServer:
             # means the host died while this sandbox started, maybe before bwrap armed --die-with-parent (its
             # PR_SET_PDEATHSIG then names init): nobody will ever use or close this sandbox, so it ends itself.
             try:
-                os.write(self._ready_fd, b"1")
+                posix.write(self._ready_fd, b"1")
             except BrokenPipeError:
                 self.shutdown_tools()
                 return
@@ -179,7 +189,7 @@ class ExecServer:
                 # Kept for the sandbox's life, never inherited by a tool: the host holds the read end until it
                 # closes the sandbox, so an error on this end (EPOLLERR: no reader left) means the host is gone,
                 # whatever bwrap's parent-death signal saw.
-                os.set_inheritable(self._ready_fd, False)
+                posix.set_inheritable(self._ready_fd, False)
                 self.loop.add_reader(self._ready_fd, self._host_gone)
         try:
             self.loop.run_forever()
@@ -202,11 +212,12 @@ class ExecServer:
         self.loop.add_reader(conn.fd, conn.on_readable)
 
     def shutdown_tools(self) -> None:
-        self.bash.close()
+        if self._bash is not None:
+            self._bash.close()
         if self._ipython is not None:
             self._ipython.close()
         try:
-            os.unlink(self.socket_path)
+            posix.unlink(self.socket_path)
         except OSError:
             pass
 
@@ -221,7 +232,7 @@ class ExecServer:
         rid, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
         try:
             if op == "ping":
-                self._reply(conn, rid, {"pid": os.getpid(), "pidns": _pid_namespace()})
+                self._reply(conn, rid, {"pid": posix.getpid(), "pidns": _pid_namespace()})
                 if args.get("warm") and not self._warmed:
                     self._warmed = True
                     # Start the shell now, after the answer, so that the first bash call finds it ready. Only
@@ -230,10 +241,12 @@ class ExecServer:
                     # cores; otherwise the first bash call starts it.
                     self.loop.call_later(0, self.bash.spawn)
             elif op == "bash":
+                bash = self.bash
+                from .bash_tool import DEFAULT_MAX_OUTPUT_BYTES  # loaded with the session just above
+
                 self._running[rid] = conn
-                self.bash.run(str(args["command"]), float(args.get("timeout_s", 30.0)),
-                              int(args.get("max_output_bytes") or DEFAULT_MAX_OUTPUT_BYTES),
-                              partial(self._complete, rid))
+                bash.run(str(args["command"]), float(args.get("timeout_s", 30.0)),
+                         int(args.get("max_output_bytes") or DEFAULT_MAX_OUTPUT_BYTES), partial(self._complete, rid))
             elif op == "ipython":
                 self._running[rid] = conn
                 self.ipython.run(str(args["code"]), float(args.get("timeout_s", 30.0)),
@@ -282,9 +295,14 @@ class ExecServer:
 
     # ------------------------------------------------------------------------------------------ file I/O
     def _path(self, path: str) -> str:
+        import os
+
         return path if os.path.isabs(path) else os.path.join(self.workspace, path)
 
     def _upload(self, args: dict[str, Any]) -> dict[str, Any]:
+        import binascii  # a shared object to load: on the first transfer, not at every start
+        import os
+
         path = self._path(str(args["path"]))
         data = binascii.a2b_base64(args.get("data_b64", ""))
         try:
@@ -298,6 +316,8 @@ class ExecServer:
         return {"path": path, "bytes": len(data)}
 
     def _download(self, args: dict[str, Any]) -> dict[str, Any]:
+        import binascii
+
         path = self._path(str(args["path"]))
         limit = int(args.get("max_bytes") or DEFAULT_DOWNLOAD_MAX_BYTES)
         try:
@@ -321,15 +341,15 @@ def _error_dict(e: BaseException) -> dict[str, str]:
 def _pid_namespace() -> Optional[int]:
     """Inode of this process's pid namespace (the same number the host sees), or None."""
     try:
-        return int(os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]"))
+        return int(posix.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]"))
     except (OSError, IndexError, ValueError):
         return None
 
 
 def _drop_privileges(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
+    posix.setgroups([])
+    posix.setresgid(gid, gid, gid)
+    posix.setresuid(uid, uid, uid)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -343,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         config = protocol.loads(f.read())
     if config.get("run_as"):
         _drop_privileges(*config["run_as"])
-    os.chdir(config["workspace"])
+    posix.chdir(config["workspace"])
 
     server = ExecServer(opts["--socket"], config)
 

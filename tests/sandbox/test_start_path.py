@@ -67,6 +67,28 @@ def test_the_execution_server_starts_without_slow_imports():
     assert loaded & SLOW_AT_START == set()
 
 
+# Modules first needed by a tool, each a shared object to load or a module body to run (~2 ms at every start
+# together): the first bash request, file transfer or editor call imports them, a start does not.
+FIRST_USE_ONLY = {"os", "binascii", "termios", "resource", "heapq", "_heapq", "sandbox.bash_tool",
+                  "sandbox.limits", "sandbox.sessions"}
+
+
+@pytest.mark.real  # a Python subprocess
+def test_the_execution_server_leaves_each_tool_s_modules_to_its_first_use(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import sandbox.exec_server as e; "
+            "s = e.ExecServer(sys.argv[2] + '/exec.sock', {'workspace': sys.argv[2], 'run_dir': sys.argv[2]}); "
+            "print(' '.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-S", "-c", code, root, str(tmp_path)], capture_output=True,
+                                text=True, check=True).stdout.split())
+    assert "sandbox.exec_server" in loaded
+    assert loaded & FIRST_USE_ONLY == set()
+
+
 MESSAGES = [{"id": 1, "op": "bash", "args": {"command": "echo é\n\"\\\u2028\x00", "timeout_s": 2.5}},
             {"id": None, "ok": False, "error": {"type": "ToolError", "message": "x"}},
             {"id": 7, "ok": True, "result": {"n": 10 ** 30, "f": 1e308, "z": -0.0, "b": [True, False, None],
