@@ -151,7 +151,10 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
     for k, t in enumerate(result.trajectories):
         P, R = len(t.prompt_ids), len(t.response_ids)
         segments = mask_runs(t.loss_mask, R)
-        n_sampled = sum(j - i for i, j, generated in segments if generated)
+        sampled_runs = [(P + i, P + j) for i, j, generated in segments if generated]
+        n_sampled = 0
+        for i, j in sampled_runs:
+            n_sampled += j - i
         versions = (t.version_runs if sum(n for _, n in t.version_runs) == n_sampled
                     else [[None, n_sampled]])  # unknown: prorl_server.types.sampled_runs_versions
         recorded = t.sampled_routes()  # per generated token, from the positional record
@@ -160,19 +163,29 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
         if recorded is not None:
             tags = [(v, json.dumps(r, separators=(",", ":")))
                     for v, r in zip(sampled_runs_versions(t.version_runs, n_sampled), recorded)]
+        if recorded is None and len(versions) == 1:  # one version (the common case): a run per segment, already
+            # maximal (segments alternate, so only a first observation joins the prompt), in one pass
+            tag = (versions[0][0],)
+            runs = [(0, P, None)] if P else []
+            starts, gen_before, g = ([0], [0], 0) if P else ([], [], 0)
+            for i, j, sampled in segments:
+                if sampled:
+                    runs.append((P + i, P + j, tag))
+                elif runs and runs[-1][2] is None:  # the prompt, then an observation
+                    runs[-1] = (0, P + j, None)
+                    continue
+                else:
+                    runs.append((P + i, P + j, None))
+                starts.append(P + i)
+                gen_before.append(g)
+                if sampled:
+                    g += j - i
+            out.append(Row(job_id, k, float(result.reward), P, [*t.prompt_ids, *t.response_ids], runs, starts,
+                           t.response_logprobs, None, gen_before, sampled_runs))
+            continue
         runs: list[tuple[int, int, Any]] = [(0, P, ctx)]
         s = 0  # generated tokens before the segment
-        if recorded is None and len(versions) == 1:  # one version: a run per segment, already maximal
-            tag = (versions[0][0],)
-            for i, j, sampled in segments:
-                if not sampled and runs[-1][1] == P + i and runs[-1][2] is ctx:
-                    runs[-1] = (runs[-1][0], P + j, ctx)
-                else:
-                    runs.append((P + i, P + j, tag if sampled else ctx))
-            segments_left = ()
-        else:
-            segments_left = segments
-        for i, j, sampled in segments_left:
+        for i, j, sampled in segments:
             if not sampled:
                 runs.append((P + i, P + j, ctx))
                 continue
@@ -184,14 +197,13 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
                     runs.append((at, at + c, (v,)))
                     at += c
             s += j - i
-        runs = _merge_runs(runs) if segments_left else [x for x in runs if x[0] < x[1]]
+        runs = _merge_runs(runs)
         gen_before, g = [], 0
         for a, b, p in runs:
             gen_before.append(g)
             g += (b - a) if p.__class__ is tuple else 0
         out.append(Row(job_id, k, float(result.reward), P, [*t.prompt_ids, *t.response_ids], runs,
-                       [a for a, _, _ in runs], t.response_logprobs, recorded, gen_before,
-                       [(P + i, P + j) for i, j, sampled in segments if sampled]))
+                       [a for a, _, _ in runs], t.response_logprobs, recorded, gen_before, sampled_runs))
     return out
 
 
@@ -212,8 +224,13 @@ class _Node:
 
 def _row_runs(row: Row, r: int, a: int, b: int) -> list[tuple[int, int, Any, int]]:
     """Row ``r``'s provenance runs over ``[a, b)`` in :class:`_Node`'s form."""
-    out = []
     i = bisect.bisect_right(row.run_starts, a) - 1
+    if a < b == len(row.ids):  # to the row's end (a new leaf node): every run from i, the first cut at a
+        out = [(s, e, p, r if p.__class__ is tuple else -1) for s, e, p in row.runs[i:]]
+        s, e, p, src = out[0]
+        out[0] = (a, e, p, src)
+        return out
+    out = []
     while i < len(row.runs) and row.runs[i][0] < b:
         s, e, p = row.runs[i]
         out.append((max(s, a), min(e, b), p, r if p.__class__ is tuple else -1))
@@ -235,22 +252,27 @@ def _cut(runs: list[tuple[int, int, Any, int]], at: int) -> tuple[list, list]:
     return left, right
 
 
-def _compatible_prefix(row: Row, runs: list[tuple[int, int, Any, int]], pos: int, n: int) -> int:
+def _compatible_prefix(row: Row, runs: list[tuple[int, int, Any, int]], pos: int, n: int) -> tuple[int, int]:
     """How many positions from ``pos`` (at most ``n``) row ``row`` may share with a node of provenance ``runs``
-    (which start at ``pos``): a walk over both run lists, not their tokens."""
+    (which start at ``pos``), and the first of them where the row sampled a token the node holds as context
+    (``pos + n`` if none: then :func:`_absorb` has nothing to add up to there): a walk over both run lists, not
+    their tokens."""
     end = pos + n
     ra = bisect.bisect_right(row.run_starts, pos) - 1
     rb = 0
     at = pos
+    absorb = end
     while at < end:
         _, ea, pa = row.runs[ra]
         _, eb, pb, _ = runs[rb]
         if not _compatible(pa, pb):
-            return at - pos
+            return at - pos, absorb
+        if absorb == end and pa.__class__ is tuple and pb.__class__ is not tuple:
+            absorb = at
         at = min(ea, eb)
         ra += ea == at
         rb += eb == at
-    return n
+    return n, absorb
 
 
 def _absorb(runs: list[tuple[int, int, Any, int]], row: Row, r: int) -> list[tuple[int, int, Any, int]]:
@@ -311,8 +333,8 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
                 node, pos = child, n
                 break
             length = child.end - child.start  # child.start == pos: a node starts at its depth in every row
-            m = _same_ids(row.ids, rows[child.row].ids, pos,
-                          _compatible_prefix(row, child.runs, pos, min(length, n - pos)))
+            shared, absorb = _compatible_prefix(row, child.runs, pos, min(length, n - pos))
+            m = _same_ids(row.ids, rows[child.row].ids, pos, shared)
             if m < length:  # split: a new head node takes [start, start + m); the child keeps its tail,
                 # its children and every row that ends in it
                 owner = rows[child.row]
@@ -326,7 +348,8 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
                 head.children[owner.ids[child.start]] = [child]
                 order[head] = [child]
                 child = head
-            child.runs = _absorb(child.runs, row, r)
+            if absorb < pos + m:  # the row sampled a token the node holds as context: the node takes its run
+                child.runs = _absorb(child.runs, row, r)
             node, pos = child, pos + m
         ends.append(node)
 
@@ -393,32 +416,39 @@ def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
     its sampled runs leave it, a token it did not generate has a logprob other than 0.0, or a logprob is not
     finite."""
     L, d = len(node.token_ids), node.depth
-    n_sampled = sum(e - s for s, e in node.sampled)
-    if (sum(n for _, n in node.version_runs) != n_sampled or len(node.logprobs) != L
-            or (node.routed_experts is not None and len(node.routed_experts) != n_sampled)):
+    sampled, version_runs, routes, lps = node.sampled, node.version_runs, node.routed_experts, node.logprobs
+    n_sampled = 0
+    for s, e in sampled:
+        n_sampled += e - s
+    if (sum(n for _, n in version_runs) != n_sampled or len(lps) != L
+            or (routes is not None and len(routes) != n_sampled)):
         raise ValueError(f"node {node.id}'s version runs, routes or logprobs do not fit its tokens")
-    lps = node.logprobs
+    # one version and no routes (the common case): one provenance for every sampled run, made once
+    one = (version_runs[0][0],) if routes is None and len(version_runs) == 1 else None
     out: list[tuple[int, int, Optional[tuple]]] = []
     at = k = 0  # node offset after the last sampled run; generated tokens before it
-    for s, e in list(node.sampled) + [(L, L)]:
+    for s, e in sampled:
         if not at <= s <= e <= L or (s == e and s != L):
             raise ValueError(f"node {node.id}'s sampled run [{s}, {e}) is out of order or leaves it")
         out.append((d + at, d + s, None))
         if any(lps[at:s]):
             raise ValueError(f"node {node.id} gives a token it did not generate a behaviour logprob")
-        if node.routed_experts is None and len(node.version_runs) == 1:
-            out.append((d + s, d + e, (node.version_runs[0][0],)))
-        elif node.routed_experts is None:
+        if one is not None:
+            out.append((d + s, d + e, one))
+        elif routes is None:
             q = s
-            for v, c in runs_slice(node.version_runs, k, e - s):
+            for v, c in runs_slice(version_runs, k, e - s):
                 out.append((d + q, d + q + c, (v,)))
                 q += c
         else:
-            versions = [v for v, c in runs_slice(node.version_runs, k, e - s) for _ in range(c)]
+            versions = [v for v, c in runs_slice(version_runs, k, e - s) for _ in range(c)]
             out += [(d + s + q, d + s + q + 1, (v, json.dumps(r, separators=(",", ":"))))
-                    for q, (v, r) in enumerate(zip(versions, node.routed_experts[k:k + e - s]))]
+                    for q, (v, r) in enumerate(zip(versions, routes[k:k + e - s]))]
         k += e - s
         at = e
+    out.append((d + at, d + L, None))  # the context after the last sampled run (maybe empty)
+    if any(lps[at:L]):
+        raise ValueError(f"node {node.id} gives a token it did not generate a behaviour logprob")
     # a plain sum is finite when every term is (and one C pass); only a non-finite sum needs the per-token look
     # (finite terms can overflow it), and fsum can raise OverflowError on them
     if not math.isfinite(sum(lps)) and not all(map(math.isfinite, lps)):
@@ -446,6 +476,10 @@ def _prov_difference(mine: list[tuple[int, int, Any]], theirs: list[tuple[int, i
     return 0, "loss mask"
 
 
+#: A provenance no run has (the "previous run" before the first).
+_NO_RUN = object()
+
+
 def _leaf_runs(path_runs: list[tuple[int, int, Any]], sampled: Sequence[Sequence[int]], context: Any
                ) -> tuple[list[tuple[int, int, Any]], Optional[tuple[int, Any]]]:
     """A leaf's provenance runs from its path's (``path_runs``: the nodes' runs in order, context None, maybe
@@ -456,23 +490,29 @@ def _leaf_runs(path_runs: list[tuple[int, int, Any]], sampled: Sequence[Sequence
     row with routes), with the node's provenance there, or None."""
     out: list[tuple[int, int, Any]] = []
     bad: Optional[tuple[int, Any]] = None
-    k = 0
+    k, ns = 0, len(sampled)
+    last_end, last_prov = -1, _NO_RUN  # the last run of out, merged on the fly (as _merge_runs would)
     for a, b, p in path_runs:
         at = a
         while at < b:
-            while k < len(sampled) and sampled[k][1] <= at:
+            while k < ns and sampled[k][1] <= at:
                 k += 1
-            s, e = sampled[k] if k < len(sampled) else (b, b)
+            s, e = sampled[k] if k < ns else (b, b)
             if at < s:  # context in the leaf up to the next sampled run
-                stop = min(b, s)
-                if _sampled(p) and bad is None and not _compatible(context, p):
+                stop = b if b < s else s
+                q = context
+                if bad is None and p.__class__ is tuple and not _compatible(context, p):
                     bad = (at, p)
-                out.append((at, stop, context))
             else:  # inside the leaf's sampled run [s, e)
-                stop = min(b, e)
-                out.append((at, stop, p if _sampled(p) else "sampled by the leaf, not by its node"))
+                stop = b if b < e else e
+                q = p if p.__class__ is tuple else "sampled by the leaf, not by its node"
+            if last_end == at and q == last_prov:
+                out[-1] = (out[-1][0], stop, q)
+            else:
+                out.append((at, stop, q))
+            last_end, last_prov = stop, q
             at = stop
-    return _merge_runs(out), bad
+    return out, bad
 
 
 def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
