@@ -14,15 +14,21 @@ verifies (:func:`prorl_server.tree.group_tree`, its build time per 100k flat tok
 forward+backward of a per-row GRPO-style loss (``advantage * sum of the row's generated tokens' logprobs``)
 per row and packed from that tree (:mod:`trainer_plugins.trl.tree_pack`), the best of ``--repeats``; prints
 flat and tree tokens, the ratio, both times and the speed-up, the max logprob difference and the relative
-gradient difference, and ends with one JSON line.
+gradient difference, and ends with one JSON line (with the 1-minute load average before and after: the
+timings are only meaningful on quiet cores).
 
-    .venv/bin/python benchmarks/tree_training.py [--repeats 3] [--seed 0]
+The packed side attends node by node (``--attention tree``, the default:
+:func:`trainer_plugins.trl.tree_pack.tree_attention_forward`) or through the dense S x S ancestor mask
+(``--attention dense``: the path eager models take, built inside the timed step as the trainer builds it).
+
+    .venv/bin/python benchmarks/tree_training.py [--repeats 3] [--seed 0] [--attention tree|dense]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -36,8 +42,8 @@ import torch  # noqa: E402
 from prorl_server.tree import group_tree  # noqa: E402
 from prorl_server.types import JobResult, Trajectory  # noqa: E402
 from prorl_server.types import GroupTree  # noqa: E402
-from trainer_plugins.trl.tree_pack import (build_prefix_tree, pack, packed_row_logprobs,  # noqa: E402
-                                           per_row_logprobs)
+from trainer_plugins.trl.tree_pack import (ancestor_mask, build_prefix_tree, enable_tree_attention,  # noqa: E402
+                                           pack, packed_row_logprobs, per_row_logprobs)
 
 
 def _ids(rnd: random.Random, n: int) -> list[int]:
@@ -120,7 +126,7 @@ def build_cost(name: str, results: list[tuple[str, JobResult]], repeats: int) ->
                   "baseline_token_build_ms_per_100k": round(min(base) * per, 2)}
 
 
-def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) -> dict:
+def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int, attention: str = "tree") -> dict:
     tree, cost = build_cost(name, results, repeats)
     print(f"{name:8} build: server build+verify {cost['build_verify_ms_per_100k']} ms/100k flat tokens "
           f"({cost['build_verify_ms']} ms for {tree.flat_tokens}), off the loop {cost['off_loop_ms_per_100k']} "
@@ -146,13 +152,14 @@ def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) ->
         g_ref = step(model, ref, masks, adv)
         times["rows"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        got, _ = packed_row_logprobs(model, packed)
+        mask = ancestor_mask(packed, torch.float32) if attention == "dense" else None
+        got, _ = packed_row_logprobs(model, packed, mask=mask)
         g_got = step(model, got, leaf_masks, adv)
         times["packed"].append(time.perf_counter() - t0)
     delta = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(got, ref))
     rel = float((g_got - g_ref).norm() / g_ref.norm())
     rows_s, packed_s = min(times["rows"]), min(times["packed"])
-    out = {"group": name, "rows": len(rows), "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
+    out = {"group": name, "attention": attention, "rows": len(rows), "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
            "tree_token_ratio": round(tree.tree_token_ratio, 3),
            **cost,
            "rows_fwd_bwd_s": round(rows_s, 3), "packed_fwd_bwd_s": round(packed_s, 3),
@@ -160,7 +167,7 @@ def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int) ->
            "max_logprob_delta": delta, "grad_rel_delta": rel}
     print(f"{name:8} rows {len(rows):3}  flat {tree.flat_tokens:6} -> tree {tree.tree_tokens:6} "
           f"(ratio {tree.tree_token_ratio:.3f}, built+verified {out['build_verify_ms_per_100k']} ms/100k)  "
-          f"fwd+bwd rows {rows_s:.2f} s vs packed {packed_s:.2f} s: {out['speedup']}x (ideal {out['ideal']}x)  "
+          f"fwd+bwd rows {rows_s:.2f} s vs packed ({attention} attention) {packed_s:.2f} s: {out['speedup']}x (ideal {out['ideal']}x)  "
           f"max |dlogp| {delta:.2g}  grad rel {rel:.2g}", flush=True)
     return out
 
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-only", action="store_true", help="only the tree's build+verify cost (no model)")
+    ap.add_argument("--attention", choices=("tree", "dense"), default="tree",
+                    help="packed attention: node by node (SDPA models) or the dense S x S ancestor mask")
     ap.add_argument("--grpo-samples", type=int, default=8, help="samples of the GRPO group (8: 5.6k flat tokens)")
     args = ap.parse_args(argv)
     model = None
@@ -181,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(build(ROOT / ".cache" / "tiny-model"),
                                                      attn_implementation="sdpa", dtype=torch.float32)
+        # switched before the first timing, so both sides run the same model (the per-row forward through it
+        # is SDPA's, bit for bit: tests/trainer/test_tree_pack.py)
+        enable_tree_attention(model)
+    load_before = os.getloadavg()[0]
     rnd = random.Random(args.seed)
-    results = [run("grpo", model, grpo_group(rnd, samples=args.grpo_samples), args.repeats),
-               run("rewrite", model, rewrite_group(rnd),
-                                                                       args.repeats)]
-    print(json.dumps({"benchmark": "tree_training", "torch_threads": torch.get_num_threads(), "groups": results}))
+    results = [run("grpo", model, grpo_group(rnd, samples=args.grpo_samples), args.repeats, args.attention),
+               run("rewrite", model, rewrite_group(rnd), args.repeats, args.attention)]
+    print(json.dumps({"benchmark": "tree_training", "torch_threads": torch.get_num_threads(),
+                      "load_1min": [load_before, os.getloadavg()[0]], "groups": results}))
     return 0
 
 
