@@ -17,11 +17,14 @@ Rules:
   back), and the pool starts a replacement in the background.
 - Warm: a pooled sandbox's shell is started while it waits (:meth:`~sandbox.runtime.SandboxHandle.warm_up`), so
   a job's first bash call finds it ready; a cold start leaves its shell to the first bash call.
-- Never dead: on acquire the sandbox's launcher must run, no bound may have ended it, its execution server must
-  not be stopped (SIGSTOP, a tracer) nor a zombie (its ``/proc/PID/stat`` state) and must hold its connection
-  open (a server that died closed it; checked with ``poll``, no round trip; without a connection, a ping within
+- Never dead: on acquire the sandbox's launcher must run, no bound may have ended it, none of its known
+  processes (the launcher chain, the execution server and its warm shell, recorded after warm-up:
+  :attr:`SandboxHandle.processes`) may be stopped (SIGSTOP, a tracer), a zombie or gone (their
+  ``/proc/PID/stat``, :mod:`sandbox.procstate`), and the server must hold its connection open (a server that
+  died closed it; checked with ``poll``, no round trip; without a connection, a ping within
   :data:`ACQUIRE_PING_S`); one that fails is closed (counted ``dead``) and the next is tried, else a cold
-  start.
+  start. The same processes found stopped or gone at the model's first call fail that call as the system's
+  (:class:`SandboxStartError`, see ``SandboxHandle._check_untouched``).
 - Pooled specs: those without per-job host state (no ``workspace``, no ``binds``), the first ``max_specs``
   distinct ones asked for (the shipped math and code handlers' run sandboxes); any other spec is a cold start.
 - A pool that cannot refill (a full disk, no lease, a refused cgroup: :class:`SandboxStartError`) serves cold
@@ -203,9 +206,10 @@ class SandboxPool:
     # ----------------------------------------------------------------------------------------- helpers
     async def _alive(self, h: SandboxHandle) -> bool:
         """Whether a waiting sandbox can be handed out: alive, not ended by a bound, its execution server not
-        stopped nor a zombie (:func:`_stopped`), and its connection open with no hang-up (checked without a
-        round trip; without a connection, a ping within :data:`ACQUIRE_PING_S`). A dead one is closed in the background (its leases, cgroup and directories
-        released)."""
+        stopped nor a zombie (:func:`_stopped`), none of its known processes stopped, a zombie or gone
+        (:func:`sandbox.procstate.fault`), and its connection open with no hang-up (checked without a round
+        trip; without a connection, a ping within :data:`ACQUIRE_PING_S`). A dead one is closed in the
+        background (its leases, cgroup and directories released)."""
         ok = (h.alive and h._death is None and not _stopped(h._client.peer_pid)
               and procstate.fault(h.processes) is None)
         if ok and not h._client.connection_alive():
@@ -288,3 +292,6 @@ class SandboxPool:
             await h.close(grace_s=0.0)
             return
         p.ready.append(h)
+        # a start succeeded: the spec refills again (set at once, not after the batch's other starts, so that
+        # ``degraded`` never names a spec with ready sandboxes)
+        p.failed_at = None
