@@ -70,9 +70,10 @@ import aiohttp
 from prorl_server.types import JobResult
 from trainer_plugins.admission import (ServerChooser, StalenessPolicy, WindowedFIFO, as_server_chooser,
                                        as_staleness_policy)
-from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, InvalidInstanceError, JobSubmitter,
-                                  RolloutAuthError, filtered_result, never_rerun, open_session, process_request,
-                                  uses_retry)
+from trainer_plugins.jobs import (CONFIGURATION_FAULTS, DEFAULT_MAX_CONNECTIONS, DRAINING, ROLLOUT_SERVER,
+                                  InvalidInstanceError, JobSubmitter, RolloutAuthError,
+                                  completion_time_weight as check_speed_weight, filtered_result, never_rerun,
+                                  open_session, process_request, uses_retry)
 from trainer_plugins.fleet import Fleet, is_fleet_dir, open_fleet
 from trainer_plugins.servers import ServersFile, load_servers
 
@@ -451,6 +452,18 @@ class RolloutClient:
         max_connections: HTTP connections to the servers at most, all servers together (0, the default: no
             cap, the jobs in flight are bounded by the admission above; aiohttp's own default of 100 would
             hold a trainer to 100 jobs in flight). See :func:`trainer_plugins.jobs.open_session`.
+        completion_time_weight: weight ``w`` of the relative completion time reward (issue #35; docs/http-api.md
+            "Relative completion time"), a number in [0, 10]; 0 (the default) sends none of its fields. With
+            ``w > 0`` every job goes with ``completion_time: true``, its group's ``group_id`` and ``group_size``
+            (``n_samples``) and ``reward_weights: {"speed": w}``, as the TRL and verl plugins send them: each
+            result then carries ``speed`` in [-1, 1] and ``reward`` = outcome + ``w * speed`` (what DAPO's
+            dynamic sampling compares), answered when its group ends. A filtered sample's replacement goes back
+            to its group's server (which waits for it) unless that server was the fault.
+
+    Raises:
+        ValueError: ``groups_per_step`` or ``n_samples`` < 1, a negative ``max_sample_retries``,
+            ``max_connections`` or ``max_staleness``, an unknown ``staleness_policy`` or ``server_chooser``, or a
+            ``completion_time_weight`` that is not a number in [0, 10] (a bool, a string, NaN, inf).
     """
 
     def __init__(self, servers: Union[str, os.PathLike, ServersFile, Sequence[str]], dataset: Dataset, *,
@@ -465,13 +478,15 @@ class RolloutClient:
                  max_outstanding_groups: Optional[int] = None, job_prefix: Optional[str] = None,
                  initial_weight_version: int = 0, unavailable_retry_s: float = 120.0,
                  max_sample_retries: int = 2, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 end_fleet: bool = False) -> None:
+                 end_fleet: bool = False, completion_time_weight: float = 0.0) -> None:
         if groups_per_step < 1 or n_samples < 1:
             raise ValueError("groups_per_step and n_samples must be >= 1")
         if max_sample_retries < 0:
             raise ValueError("max_sample_retries must be >= 0")
         if max_connections < 0:
             raise ValueError(f"max_connections must be >= 0 (0: no cap), got {max_connections}")
+        #: weight of ``speed`` in the server's reward; > 0: jobs go with completion_time (issue #35)
+        self.completion_time_weight = check_speed_weight(completion_time_weight)
         self.max_connections = max_connections
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
@@ -636,7 +651,9 @@ class RolloutClient:
         return min(cap, self.max_outstanding_groups) if self.max_outstanding_groups else cap
 
     def _group_id(self, group: Group) -> str:
-        return f"{self.job_prefix}-{group.uid}"
+        # A group made again (dropped, or over the staleness bound) is a new group on the server: under the old
+        # id a completion-time group that ended would answer its members at once with speed 0.
+        return f"{self.job_prefix}-{group.uid}" + (f"-a{group.attempt}" if group.attempt else "")
 
     def _pick_server(self, group: Group) -> str:
         """The rollout server for a job of ``group``, as the server chooser picks it (least-in-flight keeps a
@@ -689,7 +706,8 @@ class RolloutClient:
 
     async def _run_sample(self, group: Group, sample: Sample) -> None:
         request = process_request(group.instance, self.sampling_params, job_id=sample.job_id,
-                                  group_id=self._group_id(group), timeout_s=self.timeout_s)
+                                  group_id=self._group_id(group), timeout_s=self.timeout_s, group_size=self.n,
+                                  speed_weight=self.completion_time_weight)
         # The job client's rules (trainer_plugins.jobs): 503 offered again for unavailable_retry_s; a server
         # that fails or vanishes gives a filtered result (no outcome of the model: regenerated like one the
         # server filtered); a cancelled job is never sent if it was not yet; a refused instance or token is an
@@ -739,7 +757,11 @@ class RolloutClient:
         if (not counted or sample.retries < self.max_sample_retries) and not self._closed and servers \
                 and not never_rerun(sample.result):  # an expired id ran once: never a second sample of it
             self._wasted_s += sample.counted_s
-            failed_on = sample.failed_on | {sample.server}
+            failed_on = set(sample.failed_on)
+            # a completion-time group lives on its server, which waits for the replacement: elsewhere it would
+            # be a group of its own (trainer_plugins.jobs, "Retry and failover")
+            if not self.completion_time_weight or sample.result.failure_kind in (ROLLOUT_SERVER, DRAINING):
+                failed_on.add(sample.server)
             server = self._jobs.retry_server(servers, self._group_id(group), failed_on, self.chooser)
             group.samples[group.samples.index(sample)] = self._start_sample(
                 group, sample.slot, sample.retries + counted, server, failed_on, sample.drains + (not counted))

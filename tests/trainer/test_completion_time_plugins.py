@@ -1,4 +1,5 @@
-"""Both trainer plugins opt in to the relative completion time reward (issue #35): ``completion_time_weight``.
+"""Both trainer plugins and the trainer-agnostic ``RolloutClient`` opt in to the relative completion time reward
+(issue #35): ``completion_time_weight``.
 
 Off (0, the default): no ``completion_time`` / ``group_size`` / ``reward_weights`` on the wire (a server from
 before #35 refuses unknown fields) and the reward is the outcome. On (w > 0): every job goes with the three
@@ -24,9 +25,10 @@ from aiohttp import web
 
 from prorl_server.app import create_app
 from prorl_server.config import ServerSettings
-from prorl_server.plugin import AgentHandler
+from prorl_server.plugin import AgentHandler, InfrastructureError
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.types import Trajectory, TurnRecord
+from trainer_plugins.client import RolloutClient
 from trainer_plugins.jobs import process_request
 from trainer_plugins.trl import ProRLRollout
 
@@ -51,6 +53,8 @@ class TimedHandler(AgentHandler):
         key = str(job.instance.get("id"))
         k = self.jobs[key]
         self.jobs[key] += 1
+        if k in job.instance.get("fail_jobs", ()):  # fault injection: the system's failure, a filtered result
+            raise InfrastructureError("harness", f"injected fault in job {k} of {key}")
         t = float(job.instance["model_s"][k % len(job.instance["model_s"])])
         job.trajectories = [Trajectory(**TRAJ)]
         job.turns = [TurnRecord(response_start=0, response_end=2, t_llm_s=t / 2),
@@ -80,10 +84,10 @@ def start(aiohttp_server, bodies):
             bodies.append(json.loads(await request.read()))
         return await handler(request)
 
-    async def start_():
+    async def start_(**settings):
         registry = HandlerRegistry()
         registry.register(TimedHandler())
-        app = create_app(ServerSettings(backends=[], health_interval_s=3600, sandbox_runtime="none"),
+        app = create_app(ServerSettings(backends=[], health_interval_s=3600, sandbox_runtime="none", **settings),
                          registry=registry)
         app.middlewares.insert(0, record)
         server = await aiohttp_server(app)
@@ -229,3 +233,54 @@ def test_verl_refuses_speed_when_validation_groups_cannot_be_told_apart(compose_
         verl_loop(compose_verl, tokenizer, monkeypatch, "http://127.0.0.1:9", "prorl.completion_time_weight=1",
                   f"{r}.val_kwargs.n=1", f"{r}.val_kwargs.temperature=1.0", f"{r}.val_kwargs.top_p=1.0",
                   f"{r}.val_kwargs.top_k=-1", f"{r}.temperature=1.0", f"{r}.top_p=1.0", f"{r}.top_k=-1")
+
+
+# ------------------------------------------------------------------ the trainer-agnostic RolloutClient
+
+
+async def client_batch(urls: list[str], inst: dict, **kw):
+    async with RolloutClient(urls, [inst], groups_per_step=1, n_samples=len(MODEL_S), max_staleness=None,
+                             max_epochs=1, **kw) as client:
+        return await asyncio.wait_for(client.next_batch(), 60)
+
+
+async def test_client_off_sends_no_completion_time_field(start, bodies):
+    batch = await client_batch([await start()], instance(), completion_time_weight=0.0, dynamic_sampling=False)
+    assert len(bodies) == len(MODEL_S)
+    for b in bodies:
+        assert not {"completion_time", "group_size", "reward_weights"} & set(b), b
+    assert batch.groups[0].rewards == [1.0] * len(MODEL_S)
+    assert all(r.speed is None for r in batch.groups[0].results)
+
+
+async def test_client_on_sends_the_group_and_speed_weight_and_gets_outcome_plus_weighted_speed(start, bodies):
+    w = 0.5
+    batch = await client_batch([await start()], instance(), completion_time_weight=w)
+    assert len(bodies) == len(MODEL_S)
+    assert {b["group_id"] for b in bodies} == {bodies[0]["group_id"]}  # one dataset item: one group
+    for b in bodies:
+        assert b["completion_time"] is True and b["group_size"] == len(MODEL_S)
+        assert b["reward_weights"] == {"speed": w}
+    (group,) = batch.groups
+    assert sorted(r.speed for r in group.results) == pytest.approx(sorted(SPEEDS), abs=1e-9)
+    # the rewards DAPO's dynamic sampling compares (all outcomes 1.0) differ by speed alone: the group is kept
+    assert sorted(group.rewards) == pytest.approx(sorted(1.0 + w * s for s in SPEEDS), abs=1e-9)
+
+
+async def test_client_sends_a_filtered_members_replacement_back_to_its_groups_server(start, bodies):
+    # the group's first job fails (the system's fault): its replacement must join the group on the server that
+    # holds it, or that group waits for it in vain and the replacement is a group of its own elsewhere
+    urls = [await start(completion_time_wait_s=3.0), await start(completion_time_wait_s=3.0)]
+    batch = await client_batch(urls, {**instance(), "fail_jobs": [0]}, completion_time_weight=0.5)
+    (group,) = batch.groups
+    assert len({s.server for s in group.samples}) == 1
+    assert len(bodies) == len(MODEL_S) + 1 and len({b["group_id"] for b in bodies}) == 1
+    # the replacement ran as the group's 5th job (model time MODEL_S[0] again): the speeds of the full group
+    assert sorted(r.speed for r in group.results) == pytest.approx(sorted(SPEEDS), abs=1e-9)
+
+
+@pytest.mark.parametrize("bad", BAD_WEIGHTS)
+def test_client_refuses_a_weight_that_is_no_number_in_range(bad):
+    with pytest.raises(ValueError, match="completion_time_weight"):
+        RolloutClient(["http://127.0.0.1:9"], [instance()], groups_per_step=1, n_samples=4,
+                      completion_time_weight=bad)
