@@ -243,6 +243,8 @@ class SandboxHandle:
         self._verdict: Optional[asyncio.Future] = None
         #: The readiness pipe, whose read end is held until close (its closing ends the execution server).
         self._ready: Optional["_ReadyPipe"] = None
+        #: The ownership record's rewrite with the pid namespace, done off the start's path; close waits for it.
+        self._record_write: Optional[asyncio.Future] = None
         #: Tool processes ("bash", "ipython") started, or asked to start, by this handle (see _start_lazily).
         self._started: set[str] = set()
         #: A bash, ipython or editor call was made on the model's behalf (inside a sandbox.system_time accumulator).
@@ -464,6 +466,8 @@ class SandboxHandle:
             lease.release()
         await asyncio.to_thread(self._runtime._cleanup_dirs, self._ctx.run_dir,
                                 self.workspace if self._workspace_created else None)
+        if self._record_write is not None:  # a write that landed after the removal would bring the record back
+            await asyncio.gather(self._record_write, return_exceptions=True)
         await asyncio.to_thread(self._runtime.store.remove, self.sandbox_id)
         self._runtime._handles.pop(self.sandbox_id, None)
         if survivors:
@@ -737,7 +741,12 @@ class SandboxRuntime(abc.ABC):
             pidns = pid_namespace(client.peer_pid) if client.peer_pid else None
             handle.pidns = pidns if pidns != self._own_pidns else None
             if handle.pidns is not None:
-                await asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns})
+                # Not awaited: a worker thread's round trip (~0.7 ms, more under load) added to every start.
+                # Until it lands the record names the launcher, by which a reap after a crash finds the sandbox
+                # (as during the whole boot); close waits for it before it removes the record.
+                handle._record_write = asyncio.ensure_future(
+                    asyncio.to_thread(self.store.write, {**record, "pidns": handle.pidns}))
+                handle._record_write.add_done_callback(functools.partial(_log_record_write, sandbox_id))
             lap("pidns")
         except BaseException as e:
             ready.close()
@@ -1409,6 +1418,12 @@ class _Laps:
         if self.steps is not None:
             self.steps[name] = self.steps.get(name, 0.0) + now - self.t
         self.t = now
+
+
+def _log_record_write(sandbox_id: str, fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("sandbox %s: its ownership record could not be updated with its pid namespace (%s); a reap "
+                    "after a crash finds it by its launcher", sandbox_id, fut.exception())
 
 
 def _settle(fut: asyncio.Future, res: Any, exc: Optional[BaseException]) -> None:

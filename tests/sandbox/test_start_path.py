@@ -139,3 +139,36 @@ async def test_a_cold_start_leaves_its_shell_to_the_first_bash_call_or_a_warm_up
         assert (await h.bash("echo ok")).output.strip() == "ok"
     finally:
         await h.close()
+
+
+@pytest.mark.real
+async def test_a_start_does_not_wait_for_the_pid_namespace_record_and_close_waits_for_it(bwrap_runtime, monkeypatch):
+    # The record's rewrite with the sandbox's pid namespace ran between the first answer and the start's return
+    # (a worker thread's round trip, ~0.7 ms of every start). Now it runs behind the start, and close must wait
+    # for it: a rewrite landing after close removed the record would leave a closed sandbox's record behind.
+    import asyncio
+    import threading
+
+    store = bwrap_runtime.store
+    write, release, held = store.write, threading.Event(), []
+
+    def slow_write(record):
+        if "pidns" in record:  # the rewrite, not the first record (which must exist before the launcher runs)
+            held.append(record["sandbox_id"])
+            release.wait(10)
+        write(record)
+
+    monkeypatch.setattr(store, "write", slow_write)
+    bwrap_runtime.start_timeout_s = 5.0
+    h = await bwrap_runtime.start()  # before: held here until start_timeout_s, a SandboxStartError
+    try:
+        assert (await h.bash("echo ok")).output.strip() == "ok"
+        assert held == [h.sandbox_id]
+        closing = asyncio.ensure_future(h.close(grace_s=0.0))
+        await asyncio.sleep(0.3)
+        release.set()
+        await closing
+        assert store.records() == []
+    finally:
+        release.set()
+        await h.close()
