@@ -56,7 +56,10 @@ CONFIG_NAME = "config.json"
 LOG_NAME = "launcher.log"
 SESSIONS_NAME = "sessions.json"
 #: What the execution server's interpreter runs (``python -S -c``; its ``sys.argv[1:]`` are the server's flags).
-SERVER_ENTRY = "from sandbox.exec_server import main; main()"
+#: ``-c`` puts the current directory (the workspace) first on ``sys.path``: it is dropped before any import, or a
+#: repository's top-level ``select.py`` or ``os.py`` would replace the server's module (``-P`` does the same
+#: but needs Python >= 3.11, and an image's interpreter may be older).
+SERVER_ENTRY = "import sys\nif sys.path[:1] == ['']: del sys.path[0]\nfrom sandbox.exec_server import main; main()"
 # The execution server's directory inside bubblewrap/Singularity sandboxes.
 SANDBOX_RUN_DIR = "/run/prorl"
 _MAX_SOCKET_PATH = 100  # sockaddr_un.sun_path is 108 bytes

@@ -172,3 +172,22 @@ async def test_a_start_does_not_wait_for_the_pid_namespace_record_and_close_wait
     finally:
         release.set()
         await h.close()
+
+
+@pytest.mark.real
+async def test_modules_in_the_workspace_never_shadow_the_execution_server_s_own(bwrap_runtime, tmp_path):
+    # `python -c` puts the current directory, the workspace, first on sys.path: a repository with a top-level
+    # select.py (imported at start) or binascii.py/heapq.py/os.py (imported at a tool's first use) replaced the
+    # server's module, and the sandbox failed to start or its tools broke (the system's doing, not the model's).
+    workspace = tmp_path / "repo"
+    workspace.mkdir()
+    for name in ("select", "binascii", "heapq", "os", "termios", "_json"):
+        (workspace / f"{name}.py").write_text("raise SystemExit(3)\n")
+    h = await bwrap_runtime.start(workspace=str(workspace))
+    try:
+        assert (await h.bash("echo ok")).output.strip() == "ok"
+        assert await h.download("os.py") == b"raise SystemExit(3)\n"
+        await h.upload("sub/x.txt", b"x")
+        assert (await h.bash("cat sub/x.txt")).output.strip() == "x"
+    finally:
+        await h.close()
