@@ -187,3 +187,52 @@ async def test_a_server_sigkilled_at_any_point_of_its_refills_leaves_no_sandbox_
     print(f"{started} sandboxes under way at {len(KILL_POINTS_S)} kill points; all gone within {worst:.3f} s")
     assert left == {}, f"processes outlived their SIGKILLed server by {GONE_WITHIN_S} s: {left}"
     assert started >= len(KILL_POINTS_S), "the kills found too few sandboxes under way to prove anything"
+
+
+async def test_a_code_job_whose_pooled_shell_was_stopped_after_acquire_is_filtered_not_scored(
+        aiohttp_client, scripted_policy, runtime_options):
+    """Through the whole server (pipeline, code handler, agent loop, HTTP): the job's sandbox comes from the
+    warm pool; while its first turn is generated (after acquire, before the model's first command) a co-tenant
+    stops the warm shells. Before: the bash call waited out its limit and came back to the model as a
+    ``[timed out]`` observation (scored). Now the job fails at that call as the system's, at once."""
+    import json
+
+    from handlers.code.data import humaneval_problems, to_instance
+    from handlers.code.task import sandbox_spec
+    from prorl_server.app import COMPONENTS, create_app
+    from prorl_server.config import ServerSettings
+    from prorl_server.plugin.registry import HandlerRegistry
+
+    stopped: list[psutil.Process] = []
+    components = []
+
+    def script(prompt, turn):
+        if turn == 0:  # the run sandbox is open: a co-tenant of the same uid stops every warm shell
+            for h in components[0].runtime.handles:
+                for p in psutil.Process(h._client.peer_pid).children():
+                    if p.name() == "bash":
+                        p.suspend()
+                        stopped.append(p)
+            return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": "echo alive"}}) + \
+                "\n</tool_call>"
+        return "<tool_call>\n" + json.dumps({"name": "finish", "arguments": {"answer": "done"}}) + "\n</tool_call>"
+
+    registry = HandlerRegistry()
+    registry.load_entry_points()
+    app = create_app(ServerSettings(backends=[await scripted_policy(script)], health_interval_s=3600,
+                                    sandbox_runtime="bubblewrap", sandbox_options=runtime_options,
+                                    sandbox_pool_size=1), registry=registry)
+    client = await aiohttp_client(app)
+    c = app[COMPONENTS]
+    components.append(c)
+    assert c.sandbox_pool.register(sandbox_spec())
+    await c.sandbox_pool.wait_full(sandbox_spec(), 60)
+    t0 = time.monotonic()
+    r = await client.post("/process", json={"instance": to_instance(humaneval_problems()["HumanEval/0"]),
+                                            "sampling_params": {"max_tokens": 512}, "timeout_s": 60})
+    body = await r.json()
+    took = time.monotonic() - t0
+    assert stopped and c.sandbox_pool.counters["hits"] == 1, (stopped, c.sandbox_pool.counters)
+    assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", "sandbox", True), body
+    assert "SandboxStartError" in body["error"] and "stopped" in body["error"]
+    assert took < 20, f"the job took {took:.1f} s"
