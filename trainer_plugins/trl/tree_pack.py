@@ -4,9 +4,11 @@ once.
 The rows of a batch are merged into a prefix tree (rows with equal leading tokens share nodes), the tree is
 laid out as one packed sequence in depth-first order, and one forward computes every row's logprobs:
 
-- **ancestor attention mask** (4-D, additive: 0 where a token may attend, the dtype's minimum elsewhere): a
-  token attends to the tokens of its node before it and to every token of its ancestor nodes, never to a
-  sibling branch;
+- **ancestor attention**: a token attends to the tokens of its node before it and to every token of its
+  ancestor nodes, never to a sibling branch. For SDPA models it is computed node by node
+  (:func:`tree_attention_forward`, registered through transformers' ``AttentionInterface``), costing the sum
+  over nodes of node length x path length; other models get it as a dense 4-D additive mask
+  (:func:`ancestor_mask`: 0 where a token may attend, the dtype's minimum elsewhere; S x S);
 - **depth position ids**: a token's position is its position in its row (the node's depth plus its offset),
   not its index in the packed sequence, so RoPE sees each row as the per-row forward does;
 - **gather with branch transitions**: row position ``t``'s logprob comes from the packed index of row position
