@@ -10,7 +10,9 @@ for 0.5-0.9 s about once a second under load (issue #26: the collector took 47-6
 - **freeze** (``gc.freeze``, Python docs "gc.freeze: ... avoid ... collections" for long-lived objects): at
   start, after a full collection, everything alive is moved to the permanent generation the collector never
   walks; and again, once an import burst has settled, whenever the process has imported many new modules
-  since (the tokenizer's torch/transformers load on the first job, a handler's lazy imports), checked every
+  since (the tokenizer's torch/transformers load on the first job, a handler's lazy imports) or a load of
+  long-lived objects has ended (:func:`note_long_lived_load`: the tokenizer's load also when transformers was
+  imported before it, as in tests, when it imports too few modules to count as a burst), checked every
   ``check_interval_s``. A re-freeze collects nothing and freezes: O(1). Collecting first stalled the event
   loop for the whole import: the tokenizer's first load runs with the collector off, so its ~400k objects are
   all young, and even a young-generation collection walked them (3.65 s measured on a fresh server, while
@@ -33,6 +35,7 @@ import asyncio
 import gc
 import logging
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -43,6 +46,18 @@ log = logging.getLogger(__name__)
 REFREEZE_MODULES = 50
 
 _running: list["CollectorControl"] = []  # instances started in this process (the collector is process-wide)
+_loads = 0  # loads of long-lived objects ended in this process (note_long_lived_load)
+_loads_lock = threading.Lock()  # loads end in worker threads
+
+
+def note_long_lived_load() -> None:
+    """Say that a load of objects that live as long as the process has ended (the server's tokenizer): the next
+    check of every running :class:`CollectorControl` re-freezes once imports have settled, however few modules
+    the load imported. Counting modules alone missed the tokenizer whenever transformers was imported before
+    it. Thread-safe; call it from the thread that loaded."""
+    global _loads
+    with _loads_lock:
+        _loads += 1
 
 
 class CollectorControl:
@@ -75,6 +90,7 @@ class CollectorControl:
         self._saved_threshold: Optional[tuple[int, int, int]] = None
         self._modules_at_freeze = 0
         self._modules_at_check = 0
+        self._loads_at_freeze = 0
         self._started_at = 0.0
         self._task: Optional[asyncio.Task] = None
         self.freezes = 0  # how many times this instance froze (start included)
@@ -117,6 +133,7 @@ class CollectorControl:
         t0 = time.perf_counter()
         if first:  # at start, before serving; a re-freeze runs while jobs do: no walk at all (module docstring)
             gc.collect(2)
+        self._loads_at_freeze = _loads  # read first: a load ending during the freeze makes the next check freeze
         gc.freeze()
         self._modules_at_freeze = self._modules_at_check = len(sys.modules)
         self.freezes += 1
@@ -127,12 +144,14 @@ class CollectorControl:
                  "at start" if first else "after new imports", 1000 * (time.perf_counter() - t0))
 
     def check(self) -> bool:
-        """Re-freeze if at least :data:`REFREEZE_MODULES` modules were imported since the last freeze and none
-        since the previous check (an import burst, such as transformers' lazy submodules, is over: one
-        re-freeze for it, not one per step). Returns whether it did."""
+        """Re-freeze if at least :data:`REFREEZE_MODULES` modules were imported or a long-lived load ended
+        (:func:`note_long_lived_load`) since the last freeze, and no module was imported since the previous
+        check (an import burst, such as transformers' lazy submodules, is over: one re-freeze for it, not one
+        per step). Returns whether it did."""
         n = len(sys.modules)
         settled, self._modules_at_check = n == self._modules_at_check, n
-        if n - self._modules_at_freeze < REFREEZE_MODULES or not settled:
+        grown = n - self._modules_at_freeze >= REFREEZE_MODULES or _loads != self._loads_at_freeze
+        if not grown or not settled:
             return False
         self._freeze()
         return True

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import aiohttp
 
+from prorl_server.gc_control import note_long_lived_load
 from prorl_server.llm.client import LLMClient, LLMUnavailableError
 from prorl_server.types import TokenizerFingerprint
 
@@ -119,7 +120,8 @@ def _collector_paused() -> Iterator[None]:
     """The cyclic collector off while the first load imports transformers and torch (~370k objects): each
     collection it triggered walked the objects imported so far while the event loop waited for the GIL. The
     server's collector control freezes what the load left once the import burst has settled
-    (:mod:`prorl_server.gc_control`); reference counting frees as usual meanwhile."""
+    (:mod:`prorl_server.gc_control`; :func:`_load_tokenizer` tells it the load ended); reference counting frees
+    as usual meanwhile."""
     global _gc_paused
     with _gc_lock:
         if _gc_paused == 0:
@@ -147,7 +149,9 @@ def _load_tokenizer(name: str, local_only: bool = False) -> Any:
         TokenizerUnavailableError: ``name`` cannot be loaded (``local_only``: not available locally).
     """
     with _collector_paused():
-        return _load(name, local_only)
+        tok = _load(name, local_only)
+    note_long_lived_load()  # the collector control freezes what the load left (prorl_server.gc_control)
+    return tok
 
 
 def _load_and_fingerprint(name: str, local_only: bool = False) -> tuple[Any, TokenizerFingerprint]:

@@ -138,6 +138,29 @@ async def test_a_large_import_refreezes_once_it_settles_without_walking_what_is_
         await control.stop()
 
 
+async def test_a_tokenizer_load_refreezes_when_transformers_was_imported_before(tiny_model_dir):
+    """The tokenizer's objects leave the collector's view after its load also when transformers (and the
+    tokenizer's modules) were imported before, as in a test process or a handler that imports transformers
+    at start: the load then imports too few modules to count as an import burst."""
+    from transformers import AutoTokenizer
+
+    from prorl_server.llm.context import _load_tokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model_dir)  # its modules imported before the server starts
+    control = CollectorControl(check_interval_s=3600)
+    control.start()
+    try:
+        frozen, modules = gc.get_freeze_count(), len(sys.modules)
+        tok = await asyncio.to_thread(_load_tokenizer, str(tiny_model_dir))
+        assert len(sys.modules) - modules < REFREEZE_MODULES  # no import burst to go by
+        assert any(control.check() for _ in range(3)), "no re-freeze after the tokenizer's load"
+        assert gc.get_freeze_count() > frozen
+        young = {id(o) for o in gc.get_objects()}  # what collections still walk (frozen objects are not listed)
+        assert id(tok.init_kwargs) not in young  # a dict the load made: frozen
+    finally:
+        await control.stop()
+
+
 def test_scale_settings_are_checked_with_clear_errors():
     for bad in ({"listen_backlog": 0}, {"gc_gen0_threshold": 0}, {"processes": -1}):
         with pytest.raises(ValidationError, match=next(iter(bad))):
