@@ -222,10 +222,9 @@ async def test_system_delays_move_wall_time_but_not_model_time_and_parallel_call
     warm = await client.post("/process", json={"instance": {"data_source": "scripted_agent", "parallel": False,
                                                             "init_s": 0.0, "setup_s": 0.0}})
     assert (await warm.json())["failure_kind"] is None
-    # The server freezes what the first job loads (its tokenizer) once that job's imports settle
-    # (prorl_server.gc_control); in this process transformers was imported before the server started, so no
-    # import burst says when, and full collections walking the tokenizer stall the loop 0.1-0.5 s (measured).
-    # Freeze here, as a server process does after its first job.
+    # The server freezes what the first job loads (its tokenizer) at its collector control's next check after
+    # the load (prorl_server.gc_control, within a second); full collections walking the tokenizer stall the loop
+    # 0.1-0.5 s (measured), so freeze here at once: no timed wave starts before that check.
     gc.freeze()
     try:
         for wave in range(WAVES):
