@@ -11,7 +11,9 @@ asyncio or psutil at start.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
+# types.MappingProxyType, as the types module defines it, without importing that module (~0.2 ms at every
+# sandbox start: the execution server imports this package)
+MappingProxyType = type(type.__dict__)
 
 # `typing` costs ~9 ms to import and this module runs in every sandbox start: annotations only.
 TYPE_CHECKING = False

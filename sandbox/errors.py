@@ -14,7 +14,9 @@ within the timeout plus a grace period.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
+# types.MappingProxyType, as the types module defines it, without importing that module (~0.2 ms at every
+# sandbox start: the execution server imports this package)
+MappingProxyType = type(type.__dict__)
 
 
 class SandboxError(Exception):

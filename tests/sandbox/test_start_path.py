@@ -70,7 +70,7 @@ def test_the_execution_server_starts_without_slow_imports():
 # Modules first needed by a tool, each a shared object to load or a module body to run (~2 ms at every start
 # together): the first bash request, file transfer or editor call imports them, a start does not.
 FIRST_USE_ONLY = {"os", "binascii", "termios", "resource", "heapq", "_heapq", "sandbox.bash_tool",
-                  "sandbox.limits", "sandbox.sessions"}
+                  "sandbox.limits", "sandbox.sessions", "types"}  # types: never (MappingProxyType is a builtin's type)
 
 
 @pytest.mark.real  # a Python subprocess
