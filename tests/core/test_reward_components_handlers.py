@@ -152,8 +152,9 @@ async def test_math_wrong_constant_and_empty_answers_get_no_process_credit():
 
 class ToolAgentHandler(AgentHandler):
     """The shipped tool handlers' reward path (math, code, swe: the generic agent loop, then
-    ``compose_reward(job, outcome, process_terms(job))``) with one host tool, ``probe``, instead of a sandbox (a
-    real sandbox makes this the real tier): the outcome is 1.0 when the finish tool's answer is ``"42"``."""
+    ``compose_reward(job, outcome, await process_terms_async(job))``) with one host tool, ``probe``, instead of a
+    sandbox (a real sandbox makes this the real tier): the outcome is 1.0 when the finish tool's answer is
+    ``"42"``."""
 
     name = "tool_agent_terms"
     needs_llm = True
@@ -174,11 +175,11 @@ class ToolAgentHandler(AgentHandler):
         pass  # eval reads the recorded extra.agent, which the re-grader restores itself
 
     async def eval(self, job):
-        from prorl_server.plugin import compose_reward, process_terms
+        from prorl_server.plugin import compose_reward, process_terms_async
 
         answer = (job.extra["agent"].get("answer") or {}).get("answer")
         job.resolved = answer == "42"
-        compose_reward(job, 1.0 if job.resolved else 0.0, process_terms(job))
+        compose_reward(job, 1.0 if job.resolved else 0.0, await process_terms_async(job))
 
 
 def _call(name, **arguments):
