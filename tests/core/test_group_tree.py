@@ -486,3 +486,50 @@ def test_random_groups_of_branches_rewrites_and_weight_swaps_build_trees_both_ch
             [(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["response_ids"]))] for r in rows]
         for n in tree.nodes[:3]:
             assert n.model_dump_json() == TreeNode.model_construct(**n.__dict__).model_dump_json()
+
+
+# ---------------------------------------------------------------------------------------------- who may read it
+# A tree holds other jobs' token ids, logprobs and rewards (a red team's finding). Its rule is the one of the
+# jobs it is built from: this server has one bearer token (--token-file / PRORL_TOKEN) and no per-client job
+# owner, so whoever may read GET /jobs/{id} (and submit with POST /process) may read every group's tree, and
+# nobody else. The journal's `export --format trees` keeps its own rule: the journal file's mode 0600.
+
+OWNER = {"Authorization": "Bearer owner-s3cret"}
+
+
+async def test_only_a_caller_that_may_read_the_groups_jobs_gets_its_tree(client):
+    c = await client(token="owner-s3cret")
+    jobs = []
+    for i in range(2):
+        r = await c.post("/jobs", headers=OWNER, json={"instance": {"data_source": "rows", "rows": [grpo_row(i)]},
+                                                       "group_id": "g"})
+        assert r.status == 202, await r.text()
+        jobs.append((await r.json())["job_id"])
+    for j in jobs:  # polled with the owner's token (a guard against a hang: 120 s)
+        for _ in range(6000):
+            if (await (await c.get(f"/jobs/{j}", headers=OWNER)).json())["state"] == "done":
+                break
+            await asyncio.sleep(0.02)
+    for other in ({}, {"Authorization": "Bearer another-tenant"}, {"Authorization": "owner-s3cret"}):
+        for path in ("/groups/g/tree", "/groups/no-such-group/tree", f"/jobs/{jobs[0]}"):
+            r = await c.get(path, headers=other)
+            body = await r.text()
+            # a JSON reason, the same whether the group exists or not, and nothing of its rows
+            assert r.status == 401, (other, path, body)
+            assert list(await r.json()) == ["error"] and (await r.json())["error"]["type"] == "unauthorized"
+            assert str(PROMPT[0]) not in body and "token_ids" not in body
+    r = await c.get("/groups/g/tree", headers=OWNER)
+    assert r.status == 200, await r.text()
+    tree = await r.json()
+    assert tree["complete"] and sorted(leaf["job_id"] for leaf in tree["leaves"]) == sorted(jobs)
+    assert tree["nodes"][0]["token_ids"][:len(PROMPT)] == PROMPT
+
+
+def test_the_tree_route_is_authorized_like_the_job_routes():
+    """The route table gives the tree the rule of GET /jobs/{id} and POST /process (the auth middleware and
+    the OpenAPI document both read it)."""
+    from prorl_server.app import ROUTES
+
+    auth = {(r.method, r.path): r.auth for r in ROUTES}
+    assert auth[("GET", "/groups/{group_id}/tree")] == auth[("GET", "/jobs/{job_id}")] \
+        == auth[("POST", "/process")] == "bearer"
