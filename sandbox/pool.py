@@ -41,8 +41,6 @@ import logging
 import time
 from typing import Any, Optional
 
-import psutil
-
 from . import procstate
 from .errors import SandboxError
 from .runtime import SandboxHandle, SandboxRuntime
@@ -73,16 +71,16 @@ def _warm_processes(launcher_pid: int, server_pid: Optional[int]) -> tuple[procs
     """The processes of a warmed-up sandbox that acquire checks (:func:`sandbox.procstate.snapshot`): its
     launcher chain, the execution server and the server's children, once the persistent shell is among them
     (the warm-up returns before the server has spawned it; waited for at most :data:`SHELL_WAIT_S`). Blocking
-    (a pass over ``/proc`` each try): run in a worker thread."""
+    (a pass over ``/proc`` each try): run in a worker thread. Empty without a verified server (acquire's other
+    checks decide then)."""
+    if server_pid is None:
+        return ()
     deadline = time.monotonic() + SHELL_WAIT_S
-    while server_pid is not None:
-        try:
-            if psutil.Process(server_pid).children() or time.monotonic() > deadline:
-                break
-        except psutil.Error:
+    while not procstate.children(server_pid) and time.monotonic() < deadline:
+        if procstate.stat(server_pid) is None:
             return ()  # the server is gone: acquire's own checks see that
         time.sleep(0.005)
-    return procstate.snapshot(launcher_pid, leaf_parent=server_pid)
+    return procstate.snapshot(launcher_pid, server_pid)
 
 
 def spec_key(spec: SandboxSpec) -> str:

@@ -18,7 +18,8 @@ def test_a_running_process_answers_and_a_gone_or_reused_pid_does_not():
     assert procstate.fault(((me, start),)) is None
     assert procstate.fault(((me, start + 1),)) == f"process {me} is gone"  # same pid, another process
     assert procstate.fault(((2 ** 22 + 1, 1),)) == f"process {2 ** 22 + 1} is gone"  # above pid_max: no such pid
-    assert me in dict(procstate.snapshot(me)) and procstate.snapshot(2 ** 22 + 1) == ()
+    assert procstate.snapshot(me, me)[0] == (me, start) and procstate.snapshot(me, 2 ** 22 + 1) == ()
+    assert me in procstate.children(os.getppid())
 
 
 def test_a_command_name_cannot_fake_the_state():
