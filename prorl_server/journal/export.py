@@ -155,7 +155,13 @@ class RowWriter:
         self._buf: list[dict[str, Any]] = []
         self._writer: Any = None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._f = None if parquet else open(self.partial, "w", encoding="utf-8")
+        # mode 0600 whatever the umask, as the journal's own files: the rows hold its token ids and rewards,
+        # which other local users must not read (pyarrow truncates the file made here and keeps its mode)
+        fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # a partial file left by an earlier run keeps its mode otherwise
+        if parquet:
+            os.close(fd)
+        self._f = None if parquet else os.fdopen(fd, "w", encoding="utf-8")
 
     def __enter__(self) -> "RowWriter":
         return self

@@ -4,6 +4,8 @@ rows yet, and never serving a tree that fails its invariants."""
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 
 import pytest
 
@@ -296,7 +298,14 @@ async def test_the_journal_exports_each_groups_verified_tree(tmp_path):
     assert j.flush()
     j.close()
     out = tmp_path / "trees.jsonl"
-    assert await asyncio.to_thread(main, ["export", str(path), "--format", "trees", "--out", str(out), "--quiet"]) == 0
+    old_umask = os.umask(0o022)  # a usual umask: without its own mode the export would be world-readable
+    try:
+        assert await asyncio.to_thread(main, ["export", str(path), "--format", "trees", "--out", str(out),
+                                              "--quiet"]) == 0
+    finally:
+        os.umask(old_umask)
+    # the trees hold the journal's token ids and rewards: the export keeps the journal's rule (mode 0600)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
     trees = {t["group_id"]: GroupTree.model_validate(t) for t in map(json.loads, out.read_text().splitlines())}
     assert [leaf.job_id for leaf in trees["g"].leaves] == ["j0", "j1"]
     assert [(m.job_id, m.reason) for m in trees["g"].missing] == [("j2", "filtered: sandbox")]
