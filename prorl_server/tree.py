@@ -323,8 +323,11 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
         node, pos, n = root, 0, len(row.ids)
         while pos < n:
             first = row.runs[bisect.bisect_right(row.run_starts, pos) - 1][2]
-            child = next((c for c in node.children.get(row.ids[pos], ()) if _compatible(first, c.runs[0][2])),
-                         None)
+            child = None
+            for c in node.children.get(row.ids[pos], ()):
+                if _compatible(first, c.runs[0][2]):
+                    child = c
+                    break
             if child is None:
                 child = _Node(r, pos, n, node, _row_runs(row, r, pos, n))
                 node.children.setdefault(row.ids[pos], []).append(child)
@@ -537,6 +540,8 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
         raise ValueError(f"{len(tree.leaves)} leaves for {len(rows)} rows")
     nodes = tree.nodes
     node_runs = [_node_runs(x) for x in nodes]
+    info = [(x.parent, x.depth, x.token_ids, x.logprobs) for x in nodes]  # read once, not once per leaf below
+    n_nodes = len(nodes)
     spread = 0.0
     for leaf, row in zip(tree.leaves, rows):
         def fail(pos: int, what: str) -> TreeInvariantError:
@@ -550,15 +555,15 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
         lps: list[float] = []
         runs: list[tuple[int, int, Any]] = []
         for nid in leaf.path:
-            if not 0 <= nid < len(nodes):
+            if not 0 <= nid < n_nodes:
                 raise fail(pos, f"unknown node {nid}")
-            node = nodes[nid]
-            if node.parent != parent or node.depth != pos:
+            node_parent, node_depth, node_ids, node_lps = info[nid]
+            if node_parent != parent or node_depth != pos:
                 raise fail(pos, f"node {nid} is not the child of node {parent} at depth {pos}")
-            ids += node.token_ids
-            lps += node.logprobs
+            ids += node_ids
+            lps += node_lps
             runs += node_runs[nid]
-            pos, parent = pos + len(node.token_ids), nid
+            pos, parent = pos + len(node_ids), nid
         if ids != row.ids:
             k = _first_difference(ids, row.ids)
             if k == len(row.ids):
