@@ -350,17 +350,16 @@ def enable_tree_attention(model: Any) -> bool:
     backward and must find the same implementation). Returns whether the model now uses it; other
     implementations (eager, flex, flash) are left alone and packed forwards use the dense 4-D mask."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 (exists)
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)  # idempotent; global in transformers
+    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current == TREE_ATTENTION:
         return True
-    if current != "sdpa":
+    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):  # a wrapper: keep the dense mask
         return False
-    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
-    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
     model.set_attn_implementation(TREE_ATTENTION)
     return getattr(model.config, "_attn_implementation", None) == TREE_ATTENTION
 
