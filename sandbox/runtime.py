@@ -239,7 +239,7 @@ class SandboxHandle:
         self._entries = 0
         #: Seconds each step of its start took (``probe``, ``view``, ``dirs``, ``leases``, ``config``,
         #: ``cgroup``, ``launch`` (argv built, launcher spawned), ``record``, ``ready`` (launcher exec until the
-        #: execution server's first answer), ``pidns``): what ``benchmarks/sandbox_start.py`` prints.
+        #: execution server's verified connection), ``pidns``): what ``benchmarks/sandbox_start.py`` prints.
         self.start_steps: dict[str, float] = {}
         #: Pending while the host verifies, after an eviction at the free-space floor, what the kill freed: the
         #: reason a call raises (``host_disk`` or ``disk_quota``) is known only then.
@@ -488,7 +488,7 @@ class SandboxRuntime(abc.ABC):
     - ``python``: interpreter that runs the execution server of a ``local`` sandbox (default: this one,
       ``sys.executable``). An isolated sandbox always gets this server's interpreter, seen through its
       Python view (:mod:`sandbox.python_view`); naming another one there is a ``ValueError``.
-    - ``start_timeout_s``: deadline of a whole start, preparation to the execution server's first answer
+    - ``start_timeout_s``: deadline of a whole start, preparation to the execution server's verified connection
       (seconds; past it :meth:`start` raises :class:`SandboxStartError`, the host's doing).
     - ``close_grace_s``: SIGTERM → SIGKILL grace on close (seconds).
     - ``loopback_dir`` / ``loopback_network``: see :class:`sandbox.loopback.LoopbackAllocator`.
@@ -628,7 +628,8 @@ class SandboxRuntime(abc.ABC):
 
     # ---------------------------------------------------------------------------------------- interface
     async def start(self, spec: SandboxSpec | dict[str, Any] | None = None, **fields: Any) -> SandboxHandle:
-        """Start a sandbox and wait until its execution server answers. ``spec``: a :class:`SandboxSpec`, a
+        """Start a sandbox and wait until its execution server listens (a connection whose peer is verified to be
+        the sandbox's). ``spec``: a :class:`SandboxSpec`, a
         dict of its fields (e.g. from a config file), or ``None`` for the defaults; ``fields`` override single
         fields (``start(image=..., network="loopback")``). Raises ``TypeError``/``ValueError`` for a bad spec,
         :class:`SandboxStartError` (with the launcher's log tail) if the sandbox exits before it answers, if
@@ -735,7 +736,12 @@ class SandboxRuntime(abc.ABC):
                 await asyncio.to_thread(self.store.remove, sandbox_id)
             raise
         try:
-            await client.call("ping", {}, self.start_timeout_s)
+            # A verified connection, not a ping's answer: the listening socket's peer (SO_PEERCRED, checked against
+            # the launcher's tree) and its pid namespace are all a start learns, and the round trip of a ping
+            # (~1.5 ms: the server's accept and answer, the host's bounded decode) was on every start's path. A
+            # server that dies after it listened fails the first call as SandboxDeadError, as it would a moment
+            # after a ping.
+            await client.connect(self.start_timeout_s)
             ready._unwatch()  # the read end stays open while the sandbox lives (see _ReadyPipe)
             lap("ready")
             # The sandbox's pid namespace as the host sees it at the verified peer (not as the sandbox reports
