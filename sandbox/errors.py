@@ -84,11 +84,13 @@ class FileTransferError(ToolError):
     """An upload or download failed inside the sandbox (missing file, permission, size limit)."""
 
 
-# Names the execution server may put in an error response, mapped back to classes by the host client. Never a
-# class that says the host is at fault (SandboxEvictedError): a sandbox could then have its failure filtered.
+# Names the execution server may put in an error response, mapped back to classes by the host client: only what
+# the server itself raises. Never a class whose meaning only the host can establish (the sandbox could not start,
+# died, was closed or evicted; a call ran past the host's deadline): once the model has run code in the sandbox, that code can shape the server's
+# answers, and a failure named SandboxStartError is filtered (prorl_server.failures), a way out of every problem
+# the policy cannot solve. Such a name reads as a plain SandboxError (scored after the model acted).
 ERRORS_BY_NAME: "MappingProxyType[str, type[SandboxError]]" = MappingProxyType({
     cls.__name__: cls
-    for cls in (SandboxError, SandboxStartError, SandboxDeadError, SandboxClosedError, ProtocolError,
-                ToolTimeout, ToolError, EditorError, PathOutsideWorkspaceError, KernelDiedError,
+    for cls in (SandboxError, ProtocolError, ToolError, EditorError, PathOutsideWorkspaceError, KernelDiedError,
                 FileTransferError)
 })
