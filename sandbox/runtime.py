@@ -338,13 +338,20 @@ class SandboxHandle:
 
     def _check_untouched(self) -> None:
         """Before the first call made on the model's behalf: raise :class:`SandboxStartError` (the system's
-        fault, filtered) if a known process of the sandbox (:attr:`processes`) is stopped, a zombie or gone.
+        fault, filtered) if the sandbox has died or been ended (cold or pooled), or a known process of it
+        (:attr:`processes`, a pooled sandbox's) is stopped, a zombie or gone.
         Nothing of the model has run in it yet, so a co-tenant or the host did it (#36 red team row 11: a warm
         shell SIGSTOPped after acquire made the first call time out, scored). After that call the host cannot
         tell a stop from outside from the model's own ``kill -STOP $$``, so it is never checked again."""
-        if self._model_ran or not self.processes or not accounting():
+        if self._model_ran or self._closing is not None or not accounting():
             return
-        reason = procstate.fault(self.processes)
+        reason = None
+        if self._death is not None or self._proc.returncode is not None:
+            # cold or pooled: what ended it before the model's first call (a co-tenant's kill, a crash of the
+            # execution server after its start, a bound passed by the handler's own setup) is not the model's
+            reason = str(self._dead_error())
+        elif self.processes:
+            reason = procstate.fault(self.processes)
         if reason is not None:
             raise SandboxStartError(f"sandbox {self.sandbox_id} was not usable at the model's first call "
                                     f"(before any of its commands ran): {reason}")
@@ -373,6 +380,13 @@ class SandboxHandle:
                 from .ipython_tool import KERNEL_START_TIMEOUT_S
 
                 await self._call("ipython", {"code": "", "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
+        except SandboxClosedError:
+            raise  # the host closed it (a cancel): not a start
+        except SandboxError as e:
+            # Nothing of the model's has run in the sandbox yet: a shell or kernel that cannot start (a tool's
+            # module missing from the view, the server dead, no answer in time) is the system's, filtered.
+            raise SandboxStartError(f"sandbox {self.sandbox_id}: its {tool} could not start before the model's "
+                                    f"first call: {type(e).__name__}: {e}") from e
         finally:
             charge_system(time.monotonic() - t0)
 

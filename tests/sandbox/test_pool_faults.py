@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from prorl_server.failures import classify, is_filtered
-from sandbox import SandboxStartError
+from sandbox import SandboxError, SandboxStartError
 from sandbox.pool import SandboxPool
 from sandbox.system_time import system_seconds
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
@@ -236,3 +236,61 @@ async def test_a_code_job_whose_pooled_shell_was_stopped_after_acquire_is_filter
     assert (body["critical_error"], body["failure_kind"], body["filter"]) == ("run", "sandbox", True), body
     assert "SandboxStartError" in body["error"] and "stopped" in body["error"]
     assert took < 20, f"the job took {took:.1f} s"
+
+
+async def test_a_cold_sandbox_killed_before_the_models_first_call_fails_it_as_the_systems(bwrap_runtime):
+    # No process list is recorded for a cold start, but a sandbox already dead at the model's first call died of
+    # something else's doing (here a co-tenant's SIGKILL of its execution server); before, the call raised
+    # SandboxDeadError, which after the model's first turn is scored (model_crashed_sandbox).
+    h = await bwrap_runtime.start(SPEC)
+    try:
+        psutil.Process(h._client.peer_pid).kill()
+        for _ in range(500):
+            if not h.alive:
+                break
+            await asyncio.sleep(0.01)
+        assert not h.alive
+        with system_seconds():
+            with pytest.raises(SandboxStartError):
+                await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
+            with pytest.raises(SandboxStartError) as err:
+                await h.editor("view", ".")
+        kind = classify(err.value, "run", model_acted=True)
+        assert kind == "sandbox" and is_filtered(kind)
+    finally:
+        await h.close()
+
+
+async def test_a_death_after_the_models_first_command_stays_the_models(bwrap_runtime):
+    h = await bwrap_runtime.start(SPEC)
+    try:
+        with system_seconds():
+            assert (await h.bash("echo first", timeout_s=5)).output.strip() == "first"
+            psutil.Process(h._client.peer_pid).kill()  # what `kill -9 $PPID` from its own shell does
+            with pytest.raises(SandboxError) as err:
+                await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
+        assert not isinstance(err.value, SandboxStartError)
+        assert classify(err.value, "run", model_acted=True) == "model_crashed_sandbox"
+    finally:
+        await h.close()
+
+
+async def test_a_shell_that_cannot_start_before_the_models_first_call_is_the_systems(bwrap_runtime, monkeypatch):
+    h = await bwrap_runtime.start(SPEC)
+    real_call = h._call
+
+    async def shell_cannot_start(op, args, timeout_s):
+        # stands for a shell whose start fails inside the sandbox (a tool module missing from the view, a pty
+        # the node refuses): the lazy start's no-op command is answered with the server's error
+        if op == "bash" and args.get("command") == ":":
+            raise SandboxError("the shell could not be spawned")
+        return await real_call(op, args, timeout_s)
+
+    monkeypatch.setattr(h, "_call", shell_cannot_start)
+    try:
+        with system_seconds():
+            with pytest.raises(SandboxStartError) as err:  # before: a plain SandboxError, scored after a turn
+                await h.bash("echo hi", timeout_s=3)
+        assert classify(err.value, "run", model_acted=True) == "sandbox"
+    finally:
+        await h.close()
