@@ -90,8 +90,10 @@ def build_singularity_command(binary: str, spec: SandboxSpec, ctx: LaunchContext
         env = [f"{k}={v}" for k, v in (ctx.view.env if ctx.view is not None else ())]
         return (args + ["--env", f"PYTHONPATH={':'.join(ctx.pythonpath)}"]
                 + [a for e in env for a in ("--env", e)] + [spec.image] + ctx.server_argv())
-    # The image's venv finds its own site-packages (no -S, no PYTHONPATH).
-    return args + [spec.image, exec_python, "-m", "sandbox.exec_server",
+    # The image's venv finds its own site-packages (no -S, no PYTHONPATH). -I: `-m` would put the current
+    # directory (the workspace, --pwd) first on sys.path, so a task repository's own `sandbox/`, `select.py` or
+    # `socket.py` would replace the server's modules (or fail every start).
+    return args + [spec.image, exec_python, "-I", "-m", "sandbox.exec_server",
                    "--socket", os.path.join(ctx.sandbox_run_dir, SOCKET_NAME),
                    "--config", os.path.join(ctx.sandbox_run_dir, CONFIG_NAME)]
 

@@ -87,7 +87,7 @@ def test_dry_run_alone_prints_default_definition_cache_decision_and_exact_comman
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "Bootstrap: docker\nFrom: python:3.11-slim\n" in out
-    assert "exec /opt/prorl/venv/bin/python -m sandbox.exec_server" in out
+    assert "exec /opt/prorl/venv/bin/python -I -m sandbox.exec_server" in out
     assert "pip install --no-cache-dir ptyprocess ipykernel jupyter-client pyzmq" in out
     key = next(line.split()[-1] for line in out.splitlines() if line.startswith("# key:"))
     assert len(key) == 64

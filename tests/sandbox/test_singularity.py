@@ -57,7 +57,7 @@ def test_image_with_its_own_venv_runs_the_server_with_it_and_binds_nothing_of_th
         "apptainer", "exec", "--containall", "--no-home", "--no-mount", "hostfs,bind-paths,cwd",
         "--cleanenv", "--pwd", "/workspace", "--net", "--network", "none",
         "--bind", "/state/run/sb-1:/run/prorl:rw", "--bind", "/scratch/ws1:/workspace:rw",
-        "/img/task.sif", "/opt/prorl/venv/bin/python", "-m", "sandbox.exec_server",
+        "/img/task.sif", "/opt/prorl/venv/bin/python", "-I", "-m", "sandbox.exec_server",
         "--socket", "/run/prorl/exec.sock", "--config", "/run/prorl/config.json"]
 
 
@@ -176,10 +176,25 @@ async def test_probe_runs_once_per_image_and_finds_the_image_venv(fake_apptainer
     ctx = LaunchContext(sandbox_id="sb-2", run_dir="/s/run/sb-2", workspace="/w", sandbox_run_dir="/run/prorl",
                         sandbox_workspace="/workspace", python="/host/python", pythonpath=["/proj"], address=None)
     argv = rt.build_command(spec, ctx)
-    assert argv[argv.index("/img/built.sif") + 1:][:3] == [sys.executable, "-m", "sandbox.exec_server"]
+    assert argv[argv.index("/img/built.sif") + 1:][:4] == [sys.executable, "-I", "-m", "sandbox.exec_server"]
     assert "--env" not in argv and not any(a.startswith("/proj") for a in argv)
     monkeypatch.setenv("FAKE_IMAGE_EXEC_PYTHON", "/no/such/python")  # a venv that is not there: host python
     other = SandboxSpec(image="/img/plain.sif")
     await rt.prepare_launch(other)
     argv = rt.build_command(other, ctx)
     assert argv[-8:-6] == ["/host/python", "-S"] and "PYTHONPATH=/proj" in argv
+
+
+@pytest.mark.real  # a Python subprocess
+def test_the_image_venv_server_command_ignores_modules_in_the_working_directory(tmp_path):
+    # The image's runscript and argv run `python -I -m sandbox.exec_server` with --pwd the workspace: a task
+    # repository with its own `sandbox/` package there must not replace the server (before, `-m` imported it).
+    import subprocess
+
+    (tmp_path / "sandbox").mkdir()
+    (tmp_path / "sandbox" / "__init__.py").write_text("raise SystemExit('the workspace shadowed the server')\n")
+    argv = build_singularity_command("apptainer", SandboxSpec(image="/img/task.sif"), CTX, ro_paths=["/proj"],
+                                     exec_python=sys.executable)
+    tail = argv[argv.index("/img/task.sif") + 1:argv.index("sandbox.exec_server") + 1]
+    r = subprocess.run(tail, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "shadowed" not in r.stderr and "usage: python -m sandbox.exec_server" in r.stderr, r.stderr
