@@ -1,0 +1,117 @@
+"""Pool faults of #36 from the red team's fourth pass (rows 1 and 4): a co-tenant freezes a pooled sandbox with
+the cgroup freezer. Its processes then sleep in state ``D`` (not ``T``), so a check of the state field alone hands
+the sandbox out and the job's first bash waits out its timeout. Acquire must replace a frozen sandbox (counted
+``dead``), and a freeze after acquire fails the model's first call at once as the system's. Real tier: bubblewrap
+sandboxes and the host's v1 freezer hierarchy (needs root to create a freezer cgroup; skipped otherwise)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+
+import psutil
+import pytest
+
+from prorl_server.failures import classify, is_filtered
+from sandbox import SandboxStartError
+from sandbox.pool import SandboxPool
+from sandbox.system_time import system_seconds
+from tests.sandbox.conftest import BWRAP_UNAVAILABLE
+from tests.sandbox.test_pool import SPEC
+
+FREEZER = "/sys/fs/cgroup/freezer"
+
+
+def _no_freezer() -> str:
+    if not os.path.isfile(os.path.join(FREEZER, "cgroup.procs")):
+        return f"no cgroup v1 freezer hierarchy at {FREEZER}"
+    if not os.access(FREEZER, os.W_OK):
+        return f"{FREEZER} is not writable by this user (a freezer cgroup needs root or a delegated hierarchy)"
+    return ""
+
+
+pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE)),
+              pytest.mark.skipif(bool(_no_freezer()), reason=_no_freezer() or "-")]
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def frozen(handle):
+    """Move every process of ``handle``'s sandbox (its launcher and descendants) into a fresh v1 freezer cgroup and
+    freeze it, as a co-tenant with the freezer would; thaw, move them back and remove the cgroup on exit. Yields
+    a ``thaw()`` that thaws early."""
+    path = os.path.join(FREEZER, f"prorl-test-{uuid.uuid4().hex[:8]}")
+    os.mkdir(path)
+    thawed = False
+
+    def thaw() -> None:
+        nonlocal thawed
+        if not thawed:
+            _write(os.path.join(path, "freezer.state"), "THAWED")
+            thawed = True
+
+    try:
+        root = psutil.Process(handle.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(path, "cgroup.procs"), str(p.pid))
+        _write(os.path.join(path, "freezer.state"), "FROZEN")
+        for _ in range(200):
+            with open(os.path.join(path, "freezer.state")) as f:
+                if f.read().strip() == "FROZEN":
+                    break
+            time.sleep(0.01)
+        yield thaw
+    finally:
+        thaw()
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            for pid in f.read().split():
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(FREEZER, "cgroup.procs"), pid)
+        for _ in range(100):
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+async def test_a_frozen_pooled_sandbox_is_replaced_not_handed_out(bwrap_runtime):
+    pool = SandboxPool(bwrap_runtime, size=1)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        (victim,) = bwrap_runtime.handles
+        with frozen(victim):
+            got = await asyncio.wait_for(pool.acquire(SPEC), 20)
+            # before: the frozen one (state D, not T) was handed out
+            assert got.sandbox_id != victim.sandbox_id and pool.counters["dead"] == 1
+            assert (await got.bash("echo alive", timeout_s=5)).output.strip() == "alive"
+            await got.close()
+    finally:
+        await pool.close()
+
+
+async def test_a_sandbox_frozen_after_acquire_fails_the_models_first_call_as_the_systems(bwrap_runtime):
+    pool = SandboxPool(bwrap_runtime, size=1)
+    try:
+        pool.register(SPEC)
+        await pool.wait_full(SPEC, 60)
+        h = await pool.acquire(SPEC)
+        with frozen(h):
+            t0 = time.monotonic()
+            with system_seconds():  # on the model's behalf, as the agent loop calls it
+                with pytest.raises(SandboxStartError) as err:  # before: the call waited out its timeout + grace
+                    await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
+            assert time.monotonic() - t0 < 1.0 and "frozen" in str(err.value)
+            kind = classify(err.value, "run", model_acted=True)
+            assert kind == "sandbox" and is_filtered(kind)
+        await h.close()
+    finally:
+        await pool.close()
