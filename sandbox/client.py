@@ -57,6 +57,9 @@ class ExecClient:
         self._ids = itertools.count(1)
         self._reader: Optional[asyncio.StreamReader] = None
         self._writer: Optional[asyncio.StreamWriter] = None
+        #: Requests written to the server, ``result`` reattaches excepted, a resend counted again: never fewer
+        #: than the server took from this client (its ``ping`` answers ``served``, see sandbox.exec_server).
+        self.sent = 0
 
     def _died_future(self) -> asyncio.Future:
         if self._died is None:
@@ -156,11 +159,14 @@ class ExecClient:
             try:
                 if self._writer is None:
                     await self.connect(max(0.1, min(5.0, deadline - time.monotonic())))
+                if len(expect) == 1:  # the request itself, not a "result" reattach after a reconnect
+                    self.sent += 1
                 self._writer.write(request)
                 msg = await self._read_response(expect, deadline, op, max_bytes)
                 if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
                     # The server never got the request before the connection broke: send it again.
                     expect = {rid}
+                    self.sent += 1
                     self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
                     msg = await self._read_response(expect, deadline, op, max_bytes)
                 break

@@ -13,8 +13,10 @@ a host without a pid namespace to reap), ``run_as`` (optional ``[uid, gid]`` to 
 ``ready_fd`` (optional: an inherited pipe's write end to write one byte to once the socket listens; the server
 exits when that write finds no reader, and later when the host's read end closes: the host died or closed it).
 
-``ping`` answers ``{pid, pidns}``; with ``{"warm": true}`` it also starts the persistent shell after answering
-(otherwise the first ``bash`` request does).
+``ping`` answers ``{pid, pidns, served}``; with ``{"warm": true}`` it also starts the persistent shell after
+answering (otherwise the first ``bash`` request does). ``served``: the requests this server has taken, every
+decoded one but ``result`` (a reattach), this ping included: the host compares it with what it sent itself, so a
+same-uid co-tenant that used the socket before the model's first call is seen (issue #36, red team row 2).
 
 SIGTERM or a ``shutdown`` request: the shell's session and the kernel are killed, then the server exits.
 Imports are kept minimal (no asyncio, pydantic, json, re, enum, socket, signal, selectors, collections or functools;
@@ -132,6 +134,8 @@ class ExecServer:
         self._recent: dict[Any, dict] = {}  # oldest first (dicts keep insertion order)
         self._listener: Optional[_socket.socket] = None
         self._warmed = False
+        #: Decoded requests taken, ``result`` reattaches excepted (what ``ping`` reports as ``served``).
+        self._served = 0
         ready_fd = config.get("ready_fd")
         self._ready_fd = ready_fd if isinstance(ready_fd, int) and ready_fd > 2 else None
 
@@ -230,9 +234,11 @@ class ExecServer:
                                        "error": {"type": "ProtocolError", "message": f"bad request: {e}"}}))
             return
         rid, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
+        if op != "result":
+            self._served += 1
         try:
             if op == "ping":
-                self._reply(conn, rid, {"pid": posix.getpid(), "pidns": _pid_namespace()})
+                self._reply(conn, rid, {"pid": posix.getpid(), "pidns": _pid_namespace(), "served": self._served})
                 if args.get("warm") and not self._warmed:
                     self._warmed = True
                     # Start the shell now, after the answer, so that the first bash call finds it ready. Only

@@ -23,8 +23,10 @@ Rules:
   ``/proc/PID/stat``, :mod:`sandbox.procstate`), and the server must hold its connection open (a server that
   died closed it; checked with ``poll``, no round trip; without a connection, a ping within
   :data:`ACQUIRE_PING_S`); one that fails is closed (counted ``dead``) and the next is tried, else a cold
-  start. The same processes found stopped or gone at the model's first call fail that call as the system's
-  (:class:`SandboxStartError`, see ``SandboxHandle._check_untouched``).
+  start. Frozen (the cgroup freezer) counts as stopped. The same processes found stopped, frozen or gone at
+  the model's first call, or an execution server that took requests the host did not send (a same-uid co-tenant
+  used its socket while it waited), fail that call as the system's (:class:`SandboxStartError`, see
+  ``SandboxHandle._check_untouched``).
 - Pooled specs: those without per-job host state (no ``workspace``, no ``binds``), the first ``max_specs``
   distinct ones asked for (the shipped math and code handlers' run sandboxes); any other spec is a cold start.
 - A pool that cannot refill (a full disk, no lease, a refused cgroup: :class:`SandboxStartError`) serves cold

@@ -52,6 +52,9 @@ from .system_time import accounting, charge_system
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "exec.sock"
+#: Seconds the execution server has to answer the ping of ``SandboxHandle._check_untouched`` (one round trip,
+#: ~0.1 ms; a server that does not answer within this is the system's fault, before the model's first call).
+UNTOUCHED_PING_S = 2.0
 CONFIG_NAME = "config.json"
 LOG_NAME = "launcher.log"
 SESSIONS_NAME = "sessions.json"
@@ -255,6 +258,8 @@ class SandboxHandle:
         #: Host processes (pid, start time) that must all run before the model's first call: set by the warm
         #: pool (:func:`sandbox.procstate.snapshot` after warm-up); empty for a cold start.
         self.processes: tuple[procstate.Known, ...] = ()
+        #: The execution server's ``served`` count matched the host's at the model's first call (_check_untouched).
+        self._served_checked = False
 
     def __repr__(self) -> str:
         return f"<SandboxHandle {self.sandbox_id} {self._runtime.kind} pid={self.pid} alive={self.alive}>"
@@ -336,13 +341,18 @@ class SandboxHandle:
         await self._call("ping", {"warm": True}, 5.0)
         self._started.add("bash")
 
-    def _check_untouched(self) -> None:
+    async def _check_untouched(self) -> None:
         """Before the first call made on the model's behalf: raise :class:`SandboxStartError` (the system's
-        fault, filtered) if the sandbox has died or been ended (cold or pooled), or a known process of it
-        (:attr:`processes`, a pooled sandbox's) is stopped, a zombie or gone.
+        fault, filtered) if the sandbox has died or been ended (cold or pooled), a known process of it
+        (:attr:`processes`, a pooled sandbox's; a cold one's launcher and execution server) is stopped, frozen,
+        a zombie or gone, or its execution server took requests the host did not send (a same-uid co-tenant
+        used its socket: a command of theirs may still run, files of theirs lie in the workspace; one ``ping``
+        round trip, once per sandbox, compares the server's ``served`` count with the client's ``sent``).
         Nothing of the model has run in it yet, so a co-tenant or the host did it (#36 red team row 11: a warm
-        shell SIGSTOPped after acquire made the first call time out, scored). After that call the host cannot
-        tell a stop from outside from the model's own ``kill -STOP $$``, so it is never checked again."""
+        shell SIGSTOPped after acquire made the first call time out, scored; row 2: a co-tenant's running
+        ``sleep`` made the first bash fail, scored). After that call the host cannot tell a stop or a request
+        from outside from the model's own (its code may ``kill -STOP $$`` or talk to the socket), so it is never
+        checked again."""
         if self._model_ran or self._closing is not None or not accounting():
             return
         reason = None
@@ -350,8 +360,23 @@ class SandboxHandle:
             # cold or pooled: what ended it before the model's first call (a co-tenant's kill, a crash of the
             # execution server after its start, a bound passed by the handler's own setup) is not the model's
             reason = str(self._dead_error())
-        elif self.processes:
-            reason = procstate.fault(self.processes)
+        else:
+            known = self.processes or tuple(
+                (pid, s[2]) for pid in (self.pid, self._client.peer_pid)
+                if pid is not None and (s := procstate.stat(pid)) is not None)
+            reason = procstate.fault(known)
+        if reason is None and not self._served_checked:
+            try:
+                res = await self._client.call("ping", {}, UNTOUCHED_PING_S)
+            except (SandboxError, OSError, asyncio.TimeoutError) as e:
+                reason = f"its execution server did not answer a ping: {type(e).__name__}: {e}"
+            else:
+                served, sent = res.get("served"), self._client.sent
+                if not isinstance(served, int) or isinstance(served, bool) or served > sent:
+                    reason = (f"tampered before the model's first call: its execution server took {served!r} "
+                              f"requests, the host sent {sent}")
+                else:
+                    self._served_checked = True
         if reason is not None:
             raise SandboxStartError(f"sandbox {self.sandbox_id} was not usable at the model's first call "
                                     f"(before any of its commands ran): {reason}")
@@ -401,7 +426,7 @@ class SandboxHandle:
         :meth:`_check_untouched`)."""
         if timeout_s <= 0 or max_output_bytes <= 0:
             raise ValueError("timeout_s and max_output_bytes must be positive")
-        self._check_untouched()
+        await self._check_untouched()
         await self._start_lazily("bash", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("bash", {"command": command, "timeout_s": timeout_s,
@@ -418,7 +443,7 @@ class SandboxHandle:
             raise ValueError("timeout_s must be positive")
         from .ipython_tool import KERNEL_START_TIMEOUT_S
 
-        self._check_untouched()
+        await self._check_untouched()
         await self._start_lazily("ipython", timeout_s)
         self._model_ran = self._model_ran or accounting()
         res = await self._call("ipython", {"code": code, "timeout_s": timeout_s}, timeout_s + KERNEL_START_TIMEOUT_S)
@@ -431,7 +456,7 @@ class SandboxHandle:
         leaves the workspace (``..`` or symlinks), :class:`EditorError` for any other refusal."""
         # a file the model writes can shape a later shell or kernel start (the workspace is HOME: a
         # usercustomize.py under ~/.local), so that start is no longer charged to the system (_start_lazily)
-        self._check_untouched()
+        await self._check_untouched()
         self._model_ran = self._model_ran or accounting()
         res = await self._call("editor", {"command": command, "path": path, **kw}, 30.0)
         return result_from_dict(EditorResult, res)

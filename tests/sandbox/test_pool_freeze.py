@@ -115,3 +115,16 @@ async def test_a_sandbox_frozen_after_acquire_fails_the_models_first_call_as_the
         await h.close()
     finally:
         await pool.close()
+
+
+async def test_a_cold_sandbox_frozen_before_the_models_first_call_fails_it_as_the_systems(bwrap_runtime):
+    h = await bwrap_runtime.start(SPEC)  # no pool: no recorded processes, its launcher and server are checked
+    try:
+        with frozen(h):
+            t0 = time.monotonic()
+            with system_seconds():
+                with pytest.raises(SandboxStartError) as err:  # before: the call waited out its timeout + grace
+                    await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
+            assert time.monotonic() - t0 < 1.0 and "frozen" in str(err.value)
+    finally:
+        await h.close()
