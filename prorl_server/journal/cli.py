@@ -84,6 +84,14 @@ def open_journal(path: str) -> Journal:
         raise CliError(str(e)) from None
 
 
+
+def _private_output(path: str):
+    """``path`` opened for writing text, mode 0600 whatever the umask (as the journal's own files and the
+    export's): a regrade's rows hold the journal's rewards and job ids, which other local users must not read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+    return os.fdopen(fd, "w", encoding="utf-8")
+
 def refuse_journal_as_output(out: Optional[str], journal_path: str) -> None:
     """Raises :class:`CliError` when ``out`` is the journal or one of its files (writing it would destroy it)."""
     if out is not None and os.path.realpath(out) in {os.path.realpath(journal_path) + suffix
@@ -188,7 +196,7 @@ async def _regrade(args: argparse.Namespace) -> int:
     settings = _server_settings(args.config, registry)
     runtime = args.sandbox_runtime or (settings.sandbox_runtime if settings is not None else "auto")
     matches = HandlerFilter(args.handler, registry)
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    out = _private_output(args.out) if args.out else sys.stdout
     statuses: Counter = Counter()
     reasons: Counter = Counter()
     changed = 0

@@ -101,7 +101,11 @@ async def test_regrade_reproduces_recorded_shout_rewards_and_reports_a_changed_g
                                                                                       monkeypatch, capsys):
     path, results, _ = shout_journal
     out = tmp_path / "regrade.jsonl"
+    out.write_text("")
+    out.chmod(0o644)  # an earlier run's file, readable by every local user
     assert await cli("regrade", str(path), "--out", str(out)) == 0
+    # the rows hold the journal's rewards and job ids: 0600 as the journal's own files (it kept 0644 before)
+    assert out.stat().st_mode & 0o777 == 0o600
     rows = {r["job_id"]: r for r in read_jsonl(out)}
     assert set(rows) == {r["job_id"] for r in results}
     for r in results:
