@@ -486,7 +486,9 @@ class SandboxHandle:
         one never handed out), SIGKILL to everything left; then release its address, delete its run directory
         (and its workspace if the runtime created it) and its ownership record. Idempotent; concurrent calls
         wait for the same close (the first call's grace applies). Raises :class:`SandboxError` only if
-        processes survive SIGKILL."""
+        processes survive SIGKILL (frozen by the cgroup freezer: a frozen task dies only once thawed); then its
+        ownership record, cgroup, leases and directories are kept and the runtime's next
+        :meth:`SandboxRuntime.reap_orphans` kills again and finishes the cleanup (#36 red team row 4)."""
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close(self._runtime.close_grace_s if grace_s is None
                                                               else grace_s))
@@ -496,13 +498,31 @@ class SandboxHandle:
         await self._client.close()
         if self._ending is not None:
             await asyncio.gather(self._ending, return_exceptions=True)
-        survivors = await kill_sandbox(self.pid, self.create_time, grace_s=grace_s,
-                                       sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir,
-                                                                  self.sandbox_id),
-                                       pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
+        survivors = await self._kill(grace_s)
         if self._ready is not None:
             self._ready.close()
-        if self.bounds.cgroup and not survivors:
+        if survivors:
+            # What a later reap needs stays: the record (with its pid namespace), the run directory (the shell's
+            # recorded session), the cgroup, and the leases (a surviving process keeps its uid: that uid must not
+            # go to another sandbox yet). The runtime's reaper retries the kill (reap_orphans).
+            if self._record_write is not None:
+                await asyncio.gather(self._record_write, return_exceptions=True)
+            self._runtime._handles.pop(self.sandbox_id, None)
+            self._runtime._unfinished[self.sandbox_id] = self
+            raise SandboxError(f"sandbox {self.sandbox_id}: processes survived SIGKILL: "
+                               f"{[p.pid for p in survivors]}; its ownership record is kept for the next reap")
+        await self._release()
+
+    async def _kill(self, grace_s: float) -> list[psutil.Process]:
+        """SIGTERM, ``grace_s`` seconds, SIGKILL to every process of the sandbox; returns those still alive."""
+        return await kill_sandbox(self.pid, self.create_time, grace_s=grace_s,
+                                  sessions=_trusted_sessions(self._runtime.kind, self._ctx.run_dir, self.sandbox_id),
+                                  pidns=self.pidns, not_before=self.started_at, own_child_wait=self._proc.wait)
+
+    async def _release(self) -> None:
+        """Release what the sandbox held once none of its processes is left: cgroup, leases, directories,
+        ownership record."""
+        if self.bounds.cgroup:
             await asyncio.to_thread(bounds.remove_cgroup, self.bounds.cgroup, self.bounds.cgroup_version)
         for lease in self._leases:
             lease.release()
@@ -512,9 +532,7 @@ class SandboxHandle:
             await asyncio.gather(self._record_write, return_exceptions=True)
         await asyncio.to_thread(self._runtime.store.remove, self.sandbox_id)
         self._runtime._handles.pop(self.sandbox_id, None)
-        if survivors:
-            raise SandboxError(f"sandbox {self.sandbox_id}: processes survived SIGKILL: "
-                               f"{[p.pid for p in survivors]}")
+        self._runtime._unfinished.pop(self.sandbox_id, None)
 
 
 class SandboxRuntime(abc.ABC):
@@ -602,6 +620,9 @@ class SandboxRuntime(abc.ABC):
         self._loopback_args = (loopback_dir, loopback_network)
         self._loopback: Optional[LoopbackAllocator] = None
         self._handles: dict[str, SandboxHandle] = {}
+        #: Closed sandboxes whose processes survived SIGKILL (frozen): record, cgroup, leases and directories
+        #: kept; :meth:`reap_orphans` kills them again and releases what they held.
+        self._unfinished: dict[str, SandboxHandle] = {}
         self._starting: set[asyncio.Future] = set()
         me = os.getpid()
         self._node = node_identity()
@@ -977,8 +998,9 @@ class SandboxRuntime(abc.ABC):
         """Kill and clean up the sandboxes recorded in this state directory by servers that are provably dead
         (:func:`sandbox.ownership.owner_gone`: of this node, pid gone or of another create time, or of an
         earlier boot), and nothing else; also remove empty sandbox cgroups older than ten minutes that servers
-        killed elsewhere left (:func:`sandbox.bounds.sweep_stale_cgroups`). Returns how many records were
-        reaped.
+        killed elsewhere left (:func:`sandbox.bounds.sweep_stale_cgroups`); and finish this runtime's own closes
+        whose processes survived SIGKILL (:meth:`SandboxHandle.close`: killed again, then released). Returns how
+        many records were reaped or finished.
 
         A record is only a claim (a forged or stale one may name anything), so what it names is checked first:
         nothing a live sandbox holds (this runtime's, or one a live server's record names: its id, launcher,
@@ -997,16 +1019,25 @@ class SandboxRuntime(abc.ABC):
             groups = bounds.memory_cgroups(self._cgroup_parent) if self.isolated else None
             if groups is not None:
                 await asyncio.to_thread(bounds.sweep_stale_cgroups, groups.parent, groups.version)
+            finished = 0
+            for h in list(self._unfinished.values()):  # this server's own closes that left survivors
+                survivors = await h._kill(0.0)
+                if survivors:
+                    log.error("closed sandbox %s: processes still survive SIGKILL: %s (kept for the next reap)",
+                              h.sandbox_id, [p.pid for p in survivors])
+                    continue
+                await h._release()
+                finished += 1
             records = await asyncio.to_thread(self.store.records)
             dead = [r for r in records if owner_gone(r, self._node)]
             live = [r for r in records if not any(r is d for d in dead)]
             if not dead:
-                return 0
+                return finished
             held = self._held_state(live)
             marked, adopters, namespaces = await asyncio.to_thread(
                 lambda: (marked_processes(), orphan_adopters(), live_pid_namespaces()))
             refused: dict[str, list[str]] = {"own": [], "live_parent": [], "unproven_pidns": []}
-            reaped = 0
+            reaped = finished
             for rec in dead:
                 if rec["sandbox_id"] in self._handles:
                     refused["own"].append(rec["sandbox_id"])

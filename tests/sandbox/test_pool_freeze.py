@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from prorl_server.failures import classify, is_filtered
-from sandbox import SandboxStartError
+from sandbox import SandboxError, SandboxStartError
 from sandbox.pool import SandboxPool
 from sandbox.system_time import system_seconds
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
@@ -128,3 +128,20 @@ async def test_a_cold_sandbox_frozen_before_the_models_first_call_fails_it_as_th
             assert time.monotonic() - t0 < 1.0 and "frozen" in str(err.value)
     finally:
         await h.close()
+
+
+async def test_a_close_whose_processes_survive_sigkill_keeps_the_record_until_a_reap_finishes(bwrap_runtime):
+    # A frozen task dies of SIGKILL only once thawed: before, close removed the ownership record (and cgroup,
+    # leases, directories) anyway, so nothing could reap the processes that lived on.
+    h = await bwrap_runtime.start(SPEC)
+    ids = lambda: {r["sandbox_id"] for r in bwrap_runtime.store.records()}  # noqa: E731
+    root = psutil.Process(h.pid)
+    procs = [root, *root.children(recursive=True)]
+    with frozen(h) as thaw:
+        with pytest.raises(SandboxError, match="survived SIGKILL"):
+            await h.close(grace_s=0.0)
+        assert h.sandbox_id in ids() and os.path.isdir(h._ctx.run_dir)
+        thaw()
+        assert await bwrap_runtime.reap_orphans() == 1
+    assert h.sandbox_id not in ids() and not os.path.exists(h._ctx.run_dir)
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
