@@ -379,6 +379,9 @@ def packed_row_logprobs(model: Any, tree: PackedTree, mask: Optional[torch.Tenso
     ``transitions``: ``"parent"`` (exact: row position ``t``'s logits are those at the packed index of row
     position ``t - 1``) or ``"packed"`` (the packed predecessor, which for a child's first token is another
     branch's last token: a negative control)."""
+    refusal = packing_refusal(model)
+    if refusal is not None:
+        raise ValueError(f"cannot tree-pack this model: {refusal}")
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     extra: dict[str, Any] = {}
@@ -435,6 +438,65 @@ def max_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> floa
         if x.numel():
             worst = max(worst, float((x.detach() - y.detach()).abs().max()))
     return worst if len(a) == len(b) else float("inf")
+
+
+#: Attention implementations whose packed forward is exact: SDPA (switched to :data:`TREE_ATTENTION` on the first
+#: packed forward) and eager (the dense :func:`ancestor_mask`). Others are refused before any packed forward:
+#: flex_attention's packed forward with a 4-D mask aborted the process on CPU (transformers 5.10, torch 2.13:
+#: ``malloc(): invalid size``, rc 139), and flash attention takes no 4-D mask.
+PACKABLE_ATTENTION = ("sdpa", "eager", TREE_ATTENTION)
+
+
+def _model_config(model: Any) -> Any:
+    """The config of ``model`` or of the model a wrapper holds (DDP's ``module``; PEFT forwards ``config``)."""
+    for _ in range(4):
+        config = getattr(model, "config", None)
+        if config is not None:
+            return config
+        model = getattr(model, "module", None)
+        if model is None:
+            break
+    return None
+
+
+def packing_refusal(model: Any) -> Optional[str]:
+    """Why ``model``'s forward cannot be tree-packed exactly, or None when it can (a dense text decoder with
+    full causal attention through SDPA or eager attention).
+
+    Refused: an attention implementation outside :data:`PACKABLE_ATTENTION`; and any layer that does not attend
+    to every earlier token of its row, read as transformers builds the layers: a ``layer_types`` entry other
+    than ``"full_attention"`` (``"sliding_attention"`` when ``sliding_window`` is set: Gemma2/3, Qwen2 with
+    ``use_sliding_window`` above ``max_window_layers``; chunked, linear or recurrent layers always), a model
+    without ``layer_types`` whose config sets ``sliding_window`` (Mistral, Mixtral, Phi-3, Starcoder2 apply it
+    to every layer), or a submodule whose ``sliding_window`` is set. The packed forward computes full ancestor
+    attention: a window is ignored on both attention paths (off by 0.13-0.82 once a row is longer than the
+    window), and a recurrent layer's state would run across branches. A window that is configured but used by
+    no layer (Qwen2's ``use_sliding_window=False``, which transformers turns into ``sliding_window=None``, or
+    ``max_window_layers`` >= the layer count) is not refused."""
+    config = _model_config(model)
+    if config is None:
+        return "no model config to read the attention from"
+    model_type = getattr(config, "model_type", type(model).__name__)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in PACKABLE_ATTENTION:
+        return (f"attention implementation {impl!r} ({model_type}): the packed forward is exact only with "
+                f"'sdpa' or 'eager'")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        other = sorted({t for t in layer_types if t != "full_attention"
+                        and not (t == "sliding_attention" and window is None)})
+        if other:
+            return (f"{model_type} has {', '.join(other)} layers (sliding_window={window}): the packed forward "
+                    f"attends to every ancestor token")
+    elif window is not None:
+        return f"{model_type} has a sliding window of {window} tokens: the packed forward attends to every ancestor token"
+    for name, module in getattr(model, "named_modules", lambda: iter(()))():
+        if isinstance(getattr(module, "sliding_window", None), int):
+            return (f"{model_type} layer {name} has a sliding window of {module.sliding_window} tokens: the packed "
+                    f"forward attends to every ancestor token")
+    return None
 
 
 #: Largest |packed - per-row| logprob the first-batch self-check accepts, by compute dtype (the autocast dtype
@@ -494,6 +556,10 @@ class TreePackedLogps:
             reason = stats.fallback_reason or "disabled"
         elif compute_aux_loss or any(v is not None for v in kwargs.values()):
             reason = "images, token types or an MoE auxiliary loss: the forward depends on more than tokens"
+        elif stats.self_check_delta is None and (refusal := packing_refusal(model)) is not None:
+            # before any packed forward: a refused model's packed forward is wrong (a window) or kills the process
+            stats.fallback_reason = reason = f"not packable: {refusal}; forwarding rows"
+            log.warning("tree packing off: %s", reason)
         if reason is not None:
             stats.row_batches += 1
             stats.reasons[reason[:60]] = stats.reasons.get(reason[:60], 0) + 1
