@@ -1036,7 +1036,7 @@ class SandboxRuntime(abc.ABC):
             held = self._held_state(live)
             marked, adopters, namespaces = await asyncio.to_thread(
                 lambda: (marked_processes(), orphan_adopters(), live_pid_namespaces()))
-            refused: dict[str, list[str]] = {"own": [], "live_parent": [], "unproven_pidns": []}
+            refused: dict[str, list[str]] = {"own": [], "live_parent": [], "unproven_pidns": [], "reused_pidns": []}
             reaped = finished
             for rec in dead:
                 if rec["sandbox_id"] in self._handles:
@@ -1051,15 +1051,29 @@ class SandboxRuntime(abc.ABC):
                 log.info("reaped %d orphan sandbox record(s) left by servers that are gone", reaped)
             why = {"own": "name a sandbox of this server (record kept)",
                    "live_parent": "name a launcher a live process spawned (record kept)",
-                   "unproven_pidns": "name a pid namespace where no process carries their launcher marker "
-                                     "(namespace not killed)"}
+                   "unproven_pidns": "name a live pid namespace in which no process carries a sandbox's "
+                                     "launcher marker (namespace not killed): forged, or its number reused by a "
+                                     "namespace that is no sandbox's",
+                   "reused_pidns": "were stale: their sandbox is gone, and the kernel has given its pid "
+                                   "namespace's number to another sandbox (left alone)"}
             for kind, ids in refused.items():
                 # once per record, not at every periodic reap while it stays (kept records come back)
                 ids = [i for i in ids if (kind, i) not in self._refused_seen]
                 if len(self._refused_seen) > 100_000:
                     self._refused_seen.clear()
                 self._refused_seen.update((kind, i) for i in ids)
-                if ids:
+                if not ids:
+                    continue
+                if kind == "reused_pidns":
+                    # the honest case after a crash: namespace inode numbers are reused at once (the kernel's
+                    # proc inum allocator hands out the lowest free one), here by a sandbox that carries its own
+                    # marker
+                    log.info("%d dead-owner ownership record(s) %s, e.g. %s", len(ids), why[kind],
+                             ", ".join(ids[:3]))
+                elif kind == "unproven_pidns":
+                    log.warning("%d dead-owner ownership record(s) %s, e.g. %s", len(ids), why[kind],
+                                ", ".join(ids[:3]))
+                else:
                     log.warning("%d dead-owner ownership record(s) %s: forged or stale, e.g. %s", len(ids),
                                 why[kind], ", ".join(ids[:3]))
             return reaped
@@ -1125,9 +1139,14 @@ class SandboxRuntime(abc.ABC):
         pidns = pidns if isinstance(pidns, int) and pidns not in held["pidns"] else None
         if pidns is not None and not any(m.pidns == pidns for m in mine):
             # No process of that namespace proves it is this sandbox's: a live namespace always holds its
-            # init, which carries the marker, so this one is gone or belongs to someone else (a forged record).
+            # init, which carries the marker, so this one is gone or belongs to someone else. Gone: the common
+            # honest case (nothing said). Another sandbox's (its init carries that sandbox's marker): the number
+            # was reused, the record is stale. Neither (no marker at all, or the host's own namespace, where
+            # the launchers live): a forged record, or a number reused by a namespace that is no sandbox's.
             if pidns in namespaces:
-                refused["unproven_pidns"].append(sid)
+                other = pidns != self._own_pidns and any(
+                    m.pidns == pidns for ms in marked.values() for m in ms)
+                refused["reused_pidns" if other else "unproven_pidns"].append(sid)
             pidns = None
         survivors = await kill_sandbox(pid, ct, grace_s=self.close_grace_s, sessions=sessions, pidns=pidns,
                                        not_before=started_at)
