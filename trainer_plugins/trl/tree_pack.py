@@ -499,10 +499,42 @@ def packing_refusal(model: Any) -> Optional[str]:
     return None
 
 
-#: Largest |packed - per-row| logprob the first-batch self-check accepts, by compute dtype (the autocast dtype
-#: when TRL's autocast is on, else the parameters'): fp32 and fp64 agree to ~1e-6 and ~1e-15 (reassociation
-#: only); half precision rounds each layer's output.
+#: Largest |packed - per-row| logprob the first-batch self-check accepts, by the parameters' dtype (the check
+#: runs fp32/fp64 models with autocast off, :func:`full_precision`): fp32 and fp64 agree to ~1e-6 and ~1e-15
+#: (reassociation only); half precision rounds each layer's output.
 SELF_CHECK_BOUND = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@contextlib.contextmanager
+def full_precision(model: Any, accelerator: Any = None):
+    """Autocast off for the forwards of ``model`` inside: torch's autocast on the parameters' device; the
+    autocast that accelerate's ``prepare_model`` wraps around a model's ``forward`` under mixed precision
+    (it keeps the unwrapped one as ``_original_forward``; here ``model`` or a wrapper's ``module``); and
+    ``accelerator.autocast()``, which TRL's own forward enters, through accelerate's ``autocast_handler``
+    (``AutocastKwargs(enabled=False)``, accelerate's way back to fp32 inside autocast). Restored on exit."""
+    handler = getattr(accelerator, "autocast_handler", False)
+    if handler is not False:
+        from accelerate.utils import AutocastKwargs
+
+        accelerator.autocast_handler = AutocastKwargs(enabled=False)
+    swapped = []
+    m = model
+    for _ in range(4):
+        if m is None:
+            break
+        original = vars(m).get("_original_forward") if hasattr(m, "__dict__") else None
+        if original is not None and "forward" in vars(m):
+            swapped.append((m, vars(m)["forward"]))
+            m.forward = original
+        m = getattr(m, "module", None)
+    try:
+        with torch.autocast(next(model.parameters()).device.type, enabled=False):
+            yield
+    finally:
+        for m, forward in swapped:
+            m.forward = forward
+        if handler is not False:
+            accelerator.autocast_handler = handler
 
 
 @dataclass
@@ -570,30 +602,37 @@ class TreePackedLogps:
         step = batch_size or input_ids.size(0)
         accelerator = getattr(self, "accelerator", None)
         # the same autocast as TRL's own forward (GRPOConfig's bf16 defaults to True, on CPU too)
-        autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+        autocast = accelerator.autocast if accelerator is not None else contextlib.nullcontext  # one per use
         trees = self.server_trees or getattr(getattr(self, "rollout_func", None), "server_trees", None)
-        with autocast:
-            parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
-                                       temperature, compute_entropy, stats, trees)
-                     for a in range(0, input_ids.size(0), step)]
-            device_type = input_ids.device.type
-            compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                             else next(model.parameters()).dtype)
-        logps = torch.cat([p[0] for p in parts])
-        ents = torch.cat([p[1] for p in parts]) if compute_entropy else None
         if stats.self_check_delta is None:
-            with torch.no_grad():
+            # fp32/fp64 parameters: both forwards of the check run in that precision with autocast off, where an
+            # honest packing agrees to ~1e-6 and packed-index position ids are off by ~1e-2; under bf16 autocast
+            # the honest difference (~4e-3) and that error (1.2e-2) are too close for any bound. Half-precision
+            # parameters are checked as they train, against TRL's per-row forward in the same dtype.
+            check_dtype = next(model.parameters()).dtype
+            exact = check_dtype in (torch.float32, torch.float64)
+            with torch.no_grad(), (full_precision(model, accelerator) if exact else autocast()):
+                check = torch.cat([tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step],
+                                                     logits_to_keep, temperature, False, None, trees)[0]
+                                   for a in range(0, input_ids.size(0), step)])
                 ref, _, _ = plain()
             keep = attention_mask[:, -logits_to_keep:].bool()
-            delta = float((logps.detach() - ref)[keep].abs().max()) if keep.any() else 0.0
+            delta = float((check - ref.to(check.dtype))[keep].abs().max()) if keep.any() else 0.0
             stats.self_check_delta = delta
-            bound = SELF_CHECK_BOUND.get(compute_dtype, 1e-2)
+            bound = SELF_CHECK_BOUND.get(check_dtype, 1e-2)
             if not delta <= bound:
                 stats.fallback_reason = (f"self-check: the packed forward's logprobs differ from the per-row "
-                                         f"forward's by {delta:.3g} > {bound:g}; forwarding rows from now on")
+                                         f"forward's by {delta:.3g} > {bound:g} ({str(check_dtype)[6:]}); "
+                                         f"forwarding rows from now on")
                 log.warning("tree packing off: %s", stats.fallback_reason)
                 stats.row_batches += 1
                 return plain()
+        with autocast():
+            parts = [tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step], logits_to_keep,
+                                       temperature, compute_entropy, stats, trees)
+                     for a in range(0, input_ids.size(0), step)]
+        logps = torch.cat([p[0] for p in parts])
+        ents = torch.cat([p[1] for p in parts]) if compute_entropy else None
         stats.packed_batches += 1
         return logps, ents, None
 
