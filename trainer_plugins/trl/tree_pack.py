@@ -568,7 +568,9 @@ class TreePackedLogps:
 
     The first packed batch is checked against TRL's own per-row forward; a difference above
     :data:`SELF_CHECK_BOUND` (or an error) turns packing off for the run, saying why in the log and in
-    :attr:`tree_pack_stats`. Batches with images, MoE auxiliary losses or token type ids are forwarded per row.
+    :attr:`tree_pack_stats`; an fp32/fp64 model's check runs with autocast off (:func:`full_precision`). Models
+    :func:`packing_refusal` refuses (sliding windows, attention other than SDPA or eager) are forwarded per row
+    from the start. Batches with images, MoE auxiliary losses or token type ids are forwarded per row.
     """
 
     tree_pack_enabled: bool = True
