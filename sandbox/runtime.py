@@ -366,6 +366,7 @@ class SandboxHandle:
                 if pid is not None and (s := procstate.stat(pid)) is not None)
             reason = procstate.fault(known)
         if reason is None and not self._served_checked:
+            t0 = time.monotonic()
             try:
                 res = await self._client.call("ping", {}, UNTOUCHED_PING_S)
             except (SandboxError, OSError, asyncio.TimeoutError) as e:
@@ -377,6 +378,8 @@ class SandboxHandle:
                               f"requests, the host sent {sent}")
                 else:
                     self._served_checked = True
+            finally:
+                charge_system(time.monotonic() - t0)  # the host's check, not the model's work
         if reason is not None:
             raise SandboxStartError(f"sandbox {self.sandbox_id} was not usable at the model's first call "
                                     f"(before any of its commands ran): {reason}")
