@@ -369,12 +369,14 @@ class SandboxHandle:
             t0 = time.monotonic()
             try:
                 res = await self._client.call("ping", {}, UNTOUCHED_PING_S)
+            except SandboxClosedError:
+                raise  # the host closed it meanwhile (a cancel): not a start
             except (SandboxError, OSError, asyncio.TimeoutError) as e:
                 reason = f"its execution server did not answer a ping: {type(e).__name__}: {e}"
             else:
                 served, sent = res.get("served"), self._client.sent
                 if not isinstance(served, int) or isinstance(served, bool) or served > sent:
-                    reason = (f"tampered before the model's first call: its execution server took {served!r} "
+                    reason = (f"tampered before the model's first call: its execution server took {str(served)[:40]} "
                               f"requests, the host sent {sent}")
                 else:
                     self._served_checked = True
