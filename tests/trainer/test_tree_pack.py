@@ -270,6 +270,27 @@ def test_a_mask_leak_across_branches_is_caught_by_the_self_check_and_rows_are_fo
     assert s.row_batches == 2  # off for the rest of the run
 
 
+def test_a_packed_forward_that_raises_on_the_first_batch_turns_packing_off_saying_why(model, monkeypatch):
+    # A model the packed path cannot run (a shape it does not expect, memory): the mixin's docstring promised
+    # rows for the rest of the run; before, the exception stopped the training step.
+    from trainer_plugins.trl import tree_pack
+
+    def broken(*a, **k):
+        raise RuntimeError("stands for a packed forward this model cannot run")
+
+    monkeypatch.setattr(tree_pack, "packed_row_logprobs", broken)
+    ids, mask, C = padded_batch(group_rows()[:5], 48)
+    trainer = PackedTrainer()
+    got, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+    with torch.no_grad():
+        ref, _, _ = PerRowTrainer()._get_per_token_logps_and_entropies(model, ids, mask, C)
+    s = trainer.tree_pack_stats
+    assert s.fallback_reason and "RuntimeError" in s.fallback_reason and s.packed_batches == 0
+    assert got.requires_grad and torch.equal(got.detach(), ref)  # the per-row forward, trainable
+    trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+    assert s.row_batches == 2
+
+
 def test_packed_entropies_equal_the_per_row_ones(model):
     rows = group_rows()[:4]
     tree = pack(*build_prefix_tree(rows))

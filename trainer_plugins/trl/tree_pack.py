@@ -567,7 +567,7 @@ class TreePackedLogps:
         class Trainer(TreePackedLogps, GRPOTrainer): ...
 
     The first packed batch is checked against TRL's own per-row forward; a difference above
-    :data:`SELF_CHECK_BOUND` (or an error) turns packing off for the run, saying why in the log and in
+    :data:`SELF_CHECK_BOUND` (or an exception of its packed forward) turns packing off for the run, saying why in the log and in
     :attr:`tree_pack_stats`; an fp32/fp64 model's check runs with autocast off (:func:`full_precision`). Models
     :func:`packing_refusal` refuses (sliding windows, attention other than SDPA or eager) are forwarded per row
     from the start. Batches with images, MoE auxiliary losses or token type ids are forwarded per row.
@@ -614,10 +614,19 @@ class TreePackedLogps:
             check_dtype = next(model.parameters()).dtype
             exact = check_dtype in (torch.float32, torch.float64)
             with torch.no_grad(), (full_precision(model, accelerator) if exact else autocast()):
-                check = torch.cat([tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step],
-                                                     logits_to_keep, temperature, False, None, trees)[0]
-                                   for a in range(0, input_ids.size(0), step)])
-                ref, _, _ = plain()
+                try:
+                    check = torch.cat([tree_packed_batch(model, input_ids[a:a + step], attention_mask[a:a + step],
+                                                         logits_to_keep, temperature, False, None, trees)[0]
+                                       for a in range(0, input_ids.size(0), step)])
+                except Exception as e:  # noqa: BLE001 - a packed forward this model cannot run: rows, saying why
+                    check = None
+                    stats.fallback_reason = (f"self-check: the packed forward raised {type(e).__name__}: "
+                                             f"{str(e)[:200]}; forwarding rows from now on")
+                ref = plain()[0] if check is not None else None
+            if check is None:
+                log.warning("tree packing off: %s", stats.fallback_reason)
+                stats.row_batches += 1
+                return plain()  # with gradients and the trainer's autocast, as every per-row batch
             keep = attention_mask[:, -logits_to_keep:].bool()
             delta = float((check - ref.to(check.dtype))[keep].abs().max()) if keep.any() else 0.0
             stats.self_check_delta = delta
