@@ -4,6 +4,7 @@ nothing after the next server's reap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,19 @@ pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reas
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = SandboxSpec(network="none", limits=Limits(max_processes=256))
+
+
+@contextlib.asynccontextmanager
+async def full_pool(runtime, size: int = 1, spec: SandboxSpec = SPEC, **kw):
+    """A :class:`SandboxPool` of ``runtime`` holding ``size`` started sandboxes of ``spec`` (waited for, 60 s),
+    closed on exit."""
+    pool = SandboxPool(runtime, size=size, **kw)
+    try:
+        pool.register(spec)
+        await pool.wait_full(spec, 60)
+        yield pool
+    finally:
+        await pool.close()
 
 
 async def _refilled(pool: SandboxPool, spec: SandboxSpec, n: int) -> None:

@@ -12,10 +12,9 @@ import pytest
 
 from prorl_server.failures import classify, is_filtered
 from sandbox import SandboxError, SandboxStartError
-from sandbox.pool import SandboxPool
 from sandbox.system_time import system_seconds
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
-from tests.sandbox.test_pool import SPEC
+from tests.sandbox.test_pool import SPEC, full_pool
 
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE))]
 
@@ -42,10 +41,7 @@ async def _stop(p: psutil.Process) -> None:
 
 
 async def test_a_pooled_sandbox_whose_warm_shell_was_stopped_is_replaced_not_handed_out(bwrap_runtime):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        pool.register(SPEC)
-        await pool.wait_full(SPEC, 60)
+    async with full_pool(bwrap_runtime) as pool:
         (victim,) = bwrap_runtime.handles
         await _stop(_warm_shell(victim))  # the execution server itself still runs and answers
         got = await asyncio.wait_for(pool.acquire(SPEC), 20)
@@ -53,15 +49,10 @@ async def test_a_pooled_sandbox_whose_warm_shell_was_stopped_is_replaced_not_han
         assert got.sandbox_id != victim.sandbox_id and pool.counters["dead"] == 1
         assert (await got.bash("echo alive", timeout_s=5)).output.strip() == "alive"
         await got.close()
-    finally:
-        await pool.close()
 
 
 async def test_a_shell_stopped_after_acquire_fails_the_models_first_call_as_the_systems(bwrap_runtime):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        pool.register(SPEC)
-        await pool.wait_full(SPEC, 60)
+    async with full_pool(bwrap_runtime) as pool:
         h = await pool.acquire(SPEC)
         await _stop(_warm_shell(h))  # after acquire, before the model's first command
         t0 = time.monotonic()
@@ -73,17 +64,12 @@ async def test_a_shell_stopped_after_acquire_fails_the_models_first_call_as_the_
         kind = classify(err.value, "run", model_acted=True)
         assert kind == "sandbox" and is_filtered(kind)
         await h.close()
-    finally:
-        await pool.close()
 
 
 async def test_a_stop_after_the_models_first_command_stays_the_models(bwrap_runtime):
     # The model can stop its own shell (`kill -STOP $$`); the host cannot tell that from a co-tenant's stop once
     # the model's code ran in the sandbox, so it stays the command's timeout, shown to the model (scored).
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        pool.register(SPEC)
-        await pool.wait_full(SPEC, 60)
+    async with full_pool(bwrap_runtime) as pool:
         h = await pool.acquire(SPEC)
         with system_seconds():
             assert (await h.bash("echo first", timeout_s=5)).output.strip() == "first"
@@ -91,8 +77,6 @@ async def test_a_stop_after_the_models_first_command_stays_the_models(bwrap_runt
             r = await asyncio.wait_for(h.bash("echo hi", timeout_s=1), 30)
         assert r.timed_out
         await h.close()
-    finally:
-        await pool.close()
 
 
 # A server whose pool refills all the time: it fills a pool of 3 (2 starts at once), then takes and closes what

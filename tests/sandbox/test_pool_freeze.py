@@ -16,10 +16,9 @@ import pytest
 
 from prorl_server.failures import classify, is_filtered
 from sandbox import SandboxError, SandboxStartError, procstate
-from sandbox.pool import SandboxPool
 from sandbox.system_time import system_seconds
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
-from tests.sandbox.test_pool import SPEC
+from tests.sandbox.test_pool import SPEC, full_pool
 
 FREEZER = "/sys/fs/cgroup/freezer"
 #: The cgroup v2 mount point (on a hybrid host, the unified hierarchy beside the v1 ones), or ``None``.
@@ -105,10 +104,7 @@ def frozen(handle, version: int = 1):
 
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_a_frozen_pooled_sandbox_is_replaced_not_handed_out(bwrap_runtime, version):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        pool.register(SPEC)
-        await pool.wait_full(SPEC, 60)
+    async with full_pool(bwrap_runtime) as pool:
         (victim,) = bwrap_runtime.handles
         with frozen(victim, version):
             got = await asyncio.wait_for(pool.acquire(SPEC), 20)
@@ -116,16 +112,11 @@ async def test_a_frozen_pooled_sandbox_is_replaced_not_handed_out(bwrap_runtime,
             assert got.sandbox_id != victim.sandbox_id and pool.counters["dead"] == 1
             assert (await got.bash("echo alive", timeout_s=5)).output.strip() == "alive"
             await got.close()
-    finally:
-        await pool.close()
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_a_sandbox_frozen_after_acquire_fails_the_models_first_call_as_the_systems(bwrap_runtime, version):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        pool.register(SPEC)
-        await pool.wait_full(SPEC, 60)
+    async with full_pool(bwrap_runtime) as pool:
         h = await pool.acquire(SPEC)
         with frozen(h, version):
             t0 = time.monotonic()
@@ -136,8 +127,6 @@ async def test_a_sandbox_frozen_after_acquire_fails_the_models_first_call_as_the
             kind = classify(err.value, "run", model_acted=True)
             assert kind == "sandbox" and is_filtered(kind)
         await h.close()
-    finally:
-        await pool.close()
 
 
 @pytest.mark.parametrize("version", VERSIONS[:1])

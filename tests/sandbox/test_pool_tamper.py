@@ -14,11 +14,10 @@ import pytest
 from prorl_server.failures import classify, is_filtered
 from sandbox import SandboxStartError
 from sandbox.client import ExecClient
-from sandbox.pool import SandboxPool
 from sandbox.runtime import SOCKET_NAME
 from sandbox.system_time import system_seconds
 from tests.sandbox.conftest import BWRAP_UNAVAILABLE
-from tests.sandbox.test_pool import SPEC
+from tests.sandbox.test_pool import SPEC, full_pool
 
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(BWRAP_UNAVAILABLE), reason=str(BWRAP_UNAVAILABLE))]
 
@@ -27,44 +26,33 @@ async def _never() -> None:
     await asyncio.sleep(3600)
 
 
-async def _pooled(pool, runtime):
-    pool.register(SPEC)
-    await pool.wait_full(SPEC, 60)
-    (waiting,) = runtime.handles
-    return waiting
-
-
 async def test_a_pooled_sandbox_a_cotenant_used_fails_the_models_first_call_as_the_systems(bwrap_runtime):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    cotenant = None
-    try:
-        waiting = await _pooled(pool, bwrap_runtime)
+    async with full_pool(bwrap_runtime) as pool:
+        (waiting,) = bwrap_runtime.handles
         cotenant = ExecClient(os.path.join(waiting._ctx.run_dir, SOCKET_NAME), _never, "co-tenant")
-        await cotenant.connect(5)
-        await cotenant.call("bash", {"command": "echo planted > /workspace/planted; sleep 30 &", "timeout_s": 5}, 10)
-        # a foreground command of theirs still runs when the job gets the sandbox
-        busy = asyncio.ensure_future(cotenant.call("bash", {"command": "sleep 30", "timeout_s": 60}, 70))
-        await asyncio.sleep(0.2)
-        h = await pool.acquire(SPEC)
-        assert h.sandbox_id == waiting.sandbox_id  # acquire does not ask the server (no round trip there)
-        with system_seconds():  # on the model's behalf, as the agent loop calls it
-            with pytest.raises(SandboxStartError) as err:  # before: "a bash command is already running", scored
-                await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
-        assert "tampered" in str(err.value)
-        kind = classify(err.value, "run", model_acted=True)
-        assert kind == "sandbox" and is_filtered(kind)
-        busy.cancel()
-        await h.close()
-    finally:
-        if cotenant is not None:
+        try:
+            await cotenant.connect(5)
+            await cotenant.call("bash", {"command": "echo planted > /workspace/planted; sleep 30 &",
+                                         "timeout_s": 5}, 10)
+            # a foreground command of theirs still runs when the job gets the sandbox
+            busy = asyncio.ensure_future(cotenant.call("bash", {"command": "sleep 30", "timeout_s": 60}, 70))
+            await asyncio.sleep(0.2)
+            h = await pool.acquire(SPEC)
+            assert h.sandbox_id == waiting.sandbox_id  # acquire does not ask the server (no round trip there)
+            with system_seconds():  # on the model's behalf, as the agent loop calls it
+                with pytest.raises(SandboxStartError) as err:  # before: "a bash command is already running"
+                    await asyncio.wait_for(h.bash("echo hi", timeout_s=3), 30)
+            assert "tampered" in str(err.value)
+            kind = classify(err.value, "run", model_acted=True)
+            assert kind == "sandbox" and is_filtered(kind)
+            busy.cancel()
+            await h.close()
+        finally:
             await cotenant.close()
-        await pool.close()
 
 
 async def test_the_hosts_own_setup_calls_do_not_read_as_tampering(bwrap_runtime):
-    pool = SandboxPool(bwrap_runtime, size=1)
-    try:
-        await _pooled(pool, bwrap_runtime)
+    async with full_pool(bwrap_runtime) as pool:
         h = await pool.acquire(SPEC)
         # a handler's setup (outside the model's accounting), then the model's first calls
         await h.upload("task.txt", b"x")
@@ -73,5 +61,3 @@ async def test_the_hosts_own_setup_calls_do_not_read_as_tampering(bwrap_runtime)
             assert (await h.bash("echo first", timeout_s=5)).output.strip() == "first"
             assert (await h.bash("echo second", timeout_s=5)).output.strip() == "second"
         await h.close()
-    finally:
-        await pool.close()
