@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.trainer import test_tree_pack  # noqa: E402
 from trainer_plugins.trl import tree_pack  # noqa: E402
 from trainer_plugins.trl.tree_pack import TreePackedLogps, packing_refusal  # noqa: E402
 
@@ -53,20 +54,14 @@ def test_a_model_is_refused_exactly_when_a_layer_uses_a_sliding_window(name, bui
             tree_pack.packed_row_logprobs(model, tree_pack.pack(*tree_pack.build_prefix_tree([[5, 6, 7], [5, 6]])))
 
 
-class PerRowTrainer:
-    """Stands for TRL's ``GRPOTrainer._get_per_token_logps_and_entropies`` (TRL 1.x, as in test_tree_pack.py):
-    the padded batch forwarded as it is; counts its calls."""
+class PerRowTrainer(test_tree_pack.PerRowTrainer):
+    """test_tree_pack's stand-in for TRL's per-row forward, counting its calls."""
 
-    temperature = 1.0
     calls = 0
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False, **kw):
+    def _get_per_token_logps_and_entropies(self, *a, **kw):
         self.calls += 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        logp = torch.log_softmax(logits[:, :-1] / self.temperature, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
-        return logp[:, -logits_to_keep:], None, None
+        return super()._get_per_token_logps_and_entropies(*a, **kw)
 
 
 class PackedTrainer(TreePackedLogps, PerRowTrainer):
