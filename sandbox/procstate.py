@@ -49,22 +49,19 @@ def _freezer_mounts() -> tuple[Optional[tuple[str, str]], Optional[tuple[str, st
     """``(v1, v2)``: the (root, mount point) of this host's v1 freezer hierarchy and of its cgroup v2 mount, each
     ``None`` when not mounted. Read once from ``/proc/self/mountinfo`` (mounts of cgroup file systems do not move
     while a server runs)."""
+    from .bounds import _mounts  # the bounds' own mountinfo reader (the same fields)
+
     v1 = v2 = None
     try:
         with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
+            mounts = _mounts(f.read())
     except OSError:
         return None, None
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        a, b = left.split(), right.split()
-        if len(a) < 5 or len(b) < 3:
-            continue
-        mount = (a[3], a[4].replace("\\040", " "))
-        if b[0] == "cgroup" and v1 is None and "freezer" in b[2].split(","):
-            v1 = mount
-        elif b[0] == "cgroup2" and v2 is None:
-            v2 = mount
+    for root, point, fstype, superopts in mounts:
+        if fstype == "cgroup" and v1 is None and "freezer" in superopts.split(","):
+            v1 = (root, point)
+        elif fstype == "cgroup2" and v2 is None:
+            v2 = (root, point)
     return v1, v2
 
 
