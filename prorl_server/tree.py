@@ -14,7 +14,11 @@ The tree is a radix tree (a compressed trie, Knuth, TAOCP vol. 3, 6.3 "Patricia"
 provenance) pairs; its longest common prefixes are found by comparing list slices (C speed), so building costs
 O(flat tokens) comparisons at a few ns each and Python work per node and provenance run, not per token.
 
-Pure functions: no I/O, no event loop; the route runs them in a worker thread.
+Pure functions: no I/O, no event loop; the route runs them in a worker thread. Rows without routed experts are
+built and checked by the compiled ``prorl_server._tree_c`` (``_tree_c.c``: the same insertion and checks a token
+at a time over C arrays, about 2x faster on a small group, where Python per node and run dominated); this module's
+code is the reference, and runs what the compiled one does not take (routes, token ids past 64 bits, an install
+without a C compiler) and names every failure.
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ from typing import Any, Optional, Sequence
 
 from prorl_server.types import (GroupTree, JobResult, MissingJob, TreeLeaf, TreeNode, mask_runs, runs_slice,
                                 sampled_runs_versions)
+
+try:  # the same build and check, compiled, for groups without routed experts (prorl_server/_tree_c.c)
+    from prorl_server import _tree_c
+except ImportError:  # not built (an install without a C compiler): this module's own code does it all
+    _tree_c = None
 
 #: Tokens compared per slice when a longest common prefix is searched within a node that differs.
 _CHUNK = 256
@@ -312,10 +321,39 @@ def _same_ids(a: list[int], b: list[int], pos: int, n: int) -> int:
     return n
 
 
+def _c_rows(rows: Sequence[Row]) -> Optional[list[tuple]]:
+    """``rows`` as :mod:`prorl_server._tree_c` reads them, or None when it is not built or a row recorded routed
+    experts (their per-token provenance stays with the Python code)."""
+    if _tree_c is None or any(r.routes is not None for r in rows):
+        return None
+    return [(r.ids, r.runs, r.prompt_len, r.response_logprobs) for r in rows]
+
+
 def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob] = ()) -> GroupTree:
     """The prefix tree of ``rows`` (radix-tree insertion, one row after another; a row follows the first child
     whose first token and provenance it may share). Nodes are numbered in depth-first order, children in the
-    order rows first reached them, so a subtree is contiguous. Not verified: see :func:`verify_tree`."""
+    order rows first reached them, so a subtree is contiguous. Not verified: see :func:`verify_tree`.
+
+    Rows without routed experts are inserted by the compiled :mod:`prorl_server._tree_c` (the same insertion a
+    token at a time in C: a few ns per token instead of Python steps per node and run); the tree is the same
+    (``tests/core/test_group_tree.py`` compares the two on random groups)."""
+    crows = _c_rows(rows)
+    if crows is not None:
+        try:
+            nodes_c, paths = _tree_c.build(crows)
+        except (TypeError, ValueError, OverflowError):
+            pass  # a value of a form the compiled build does not read (a token id past 64 bits): Python's
+        else:
+            nodes = [_construct(TreeNode, dict(id=i, parent=parent, depth=depth, token_ids=rows[owner].ids[depth:end],
+                                               sampled=sampled, logprobs=lps, version_runs=versions,
+                                               routed_experts=None))
+                     for i, (parent, depth, owner, end, sampled, lps, versions) in enumerate(nodes_c)]
+            return _group_tree(group_id, rows, nodes, paths, missing)
+    return _build_python(group_id, rows, missing)
+
+
+def _build_python(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob] = ()) -> GroupTree:
+    """:func:`build_tree` in Python, for any rows."""
     root = _Node(-1, 0, 0, None, [])
     order: dict[_Node, list[_Node]] = {root: []}  # _Node hashes by identity  # children in the order rows first reached them
     ends: list[_Node] = []
@@ -394,16 +432,24 @@ def build_tree(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJob]
             routed_experts=routes)))
         stack.extend(reversed(order[x]))
 
-    leaves = []
-    for row, end in zip(rows, ends):
+    paths = []
+    for end in ends:
         path = []
         x = end
         while x is not root:
             path.append(number[x])
             x = x.parent
-        leaves.append(_construct(TreeLeaf, dict(job_id=row.job_id, trajectory_index=row.index, path=path[::-1],
-                                               prompt_len=row.prompt_len, length=len(row.ids), reward=row.reward,
-                                               sampled=list(row.sampled_runs))))
+        paths.append(path[::-1])
+    return _group_tree(group_id, rows, nodes, paths, missing)
+
+
+def _group_tree(group_id: str, rows: Sequence[Row], nodes: list[TreeNode], paths: list[list[int]],
+                missing: Sequence[MissingJob]) -> GroupTree:
+    """The :class:`GroupTree` of built ``nodes``, with a leaf per row (its path ``paths[i]``)."""
+    leaves = [_construct(TreeLeaf, dict(job_id=row.job_id, trajectory_index=row.index, path=path,
+                                        prompt_len=row.prompt_len, length=len(row.ids), reward=row.reward,
+                                        sampled=list(row.sampled_runs)))
+              for row, path in zip(rows, paths)]
     flat = sum(len(r.ids) for r in rows)
     tree_tokens = sum(len(x.token_ids) for x in nodes)
     return _construct(GroupTree, dict(group_id=group_id, format_version=TREE_FORMAT, nodes=nodes, leaves=leaves,
@@ -538,6 +584,10 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
     """
     if len(tree.leaves) != len(rows):
         raise ValueError(f"{len(tree.leaves)} leaves for {len(rows)} rows")
+    spread = _verify_c(tree, rows)
+    if spread is not None:
+        return spread
+    # the compiled check is not built, does not take these rows, or found a failure: this one names it
     nodes = tree.nodes
     node_runs = [_node_runs(x) for x in nodes]
     info = [(x.parent, x.depth, x.token_ids, x.logprobs) for x in nodes]  # read once, not once per leaf below
@@ -598,6 +648,30 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
                                                                                      for x in nodes):
         raise ValueError("the tree's token counts are wrong")
     return spread
+
+
+def _verify_c(tree: GroupTree, rows: Sequence[Row]) -> Optional[float]:
+    """:func:`verify_tree`'s checks by the compiled :mod:`prorl_server._tree_c` for rows without routed experts
+    and a tree whose leaves carry their own ``sampled`` runs (format 2): the tree's ``max_logprob_spread``, or
+    None when it is not built, does not take them, or a check fails (the caller then checks again in Python,
+    which names the failure). Each node is read once (tokens, provenance per token from its sampled runs and
+    version runs, logprobs: 0.0 where not generated, all finite, no routes); per leaf, its path's parent
+    links, depths and tokens against the row's, its ``sampled`` runs against the row's ``loss_mask`` runs, and
+    at each of them the node's generation under the row's version and the behaviour logprob."""
+    crows = _c_rows(rows)
+    if crows is None or any(leaf.sampled is None for leaf in tree.leaves):
+        return None
+    for leaf, row in zip(tree.leaves, rows):
+        if (leaf.job_id, leaf.trajectory_index, leaf.prompt_len, leaf.length) != (
+                row.job_id, row.index, row.prompt_len, len(row.ids)):
+            return None
+    nodes = tree.nodes
+    if tree.flat_tokens != sum(len(r.ids) for r in rows) or tree.tree_tokens != sum(len(x.token_ids) for x in nodes):
+        return None
+    return _tree_c.verify(crows, [r.sampled_runs for r in rows],
+                          [(x.parent, x.depth, x.token_ids, x.sampled, x.logprobs, x.version_runs, x.routed_experts)
+                           for x in nodes],
+                          [(leaf.path, leaf.sampled) for leaf in tree.leaves])
 
 
 def _node_at(nodes: Sequence[TreeNode], path: Sequence[int], pos: int) -> int:

@@ -542,3 +542,119 @@ def test_the_tree_route_is_authorized_like_the_job_routes():
     auth = {(r.method, r.path): r.auth for r in ROUTES}
     assert auth[("GET", "/groups/{group_id}/tree")] == auth[("GET", "/jobs/{job_id}")] \
         == auth[("POST", "/process")] == "bearer"
+
+
+# ------------------------------------------------------------------ the compiled build and check (prorl_server/_tree_c.c)
+# Rows without routed experts are built and checked by the compiled module, the Python code being the
+# reference: the same tree byte for byte, the same logprob spread, and never a pass where the Python check
+# fails (a compiled check that fails hands over to the Python one, which names the failure).
+
+def test_the_install_builds_the_compiled_tree_module():
+    """`pip install -e .` (the README's install) compiles it; without it every tree is built in Python, about
+    2x slower (benchmarks/tree_training.py). setup.py marks it optional, so only this test says it is missing."""
+    assert tree_module._tree_c is not None, "prorl_server/_tree_c.c was not compiled: run `pip install -e .` again"
+
+
+def _random_group(rnd) -> list[tuple[str, JobResult]]:
+    """Rows that branch, re-send earlier replies (whole or cut) as context, hold context inside a turn, sample
+    under two versions (a swap inside a turn too), carry an unknown version (version runs that do not add up)
+    or fewer logprobs than tokens; a small vocabulary, so equal tokens are common."""
+    vocab = rnd.choice([3, 6, 50])
+    base = [rnd.randrange(5, 5 + vocab) for _ in range(8)]
+    rows, hist = [], [rnd.randrange(5, 5 + vocab) for _ in range(rnd.randrange(0, 6))]
+    for _ in range(rnd.randrange(1, 8)):
+        n = rnd.randrange(0, 6)
+        out = [rnd.randrange(5, 5 + vocab) for _ in range(n)] if rnd.random() < .5 else base[:n]
+        mask = [rnd.choice([0, 1, 1]) for _ in out]
+        ns = sum(mask)
+        if ns > 1 and rnd.random() < .3:
+            runs = [[1, 1], [2, ns - 1]]
+        elif ns and rnd.random() < .1:
+            runs = [[1, ns + 1]]
+        else:
+            runs = [[rnd.choice([1, 2, None]), ns]] if ns else []
+        lps = [round(-rnd.random(), 2) if m else 0.0 for m in mask]
+        if rnd.random() < .2:
+            lps = lps[:rnd.randrange(0, len(lps) + 1)]
+        prompt = list(hist) if rnd.random() < .7 else hist[:rnd.randrange(0, len(hist) + 1)]
+        rows.append(dict(prompt_ids=prompt, response_ids=out, response_logprobs=lps, loss_mask=mask,
+                         version_runs=runs))
+        hist = prompt + out + [rnd.randrange(5, 5 + vocab)]
+    rnd.shuffle(rows)
+    return [(f"j{k}", result(f"j{k}", rows[k:k + 2], reward=k)) for k in range(0, len(rows), 2)]
+
+
+def _tampered(rnd, tree: GroupTree) -> GroupTree:
+    """``tree`` with one thing changed: a token, a sampled run, a logprob (NaN and inf too), a version, a
+    path cut or swapped, a leaf's sampled runs, a parent or a depth."""
+    bad = tree.model_copy(deep=True)
+    x = rnd.choice(bad.nodes)
+    leaf = rnd.choice(bad.leaves)
+    kind = rnd.randrange(9)
+    if kind == 0:
+        x.token_ids[rnd.randrange(len(x.token_ids))] += 1
+    elif kind == 1 and x.sampled and x.sampled[0][1] - x.sampled[0][0] > 1:
+        x.sampled[0] = (x.sampled[0][0] + 1, x.sampled[0][1])
+    elif kind == 2:
+        x.logprobs[rnd.randrange(len(x.logprobs))] = rnd.choice([-0.3, 0.0, float("nan"), float("inf")])
+    elif kind == 3 and x.version_runs:
+        x.version_runs[0] = (rnd.choice([1, 2, 3, None]), x.version_runs[0][1])
+    elif kind == 4 and leaf.path:
+        leaf.path = leaf.path[:-1]
+    elif kind == 5:
+        leaf.path = list(rnd.choice(bad.leaves).path)
+    elif kind == 6:
+        leaf.sampled = leaf.sampled[1:] if leaf.sampled else [(0, 1)]
+    elif kind == 7:
+        x.parent = rnd.choice([None, 0, 1, 5])
+    else:
+        x.depth += 1
+    return bad
+
+
+def test_the_compiled_build_and_check_agree_with_the_python_ones_on_random_groups(monkeypatch):
+    import random
+
+    assert tree_module._tree_c is not None
+    compiled = tree_module._tree_c
+
+    def python_check(tree, rows):
+        monkeypatch.setattr(tree_module, "_tree_c", None)
+        try:
+            return verify_tree(tree, rows)
+        finally:
+            monkeypatch.setattr(tree_module, "_tree_c", compiled)
+
+    refused = 0
+    for seed in range(400):
+        rnd = random.Random(seed)
+        rows = [r for j, x in _random_group(rnd) for r in rows_of(j, x)]
+        tree = build_tree("g", rows)
+        assert tree.model_dump_json() == tree_module._build_python("g", rows).model_dump_json(), seed
+        assert tree_module._verify_c(tree, rows) == python_check(tree, rows), seed
+        for _ in range(4 if tree.nodes else 0):
+            bad = _tampered(rnd, tree)
+            try:
+                spread = python_check(bad, rows)
+            except (TreeInvariantError, ValueError):
+                refused += 1
+                assert tree_module._verify_c(bad, rows) is None, seed  # never a pass where Python refuses
+                with pytest.raises((TreeInvariantError, ValueError)):
+                    verify_tree(bad, rows)  # and the route's check names it
+            else:
+                assert tree_module._verify_c(bad, rows) in (spread, None), seed
+    assert refused > 1000  # the tampering did change trees
+
+
+def test_a_token_id_past_64_bits_and_routed_rows_take_the_python_build(monkeypatch):
+    """What the compiled module does not read goes to the Python code: token ids past 64 bits, rows with
+    routed experts (their provenance per token is a route record)."""
+    calls = []
+    python_build = tree_module._build_python
+    monkeypatch.setattr(tree_module, "_build_python", lambda *a: calls.append(a) or python_build(*a))
+    big = [("a", result("a", [dict(prompt_ids=[2 ** 70, 5], response_ids=[6, 7], response_logprobs=[-.1, -.2],
+                                    loss_mask=[1, 1], version_runs=[[1, 2]])]))]
+    tree = group_tree("g", big)
+    assert len(calls) == 1 and tree.nodes[0].token_ids == [2 ** 70, 5, 6, 7]
+    group_tree("g", [("a", result("a", [grpo_row(0)]))])
+    assert len(calls) == 1  # a plain row: compiled
