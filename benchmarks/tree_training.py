@@ -60,6 +60,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -504,4 +505,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (``timeout``, a job scheduler) unwinds like an error, so the context managers stop vLLM and the
+    # rollout server (each in its own process group: nothing else would reach them); SIGINT already does
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())
