@@ -52,6 +52,19 @@ typedef struct {
 
 static int compat(int p, int q) { return p == q || p == 0 || q == 0; }
 
+/* Lets other threads run after about 2^19 tokens of work. The route calls this module from a worker thread
+ * while the server's event loop waits for the GIL; a release hands the GIL over when a waiting thread asked for
+ * it (after its switch interval, 5 ms), as happens between bytecodes of Python code. A large group would
+ * otherwise hold the loop for the whole call (tests/core/test_group_tree.py measures it). */
+static void yield_gil(Py_ssize_t *work, Py_ssize_t n) {
+    *work += n;
+    if (*work >= (1 << 19)) {
+        *work = 0;
+        Py_BEGIN_ALLOW_THREADS
+        Py_END_ALLOW_THREADS
+    }
+}
+
 static void free_rows(CRow *rows, int n) {
     if (!rows) return;
     for (int i = 0; i < n; i++) { free(rows[i].tok); free(rows[i].prov); }
@@ -72,7 +85,7 @@ static int to_ll(PyObject *list, long long *out, Py_ssize_t n) {
 
 /* Reads rows (see the header) into C arrays, numbering each provenance tuple in pcodes ({(version,): code})
  * and provs (provs[code - 1]) as it first appears; -1 with an exception set on a form it does not take. */
-static int read_rows(PyObject *rows, PyObject *pcodes, PyObject *provs, CRow **out, int *nout) {
+static int read_rows(PyObject *rows, PyObject *pcodes, PyObject *provs, CRow **out, int *nout, Py_ssize_t *work) {
     if (!PyList_Check(rows)) { PyErr_SetString(PyExc_TypeError, "rows: a list"); return -1; }
     Py_ssize_t nr = PyList_GET_SIZE(rows);
     if (nr > 1 << 24) { PyErr_SetString(PyExc_ValueError, "too many rows"); return -1; }
@@ -92,6 +105,7 @@ static int read_rows(PyObject *rows, PyObject *pcodes, PyObject *provs, CRow **o
         cr[r].prov = malloc((n ? n : 1) * sizeof(int));
         if (!cr[r].tok || !cr[r].prov) { PyErr_NoMemory(); goto fail; }
         if (to_ll(ids, cr[r].tok, n) < 0) goto bad;
+        yield_gil(work, n);
         Py_ssize_t at = 0;
         for (Py_ssize_t k = 0; k < PyList_GET_SIZE(runs); k++) {
             PyObject *run = PyList_GET_ITEM(runs, k);
@@ -258,8 +272,9 @@ static PyObject *build(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &rows_in)) return NULL;
     Build b = {0};
     PyObject *result = NULL, *nodes = NULL, *paths = NULL, *pcodes = PyDict_New(), *provs = PyList_New(0);
-    int *ends = NULL, *number = NULL, *stack = NULL;
-    if (!pcodes || !provs || read_rows(rows_in, pcodes, provs, &b.rows, &b.nrows) < 0) goto out;
+    int *ends = NULL, *number = NULL, *stack = NULL, failed = 0;
+    Py_ssize_t work = 0;
+    if (!pcodes || !provs || read_rows(rows_in, pcodes, provs, &b.rows, &b.nrows, &work) < 0) goto out;
     Py_ssize_t total = 0;
     for (int r = 0; r < b.nrows; r++) total += b.rows[r].n;
     b.pprov = malloc((total ? total : 1) * sizeof(int));
@@ -269,8 +284,10 @@ static PyObject *build(PyObject *self, PyObject *args) {
     ends = malloc((b.nrows ? b.nrows : 1) * sizeof(int));
     if (!b.pprov || !b.psrc || !b.nodes || !ends) { PyErr_NoMemory(); goto out; }
     new_node(&b, -1, 0, 0, -1, 0);  /* the root */
-    for (int r = 0; r < b.nrows; r++)
-        if (insert(&b, r, &ends[r]) < 0) { PyErr_NoMemory(); goto out; }
+    Py_BEGIN_ALLOW_THREADS  /* the insertion reads and writes C arrays only: other threads run meanwhile */
+    for (int r = 0; r < b.nrows && !failed; r++) failed = insert(&b, r, &ends[r]) < 0;
+    Py_END_ALLOW_THREADS
+    if (failed) { PyErr_NoMemory(); goto out; }
     /* depth-first numbering, children in the order rows first reached them */
     number = malloc(b.nnodes * sizeof(int));
     stack = malloc(b.nnodes * sizeof(int));
@@ -286,6 +303,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
         if (!parent) goto out;
         if (p == 0) Py_INCREF(parent);
         PyObject *t = emit_node(&b, j, parent, provs);
+        yield_gil(&work, b.nodes[j].end - b.nodes[j].start);
         Py_DECREF(parent);
         if (!t || PyList_Append(nodes, t) < 0) { Py_XDECREF(t); goto out; }
         Py_DECREF(t);
@@ -408,12 +426,16 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     Py_ssize_t nn = PyList_GET_SIZE(nodes_in);
     VNode *vn = calloc(nn ? nn : 1, sizeof(VNode));
     if (!vn || !pcodes || !provs) { Py_XDECREF(pcodes); Py_XDECREF(provs); free(vn); return PyErr_NoMemory(); }
-    if (read_rows(rows_in, pcodes, provs, &rows, &nrows) < 0) goto out;
+    Py_ssize_t work = 0;
+    if (read_rows(rows_in, pcodes, provs, &rows, &nrows, &work) < 0) goto out;
     if (PyList_GET_SIZE(leaves) != nrows || PyList_GET_SIZE(sampled_runs) != nrows) goto out;
-    for (Py_ssize_t j = 0; j < nn; j++)
+    for (Py_ssize_t j = 0; j < nn; j++) {
         if (read_vnode(PyList_GET_ITEM(nodes_in, j), pcodes, &vn[j]) < 0) goto out;
+        yield_gil(&work, vn[j].L);
+    }
     for (int r = 0; r < nrows; r++) {
         CRow *row = &rows[r];
+        yield_gil(&work, row->n);
         PyObject *leaf = PyList_GET_ITEM(leaves, r), *mine = PyList_GET_ITEM(sampled_runs, r);
         if (!PyTuple_Check(leaf) || PyTuple_GET_SIZE(leaf) != 2 || !PyList_Check(PyTuple_GET_ITEM(leaf, 0))
             || !PyList_Check(PyTuple_GET_ITEM(leaf, 1)) || !PyList_Check(mine))
