@@ -22,6 +22,7 @@ from prorl_server.gateway import anthropic as anthropic_api, responses as respon
 from prorl_server.gateway.protocol import (BODY_BOUNDS, CreateSessionRequest, GatewayError, SessionCreated,
                                            decode_arguments, json_error, parse_chat_request, server_timing,
                                            stream_chunks)
+from prorl_server.job import JobEndedError
 from prorl_server.routes import Route, add_routes
 from sandbox.bounded_json import JsonBoundError, aloads
 
@@ -75,6 +76,8 @@ def _capability_route(fn: Callable[[web.Request, "Gateway", "Session"], Awaitabl
             return await fn(request, gw, s)
         except GatewayError as e:
             return convert(e).response()
+        except JobEndedError as e:  # the system is ending the session's job (cancel, timeout, shutdown): no bug
+            return convert(GatewayError(409, f"the session's job is ending: {e}", "job_ended")).response()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug: still answer in the format the agent's SDK understands

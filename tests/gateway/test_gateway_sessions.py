@@ -334,3 +334,29 @@ async def test_answers_say_where_their_time_went_in_server_timing(gateway_server
                          {"role": "user", "content": "again"}]
     result = await (await client.post(f"/sessions/{s['session_id']}/finalize", headers=AUTH)).json()
     assert result["split_reasons"] == [] and result["trajectories"][0]["num_turns"] == 2
+
+
+async def test_a_request_of_a_session_whose_job_is_ending_is_a_409_without_a_traceback(
+        gateway_server, scripted_policy, caplog):
+    """A job's session asks for a turn while its job is being ended (cancelled, timed out, the server
+    stopping): Job.backend() refuses with JobEndedError. That is the system ending the job, not a bug: a 409
+    `job_ended` the agent's SDK reads, and no ERROR traceback per session (a benchmark's orderly shutdown
+    logged one for each agent in flight)."""
+    import logging
+
+    from prorl_server.balancer import BackendPool
+    from prorl_server.job import Job
+
+    client, app = await gateway_server([await scripted_policy(lambda p, t: "ok")])
+    job = Job(job_id="ending", instance={}, sampling_params={}, handler=None, handler_name="h", timeout_s=None,
+              pool=BackendPool())
+    job.finishing = True
+    s = app[GATEWAY].create_session(job=job)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url(f"/sessions/{s.ref}/v1")), api_key="k", max_retries=0)
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(openai.ConflictError) as e:
+            await sdk.chat.completions.create(model="m", messages=START)
+    finally:
+        await sdk.close()
+    assert e.value.status_code == 409 and e.value.code == "job_ended"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
