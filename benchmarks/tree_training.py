@@ -400,7 +400,14 @@ def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int, at
     """One group: the tree's build cost on ``results`` (:func:`build_cost`), then (``model`` given) the timed
     forward+backward per row and packed. ``tree``: the tree the server answered for these results (checked with
     :func:`trainer_plugins.tree.check_tree`, raising its ``TreeCheckError`` if it does not give back the
-    results' rows; packed as received), ``route_s`` its GET's wall seconds; None: the tree built here."""
+    results' rows; packed as received), ``route_s`` its GET's wall seconds; None: the tree built here. The
+    local build takes the jobs in the server's order (the order their ``POST /process`` arrived, which
+    concurrent submissions do not fix), so that ``server_tree_equals_local`` compares like with like."""
+    if tree is not None:
+        first = {}
+        for k, leaf in enumerate(tree.leaves):
+            first.setdefault(leaf.job_id, k)
+        results = sorted(results, key=lambda jr: first.get(jr[0], len(first)))
     local, cost = build_cost(name, results, repeats)
     if tree is None:
         tree = local
