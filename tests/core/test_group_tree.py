@@ -658,3 +658,21 @@ def test_a_token_id_past_64_bits_and_routed_rows_take_the_python_build(monkeypat
     assert len(calls) == 1 and tree.nodes[0].token_ids == [2 ** 70, 5, 6, 7]
     group_tree("g", [("a", result("a", [grpo_row(0)]))])
     assert len(calls) == 1  # a plain row: compiled
+
+
+@pytest.mark.parametrize("group", ["HumanEval/0", "..", "a b?c#d"])
+async def test_the_trl_plugin_fetches_the_tree_of_a_group_id_with_url_characters(client, wait_done, group):
+    """The route decodes its percent-encoded path segment; the TRL plugin's fetch encodes the group id (before,
+    `HumanEval/0` reached no route, `..` was folded away by the HTTP client, `?`/`#` cut the path)."""
+    import aiohttp
+
+    from trainer_plugins.trl.tree_pack import ServerTrees
+
+    c = await client()
+    jobs = [await submit(c, [grpo_row(i)], group=group) for i in range(2)]
+    results = [JobResult.model_validate(await wait_done(c, j)) for j in jobs]
+    trees = ServerTrees()
+    async with aiohttp.ClientSession() as http:
+        await trees.collect(http, {}, [(group, str(c.make_url("")), results, [0, 0])])
+    assert trees.stats.fallbacks == 0, trees.stats.last_reason
+    assert len(trees._calls[-1]) == 2

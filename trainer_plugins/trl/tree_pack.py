@@ -107,6 +107,21 @@ def build_prefix_tree(rows: Sequence[Sequence[int]]) -> tuple[list[tuple[Optiona
     return nodes, paths
 
 
+def tree_url(server: str, group_id: str) -> Any:
+    """``GET /groups/{group_id}/tree`` of ``server`` with the group id as one path segment, percent-encoded (a
+    ``/``, ``?``, ``#`` or space in it would change the URL, and a segment ``.`` or ``..`` would be folded away
+    by the client's path normalisation, so its dots are encoded too); a ``yarl.URL`` already encoded, which
+    aiohttp sends as it is."""
+    from urllib.parse import quote
+
+    from yarl import URL
+
+    segment = quote(group_id, safe="")
+    if segment.strip(".") == "":
+        segment = segment.replace(".", "%2E")
+    return URL(f"{server.rstrip('/')}/groups/{segment}/tree", encoded=True)
+
+
 class ServerTrees:
     """The rollout servers' verified group trees (``GET /groups/{id}/tree``, issue #34) of the last
     ``keep_calls`` rollout calls, indexed by the rows TRL trains on, so a packed batch forwards the server's
@@ -142,7 +157,7 @@ class ServerTrees:
             held = {r.job_id: r for r in results}
             tree = None
             try:
-                async with session.get(f"{server.rstrip('/')}/groups/{gid}/tree", headers=dict(headers),
+                async with session.get(tree_url(server, gid), headers=dict(headers),
                                        timeout=aiohttp.ClientTimeout(total=60)) as resp:
                     body = await resp.content.read(self.max_bytes + 1)
                     if resp.status != 200:
