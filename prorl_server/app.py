@@ -225,6 +225,10 @@ async def group_tree(request: web.Request) -> web.Response:
     if not members:
         raise ApiError(404, "unknown_group", f"no job of group {group_id!r} on this server (never submitted, or "
                        "forgotten: the newest keep_finished groups are kept)")
+    members = tuple(members)  # as the tree is built from them (a job may join the group meanwhile)
+    served = pipeline.served_tree(group_id, members)
+    if served is not None:  # asked again (a retry): the complete tree served before, same jobs
+        return web.Response(body=served, content_type="application/json")
     ended: list[tuple[str, bytes]] = []
     missing: list[tuple[str, str]] = []
     for job_id in members:
@@ -256,6 +260,7 @@ async def group_tree(request: web.Request) -> web.Response:
         log.error("group %s: its tree fails its invariants: %s", group_id, e)
         raise ApiError(500, "tree_invariant", f"the tree of group {group_id!r} fails its invariants: {e}") from None
     if complete:  # the tree the group's trainer wanted is out: its delivered results need not stay whole
+        pipeline.keep_served_tree(group_id, members, body)
         pipeline.release_group(group_id)
     return web.Response(body=body, content_type="application/json")
 

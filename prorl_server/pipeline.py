@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from prorl_server.plugin.registry import HandlerRegistry
 from prorl_server.balancer import BackendPool, NoBackendError
@@ -121,6 +121,11 @@ class Pipeline:
         #: complete tree of it is served before (``release_group``)
         self.group_retention_s = group_retention_s
         self._group_ends: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # oldest first
+        #: group id -> (its members then, the JSON answered) of the newest groups whose complete tree was served
+        #: (:meth:`keep_served_tree`): a repeated GET, such as a client's retry, answers the same tree after
+        #: :meth:`release_group` reduced the results it was built from
+        self._served_trees: "collections.OrderedDict[str, tuple[tuple[str, ...], bytes]]" = collections.OrderedDict()
+        self._served_tree_bytes = 0
         #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
         self.journal: Any = None
@@ -278,6 +283,32 @@ class Pipeline:
             for old_id in old_members:
                 if self._job_groups.get(old_id) == old_group:
                     del self._job_groups[old_id]
+            self._drop_served_tree(old_group)
+
+    def keep_served_tree(self, group_id: str, members: Sequence[str], body: bytes) -> None:
+        """Keep the complete tree of ``group_id`` just served (``body``, its JSON, built from the results of
+        ``members``) for :meth:`served_tree`: the newest :data:`SERVED_TREES` groups' and at most
+        :data:`SERVED_TREE_BYTES` bytes in all (a larger tree is not kept: a repeated GET then names its
+        reduced results missing, as before)."""
+        self._drop_served_tree(group_id)
+        if len(body) > SERVED_TREE_BYTES:
+            return
+        self._served_trees[group_id] = (tuple(members), body)
+        self._served_tree_bytes += len(body)
+        while len(self._served_trees) > SERVED_TREES or self._served_tree_bytes > SERVED_TREE_BYTES:
+            _, (_, old) = self._served_trees.popitem(last=False)
+            self._served_tree_bytes -= len(old)
+
+    def served_tree(self, group_id: str, members: Sequence[str]) -> Optional[bytes]:
+        """The JSON of the complete tree of ``group_id`` served before, while the group still has exactly the
+        jobs it was built from (a job that joined since needs a new tree), else None."""
+        kept = self._served_trees.get(group_id)
+        return kept[1] if kept is not None and kept[0] == tuple(members) else None
+
+    def _drop_served_tree(self, group_id: str) -> None:
+        kept = self._served_trees.pop(group_id, None)
+        if kept is not None:
+            self._served_tree_bytes -= len(kept[1])
 
     def get(self, job_id: str) -> Optional[Job | FinishedJob]:
         """The live job ``job_id``, or the record of a finished one still retained (or journalled), or None."""
@@ -682,6 +713,11 @@ class Pipeline:
 
 #: Most job ids a group records for its tree (a GRPO group is a few to a few hundred samples).
 MAX_GROUP_JOBS = 1024
+
+#: Complete group trees kept after they were served, for a repeated GET (:meth:`Pipeline.keep_served_tree`): the
+#: newest groups' and bytes of JSON in all.
+SERVED_TREES = 64
+SERVED_TREE_BYTES = 64 * 1024 * 1024
 
 
 class FinishedJob:

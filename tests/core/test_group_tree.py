@@ -4,6 +4,7 @@ rows yet, and never serving a tree that fails its invariants."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 
@@ -373,25 +374,32 @@ def long_row(i: int, n: int = 2000) -> dict:
                 version_runs=[[0, n]])
 
 
-async def test_a_served_groups_delivered_results_are_not_kept_whole(client, wait_done):
+async def test_a_served_groups_delivered_results_are_not_kept_whole(client, wait_done, monkeypatch):
     """Memory stays bounded over a run of groups: once a complete tree of a group was served, the results
-    ``POST /process`` delivered are reduced to summaries (a later request names them missing); only a result
-    no client has taken yet stays whole."""
+    ``POST /process`` delivered are reduced to summaries; the tree itself is kept for a repeated GET (a
+    client's retry) for the newest groups (``SERVED_TREES``, 4 here), and an older group's repeated GET names
+    its reduced results missing. Only a result no client has taken yet stays whole."""
+    from prorl_server import pipeline as pipeline_module
     from prorl_server.app import PIPELINE
     from prorl_server.pipeline import result_bytes
 
+    monkeypatch.setattr(pipeline_module, "SERVED_TREES", 4)
     c = await client(keep_finished=10_000, keep_finished_mb=4096)
     pipeline = c.server.app[PIPELINE]
     one = result_bytes(result("x", [long_row(0)]))
+    bodies = {}
     for g in range(12):
         for k in range(2):
             r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [long_row(2 * g + k)]},
                                                "group_id": f"g{g}"})
             assert r.status == 200
-        tree = await (await c.get(f"/groups/g{g}/tree")).json()
+        bodies[g] = await (await c.get(f"/groups/g{g}/tree")).read()
+        tree = json.loads(bodies[g])
         assert tree["complete"] and len(tree["leaves"]) == 2
     assert pipeline.retained_bytes < 2 * one  # 24 summaries, not 24 results of ~one each
-    again = await (await c.get("/groups/g0/tree")).json()
+    for g in (8, 11):  # asked again: the same tree, byte for byte
+        assert await (await c.get(f"/groups/g{g}/tree")).read() == bodies[g]
+    again = await (await c.get("/groups/g0/tree")).json()  # past the 4 kept
     assert {m["reason"] for m in again["missing"]} == {"delivered without retention"}
     # a job submitted without waiting keeps its whole result until its client takes it
     job = await submit(c, [long_row(99)], group="h")
@@ -676,3 +684,20 @@ async def test_the_trl_plugin_fetches_the_tree_of_a_group_id_with_url_characters
         await trees.collect(http, {}, [(group, str(c.make_url("")), results, [0, 0])])
     assert trees.stats.fallbacks == 0, trees.stats.last_reason
     assert len(trees._calls[-1]) == 2
+
+
+async def test_a_served_tree_is_answered_again_only_while_its_group_has_the_same_jobs(client, wait_done):
+    """A job that joins the group after its complete tree was served makes a new tree: the kept one does not
+    hold it (the reduced results of the first jobs are then named missing)."""
+    c = await client()
+    for i in range(2):
+        r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [grpo_row(i)]},
+                                           "group_id": "late"})
+        assert r.status == 200
+    first = await (await c.get("/groups/late/tree")).read()
+    assert await (await c.get("/groups/late/tree")).read() == first
+    job = await submit(c, [grpo_row(2)], group="late")
+    await wait_done(c, job)
+    tree = await (await c.get("/groups/late/tree")).json()
+    assert [leaf["job_id"] for leaf in tree["leaves"]] == [job] and not tree["complete"]
+    assert {m["reason"] for m in tree["missing"]} == {"delivered without retention"}
