@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 from typing import Any, Iterator, Optional
 
@@ -25,6 +26,17 @@ def vllm_address(address: Optional[str], model_dir: str, **start_kwargs: Any) ->
         yield server.address
     finally:
         server.stop()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` (a server: it cancels its jobs and closes its sandboxes), SIGKILL it if it is still
+    running after ``grace_s``, and reap it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from _common import stop_process  # noqa: E402 (benchmarks/, the script's folder)
 from prorl_server.stats import percentile  # noqa: E402
 
 
@@ -155,11 +156,7 @@ def main() -> int:
         wall = time.monotonic() - t_train
         rollout.close()
     finally:
-        server_proc.terminate()
-        try:
-            server_proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server_proc.kill()
+        stop_process(server_proc, 30)
         vllm.stop()
 
     rewards = [h.mean_reward for h in rollout.history if h.mean_reward is not None]

@@ -243,12 +243,9 @@ def rollout_server(vllm: str, token: str) -> Iterator[str]:
             time.sleep(0.1)
         yield json.loads(ready.read_text())["url"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        from _common import stop_process  # benchmarks/: imported here so that tests import this module alone
+
+        stop_process(proc, 60)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
