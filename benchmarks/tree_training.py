@@ -37,9 +37,11 @@ For each group: the server's build+verify of the tree on the same results (:func
 and the route's whole work from result JSON, :func:`prorl_server.tree.tree_of_results`, per 100k flat tokens),
 then one forward+backward of a per-row GRPO-style loss (``advantage * sum of the row's generated tokens'
 logprobs``) per row and packed from the tree (:mod:`trainer_plugins.trl.tree_pack`), the best of
-``--repeats``; prints flat and tree tokens, the ratio, both times and the speed-up, the max logprob
-difference and the relative gradient difference, and ends with one JSON line (with the 1-minute load average
-before and after the training steps: the timings are only meaningful on quiet cores; ``source`` and, for the
+``--repeats``; prints flat and tree tokens, the ratio, both times and the speed-up in wall clock and in the
+process's CPU time (``cpu_speedup``: all threads; other sessions' load stretches wall clock by waiting for the
+cores, CPU time hardly), the max logprob difference and the relative gradient difference, and ends with one
+JSON line (with the 1-minute load average before and after the training steps: wall-clock timings are only
+meaningful on quiet cores; ``source`` and, for the
 service, the model, vLLM's version and each group's measured tokens per prompt, turn and observation).
 
 The packed side attends node by node (``--attention tree``, the default:
@@ -433,29 +435,37 @@ def run(name: str, model, results: list[tuple[str, JobResult]], repeats: int, at
     leaf_masks = tree_loss_masks(tree)
     adv = [reward - 0.5 for _, reward in by_leaf]
     packed = pack([(n.parent, n.token_ids) for n in tree.nodes], [leaf.path for leaf in tree.leaves])
-    times = {"rows": [], "packed": []}
+    # wall clock, and the process's CPU time (all its threads): the other sessions' load stretches the first
+    # by waiting for the cores, the second hardly
+    times: dict[str, list[float]] = {"rows": [], "packed": [], "rows_cpu": [], "packed_cpu": []}
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ref = per_row_logprobs(model, rows)
         g_ref = step(model, ref, masks, adv)
         times["rows"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        times["rows_cpu"].append(time.process_time() - c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         mask = ancestor_mask(packed, torch.float32) if attention == "dense" else None
         got, _ = packed_row_logprobs(model, packed, mask=mask)
         g_got = step(model, got, leaf_masks, adv)
         times["packed"].append(time.perf_counter() - t0)
+        times["packed_cpu"].append(time.process_time() - c0)
     delta = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(got, ref))
     rel = float((g_got - g_ref).norm() / g_ref.norm())
     rows_s, packed_s = min(times["rows"]), min(times["packed"])
+    rows_cpu, packed_cpu = min(times["rows_cpu"]), min(times["packed_cpu"])
     out = {"group": name, "attention": attention, "rows": len(rows), "flat_tokens": tree.flat_tokens, "tree_tokens": tree.tree_tokens,
            "tree_token_ratio": round(tree.tree_token_ratio, 3),
            **cost,
            "rows_fwd_bwd_s": round(rows_s, 3), "packed_fwd_bwd_s": round(packed_s, 3),
            "speedup": round(rows_s / packed_s, 2), "ideal": round(1 / tree.tree_token_ratio, 2),
+           "rows_fwd_bwd_cpu_s": round(rows_cpu, 3), "packed_fwd_bwd_cpu_s": round(packed_cpu, 3),
+           "cpu_speedup": round(rows_cpu / packed_cpu, 2),
            "max_logprob_delta": delta, "grad_rel_delta": rel}
     print(f"{name:8} rows {len(rows):3}  flat {tree.flat_tokens:6} -> tree {tree.tree_tokens:6} "
           f"(ratio {tree.tree_token_ratio:.3f}, built+verified {out['build_verify_ms_per_100k']} ms/100k)  "
-          f"fwd+bwd rows {rows_s:.2f} s vs packed ({attention} attention) {packed_s:.2f} s: {out['speedup']}x (ideal {out['ideal']}x)  "
+          f"fwd+bwd rows {rows_s:.2f} s vs packed ({attention} attention) {packed_s:.2f} s: {out['speedup']}x (ideal {out['ideal']}x; "
+          f"CPU time {rows_cpu:.2f} vs {packed_cpu:.2f} s: {out['cpu_speedup']}x)  "
           f"max |dlogp| {delta:.2g}  grad rel {rel:.2g}", flush=True)
     return out
 
