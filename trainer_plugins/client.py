@@ -190,6 +190,9 @@ class StepMetrics:
     ``carried_groups``: groups left queued for the next step, of which ``carried_finished_jobs`` jobs already
     finished and ``carried_inflight_jobs`` still run; ``wasted_rollout_s``: server seconds (counted time) of
     jobs whose result is not trained on; ``mean_reward``: over the consumed groups' samples;
+    ``mean_reward_components``: ``{name: mean value}`` of each reward component (``speed`` with
+    ``completion_time_weight`` > 0, the handler's terms) over the consumed samples that report it, as the TRL
+    plugin logs ``prorl/reward/{name}``;
     ``trainer_wait_s``: how long ``next_batch`` waited for data. ``filtered_jobs``: results with
     ``filter: true`` (not trained on), by ``failure_kinds`` (``{failure_kind: jobs}``; ``rollout_server``
     when the server gave no result, ``draining`` when it refused the job because it leaves); ``samples_regenerated``: new jobs submitted in their place;
@@ -218,6 +221,7 @@ class StepMetrics:
     failure_kinds: dict[str, int] = field(default_factory=dict)
     wasted_rollout_s: float = 0.0
     mean_reward: Optional[float] = None
+    mean_reward_components: dict[str, float] = field(default_factory=dict)
     trainer_wait_s: float = 0.0
     epoch: int = 0
 
@@ -886,6 +890,12 @@ class RolloutClient:
         m.lag = [self.lag(g) for g in taken]
         rewards = [r for g in taken for r in g.rewards]
         m.mean_reward = sum(rewards) / len(rewards) if rewards else None
+        values: dict[str, list[float]] = {}
+        for g in taken:
+            for r in g.results:
+                for name, c in r.reward_components.items():
+                    values.setdefault(name, []).append(c.value)
+        m.mean_reward_components = {name: sum(v) / len(v) for name, v in sorted(values.items())}
         m.trainer_wait_s = waited
         for k in ("submitted_jobs", "cancelled_jobs", "failed_jobs", "dropped_groups", "stale_groups",
                   "regenerated_groups", "waited_groups", "filtered_jobs", "samples_regenerated",

@@ -265,6 +265,10 @@ async def test_client_on_sends_the_group_and_speed_weight_and_gets_outcome_plus_
     assert sorted(r.speed for r in group.results) == pytest.approx(sorted(SPEEDS), abs=1e-9)
     # the rewards DAPO's dynamic sampling compares (all outcomes 1.0) differ by speed alone: the group is kept
     assert sorted(group.rewards) == pytest.approx(sorted(1.0 + w * s for s in SPEEDS), abs=1e-9)
+    # the step's metrics carry each component's mean, as the TRL plugin logs prorl/reward/{name}
+    means = batch.metrics.mean_reward_components
+    assert means["speed"] == pytest.approx(sum(SPEEDS) / len(SPEEDS), abs=1e-9)
+    assert batch.metrics.as_dict()["mean_reward_components"] == means
 
 
 async def test_client_sends_a_filtered_members_replacement_back_to_its_groups_server(start, bodies):
