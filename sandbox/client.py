@@ -164,9 +164,9 @@ class ExecClient:
                 self._writer.write(request)
                 msg = await self._read_response(expect, deadline, op, max_bytes)
                 if msg.get("id") != rid and (msg.get("error") or {}).get("type") == protocol.UNKNOWN_REQUEST:
-                    # The server never got the request before the connection broke: send it again.
+                    # The server never got the request before the connection broke: send it again (counted once
+                    # in `sent`, when it was first sent: one request the server will take once)
                     expect = {rid}
-                    self.sent += 1
                     self._writer.write(protocol.encode({"id": rid, "op": op, "args": args}))
                     msg = await self._read_response(expect, deadline, op, max_bytes)
                 break

@@ -61,3 +61,54 @@ async def test_the_hosts_own_setup_calls_do_not_read_as_tampering(bwrap_runtime)
             assert (await h.bash("echo first", timeout_s=5)).output.strip() == "first"
             assert (await h.bash("echo second", timeout_s=5)).output.strip() == "second"
         await h.close()
+
+
+def _break_the_first_send(client: ExecClient) -> list[bytes]:
+    """The client's next request goes out half (stands for a connection that breaks mid-send, once): the server
+    never decodes it, and the client reconnects, learns so (`unknown request`) and sends it again."""
+    real_write = client._writer.write
+    cut: list[bytes] = []
+
+    def write(data: bytes) -> None:
+        if not cut:
+            cut.append(data)
+            real_write(data[:len(data) // 2])
+            client._writer.transport.abort()
+            return
+        real_write(data)
+
+    client._writer.write = write
+    return cut
+
+
+async def test_a_request_resent_after_a_broken_connection_counts_once(bwrap_runtime):
+    """The host's setup call is resent after a broken connection: it counts once on both sides, so the model's
+    first call is not refused, and a co-tenant's single request after it is still seen (before, the host
+    counted the resent request twice, which hid one request of someone else's)."""
+    async with full_pool(bwrap_runtime) as pool:
+        h = await pool.acquire(SPEC)
+        await h._client.connect(5)
+        cut = _break_the_first_send(h._client)
+        await h.upload("task.txt", b"x")  # a handler's setup, outside the model's accounting
+        assert cut, "the injected break did not happen"
+        served = (await h._client.call("ping", {}, 5))["served"]
+        assert served == h._client.sent
+        with system_seconds():
+            assert (await h.bash("cat task.txt", timeout_s=5)).output.strip() == "x"
+        await h.close()
+
+        h = await pool.acquire(SPEC)
+        await h._client.connect(5)
+        cut = _break_the_first_send(h._client)
+        await h.upload("task.txt", b"x")
+        assert cut
+        cotenant = ExecClient(os.path.join(h._ctx.run_dir, SOCKET_NAME), _never, "co-tenant")
+        try:
+            await cotenant.connect(5)
+            await cotenant.call("bash", {"command": "echo planted > /workspace/planted", "timeout_s": 5}, 10)
+        finally:
+            await cotenant.close()
+        with system_seconds():
+            with pytest.raises(SandboxStartError, match="tampered"):
+                await h.bash("echo hi", timeout_s=5)
+        await h.close()
