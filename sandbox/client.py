@@ -57,8 +57,9 @@ class ExecClient:
         self._ids = itertools.count(1)
         self._reader: Optional[asyncio.StreamReader] = None
         self._writer: Optional[asyncio.StreamWriter] = None
-        #: Requests written to the server, ``result`` reattaches excepted, a resend counted again: never fewer
-        #: than the server took from this client (its ``ping`` answers ``served``, see sandbox.exec_server).
+        #: Requests written to the server, ``result`` reattaches excepted and a request resent after the server
+        #: answered ``unknown request`` counted once: what the server took from this client, which a same-uid
+        #: co-tenant's requests exceed (its ``ping`` answers ``served``, see sandbox.exec_server).
         self.sent = 0
 
     def _died_future(self) -> asyncio.Future:
