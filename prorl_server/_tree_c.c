@@ -403,13 +403,9 @@ static int read_vnode(PyObject *t, PyObject *pcodes, VNode *v) {
     if (left) return -1;
     for (; k < nvr; k++) {  /* only empty runs may follow */
         PyObject *run = PyList_GET_ITEM(vr, k);
-        Py_ssize_t a2, n2;
-        (void)a2;
         if (!(PyTuple_Check(run) || PyList_Check(run)) || PySequence_Fast_GET_SIZE(run) != 2) return -1;
         PyObject *cnt = PySequence_Fast_ITEMS(run)[1];
-        if (!PyLong_Check(cnt)) return -1;
-        n2 = PyLong_AsSsize_t(cnt);
-        if (n2 != 0) return -1;
+        if (!PyLong_Check(cnt) || PyLong_AsSsize_t(cnt) != 0) return -1;
     }
     return 0;
 }
@@ -508,7 +504,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_c", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_c", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__tree_c(void) {
     zero = PyFloat_FromDouble(0.0);
