@@ -37,9 +37,19 @@ typedef struct {
 typedef struct {
     Py_ssize_t start, end, off;  /* row positions [start, end); its positions' provenance at pool[off ...] */
     int row, parent;
-    int *kids;
+    int slot;       /* its index in its parent's kids */
+    int next_same;  /* the parent's next kid with the same first token (other provenance), in kids order; -1 */
+    int *kids;      /* in the order rows first reached them */
     int nkids, capkids;
 } Node;
+
+/* The kids of a node by first token: (parent, token) -> the first such kid (the rest by next_same), open
+ * addressing. A row finds its child in O(1) however many children a node has (a wide group: thousands of
+ * samples branching after one prompt); the table holds every node but the root, so it never fills. */
+typedef struct {
+    long long token;
+    int parent, kid;  /* parent -1: empty */
+} Edge;
 
 typedef struct {
     CRow *rows;
@@ -48,7 +58,19 @@ typedef struct {
     int nnodes, capnodes;
     int *pprov, *psrc;  /* the pool: a node's per-position provenance and the row whose logprob it keeps */
     Py_ssize_t ptop;
+    Edge *edges;
+    size_t emask;  /* capacity - 1 (a power of two) */
 } Build;
+
+static Edge *edge(Build *b, int parent, long long token) {
+    size_t h = ((size_t)token * 0x9E3779B97F4A7C15ULL) ^ ((size_t)parent * 0xC2B2AE3D27D4EB4FULL);
+    for (size_t i = (h ^ (h >> 29)) & b->emask;; i = (i + 1) & b->emask) {
+        Edge *e = &b->edges[i];
+        if (e->parent < 0 || (e->parent == parent && e->token == token)) return e;
+    }
+}
+
+static long long first_token(Build *b, int j) { return b->rows[b->nodes[j].row].tok[b->nodes[j].start]; }
 
 static int compat(int p, int q) { return p == q || p == 0 || q == 0; }
 
@@ -161,6 +183,7 @@ static int new_node(Build *b, int row, Py_ssize_t start, Py_ssize_t end, int par
     }
     Node *x = &b->nodes[b->nnodes];
     x->start = start; x->end = end; x->off = off; x->row = row; x->parent = parent;
+    x->slot = 0; x->next_same = -1;
     x->kids = NULL; x->nkids = x->capkids = 0;
     return b->nnodes++;
 }
@@ -171,19 +194,17 @@ static int insert(Build *b, int r, int *end) {
     Py_ssize_t pos = 0, n = row->n;
     int node = 0;
     while (pos < n) {
-        int child = -1;
-        Node *x = &b->nodes[node];
-        for (int k = 0; k < x->nkids; k++) {
-            Node *c = &b->nodes[x->kids[k]];
-            if (b->rows[c->row].tok[c->start] == row->tok[pos] && compat(row->prov[pos], b->pprov[c->off])) {
-                child = x->kids[k];
-                break;
-            }
-        }
+        int child = -1, last = -1;
+        Edge *e = edge(b, node, row->tok[pos]);
+        for (int k = e->parent < 0 ? -1 : e->kid; k >= 0; last = k, k = b->nodes[k].next_same)
+            if (compat(row->prov[pos], b->pprov[b->nodes[k].off])) { child = k; break; }
         if (child < 0) {  /* a new leaf node: the rest of the row */
             Py_ssize_t off = b->ptop;
             int c = new_node(b, r, pos, n, node, off);
             if (c < 0 || add_kid(&b->nodes[node], c) < 0) return -1;
+            b->nodes[c].slot = b->nodes[node].nkids - 1;
+            if (last >= 0) b->nodes[last].next_same = c;  /* the last kid with this first token */
+            else { e->parent = node; e->token = row->tok[pos]; e->kid = c; }
             for (Py_ssize_t i = pos; i < n; i++) {
                 b->pprov[off + i - pos] = row->prov[i];
                 b->psrc[off + i - pos] = row->prov[i] ? r : -1;
@@ -201,11 +222,17 @@ static int insert(Build *b, int r, int *end) {
             int head = new_node(b, c->row, pos, pos + m, node, c->off);
             if (head < 0) return -1;
             c = &b->nodes[child];  /* new_node may move the nodes */
-            Node *x2 = &b->nodes[node];
-            for (int k = 0; k < x2->nkids; k++)
-                if (x2->kids[k] == child) { x2->kids[k] = head; break; }
-            c->parent = head; c->start = pos + m; c->off += m;
+            Node *h = &b->nodes[head];
+            /* the head takes the child's place: in the parent's kids, and in its first token's chain */
+            b->nodes[node].kids[c->slot] = head;
+            h->slot = c->slot;
+            h->next_same = c->next_same;
+            if (e->kid == child) e->kid = head;
+            else b->nodes[last].next_same = head;  /* last: the kid before the child in the chain */
+            c->parent = head; c->start = pos + m; c->off += m; c->slot = 0; c->next_same = -1;
             if (add_kid(&b->nodes[head], child) < 0) return -1;
+            Edge *e2 = edge(b, head, first_token(b, child));
+            e2->parent = head; e2->token = first_token(b, child); e2->kid = child;
             child = head;
         }
         Py_ssize_t off = b->nodes[child].off;
@@ -281,8 +308,13 @@ static PyObject *build(PyObject *self, PyObject *args) {
     b.psrc = malloc((total ? total : 1) * sizeof(int));
     b.capnodes = 2 * b.nrows + 2;
     b.nodes = malloc(b.capnodes * sizeof(Node));
+    size_t cap = 16;
+    while (cap < 2 * (size_t)b.capnodes) cap *= 2;  /* at most 2 nodes per row: the load stays under 1/2 */
+    b.emask = cap - 1;
+    b.edges = malloc(cap * sizeof(Edge));
+    if (b.edges) for (size_t i = 0; i < cap; i++) b.edges[i].parent = -1;
     ends = malloc((b.nrows ? b.nrows : 1) * sizeof(int));
-    if (!b.pprov || !b.psrc || !b.nodes || !ends) { PyErr_NoMemory(); goto out; }
+    if (!b.pprov || !b.psrc || !b.nodes || !ends || !b.edges) { PyErr_NoMemory(); goto out; }
     new_node(&b, -1, 0, 0, -1, 0);  /* the root */
     Py_BEGIN_ALLOW_THREADS  /* the insertion reads and writes C arrays only: other threads run meanwhile */
     for (int r = 0; r < b.nrows && !failed; r++) failed = insert(&b, r, &ends[r]) < 0;
@@ -327,7 +359,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
 out:
     Py_XDECREF(nodes); Py_XDECREF(paths); Py_XDECREF(pcodes); Py_XDECREF(provs);
     if (b.nodes) for (int j = 0; j < b.nnodes; j++) free(b.nodes[j].kids);
-    free(b.nodes); free(b.pprov); free(b.psrc); free(ends); free(number); free(stack);
+    free(b.nodes); free(b.pprov); free(b.psrc); free(b.edges); free(ends); free(number); free(stack);
     free_rows(b.rows, b.nrows);
     return result;
 }
