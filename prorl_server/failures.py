@@ -131,6 +131,15 @@ class InfrastructureError(Exception):
         self.kind = kind
 
 
+class JobEndedError(RuntimeError):
+    """The job is ending (cancelled, timed out, or the server is stopping): it may take no new resource.
+
+    Raised by :meth:`prorl_server.job.Job.backend` and :meth:`~prorl_server.job.Job.open_sandbox` once the
+    pipeline has started ending the job, so a stage that still runs at that point (a race with a cancel) cannot
+    take a backend slot or a sandbox that nobody would release. Here, below every module that raises or
+    catches it (the gateway answers it as 409 ``job_ended``); ``prorl_server.job`` re-exports it."""
+
+
 class InvalidInstanceError(ValueError):
     """The instance is malformed (a missing or ill-typed field): ``failure_kind="invalid_instance"`` in any
     stage. A plain ``ValueError`` raised in ``init`` is read the same way."""

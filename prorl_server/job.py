@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Optional, T
 
 from prorl_server.types import CriticalError, JobResult, JobState, Timing, TokenStats, Trajectory, TurnRecord
 from prorl_server.cpu_pool import ANSWER_CPU_BUDGET_S
-from prorl_server.failures import is_filtered, preparing_sandbox
+from prorl_server.failures import JobEndedError, is_filtered, preparing_sandbox
 
 if TYPE_CHECKING:
     from prorl_server.balancer import Backend, BackendPool
@@ -94,14 +94,6 @@ class PausableTimer:
 
 
 Closer = Callable[[], Awaitable[None]]
-
-
-class JobEndedError(RuntimeError):
-    """The job is ending (cancelled, timed out, or the server is stopping): it may take no new resource.
-
-    Raised by :meth:`Job.backend` and :meth:`Job.open_sandbox` once the pipeline has started ending the job, so
-    a stage that still runs at that point (a race with a cancel) cannot take a backend slot or a sandbox that
-    nobody would release."""
 
 
 S = TypeVar("S")

@@ -22,7 +22,7 @@ from prorl_server.gateway import anthropic as anthropic_api, responses as respon
 from prorl_server.gateway.protocol import (BODY_BOUNDS, CreateSessionRequest, GatewayError, SessionCreated,
                                            decode_arguments, json_error, parse_chat_request, server_timing,
                                            stream_chunks)
-from prorl_server.job import JobEndedError
+from prorl_server.failures import JobEndedError
 from prorl_server.routes import Route, add_routes
 from sandbox.bounded_json import JsonBoundError, aloads
 
