@@ -225,14 +225,12 @@ async def group_tree(request: web.Request) -> web.Response:
     if not members:
         raise ApiError(404, "unknown_group", f"no job of group {group_id!r} on this server (never submitted, or "
                        "forgotten: the newest keep_finished groups are kept)")
-    members = tuple(members)  # as the tree is built from them (a job may join the group meanwhile)
-    served = pipeline.served_tree(group_id, members)
-    if served is not None:  # asked again (a retry): the complete tree served before, same jobs
-        return web.Response(body=served, content_type="application/json")
     ended: list[tuple[str, bytes]] = []
     missing: list[tuple[str, str]] = []
+    runs: list[tuple[str, Optional[str]]] = []  # each member's run (a job id resubmitted runs again)
     for job_id in members:
         job = pipeline.get(job_id)
+        runs.append((job_id, getattr(job, "trajectory_id", None)))
         if job is None:
             missing.append((job_id, "expired"))
         elif not job.finished:
@@ -246,6 +244,10 @@ async def group_tree(request: web.Request) -> web.Response:
             ended.append((job_id, job.result.model_dump_json().encode()))
         else:
             missing.append((job_id, "ending"))
+    # asked again (a retry): the complete tree served before, while the group holds the same runs of the same jobs
+    served = pipeline.served_tree(group_id, runs)
+    if served is not None:
+        return web.Response(body=served, content_type="application/json")
     overflow = pipeline.group_overflow.get(group_id, 0)
     if overflow:  # jobs the index never held: the tree must not say complete
         missing.append((f"{overflow} more jobs", f"not indexed: a group's tree holds its first {MAX_GROUP_JOBS}"))
@@ -260,7 +262,7 @@ async def group_tree(request: web.Request) -> web.Response:
         log.error("group %s: its tree fails its invariants: %s", group_id, e)
         raise ApiError(500, "tree_invariant", f"the tree of group {group_id!r} fails its invariants: {e}") from None
     if complete:  # the tree the group's trainer wanted is out: its delivered results need not stay whole
-        pipeline.keep_served_tree(group_id, members, body)
+        pipeline.keep_served_tree(group_id, runs, body)
         pipeline.release_group(group_id)
     return web.Response(body=body, content_type="application/json")
 

@@ -121,10 +121,10 @@ class Pipeline:
         #: complete tree of it is served before (``release_group``)
         self.group_retention_s = group_retention_s
         self._group_ends: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # oldest first
-        #: group id -> (its members then, the JSON answered) of the newest groups whose complete tree was served
+        #: group id -> (its members' runs then, the JSON answered) of the newest groups whose complete tree was served
         #: (:meth:`keep_served_tree`): a repeated GET, such as a client's retry, answers the same tree after
         #: :meth:`release_group` reduced the results it was built from
-        self._served_trees: "collections.OrderedDict[str, tuple[tuple[str, ...], bytes]]" = collections.OrderedDict()
+        self._served_trees: "collections.OrderedDict[str, tuple[tuple, bytes]]" = collections.OrderedDict()
         self._served_tree_bytes = 0
         #: the server's :class:`~prorl_server.journal.store.Journal`, or None: with one, a job's request, states and
         #: result are recorded, a result is answered only once committed, and job ids are idempotent
@@ -285,9 +285,10 @@ class Pipeline:
                     del self._job_groups[old_id]
             self._drop_served_tree(old_group)
 
-    def keep_served_tree(self, group_id: str, members: Sequence[str], body: bytes) -> None:
+    def keep_served_tree(self, group_id: str, members: Sequence[tuple[str, Optional[str]]], body: bytes) -> None:
         """Keep the complete tree of ``group_id`` just served (``body``, its JSON, built from the results of
-        ``members``) for :meth:`served_tree`: the newest :data:`SERVED_TREES` groups' and at most
+        ``members``: ``(job id, trajectory id)``, the run of each job, as the route saw them before the build)
+        for :meth:`served_tree`: the newest :data:`SERVED_TREES` groups' and at most
         :data:`SERVED_TREE_BYTES` bytes in all (a larger tree is not kept: a repeated GET then names its
         reduced results missing, as before)."""
         self._drop_served_tree(group_id)
@@ -299,9 +300,10 @@ class Pipeline:
             _, (_, old) = self._served_trees.popitem(last=False)
             self._served_tree_bytes -= len(old)
 
-    def served_tree(self, group_id: str, members: Sequence[str]) -> Optional[bytes]:
-        """The JSON of the complete tree of ``group_id`` served before, while the group still has exactly the
-        jobs it was built from (a job that joined since needs a new tree), else None."""
+    def served_tree(self, group_id: str, members: Sequence[tuple[str, Optional[str]]]) -> Optional[bytes]:
+        """The JSON of the complete tree of ``group_id`` served before, while the group still holds exactly the
+        runs it was built from (``(job id, trajectory id)``: a job that joined since, or a job id resubmitted
+        and run again, needs a new tree), else None."""
         kept = self._served_trees.get(group_id)
         return kept[1] if kept is not None and kept[0] == tuple(members) else None
 

@@ -701,3 +701,23 @@ async def test_a_served_tree_is_answered_again_only_while_its_group_has_the_same
     tree = await (await c.get("/groups/late/tree")).json()
     assert [leaf["job_id"] for leaf in tree["leaves"]] == [job] and not tree["complete"]
     assert {m["reason"] for m in tree["missing"]} == {"delivered without retention"}
+
+
+async def test_a_job_id_run_again_in_its_group_gets_a_new_tree_not_the_kept_one(client):
+    """Red team (session 14, row 2): a job id of the group resubmitted after the group's complete tree was served
+    runs again with other rows; the next GET must build the tree of the new run, not answer the kept one."""
+    c = await client()
+    for job_id, i in (("re-a", 0), ("re-b", 1)):
+        r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [grpo_row(i)]},
+                                           "group_id": "re", "job_id": job_id})
+        assert r.status == 200, await r.text()
+    first = await (await c.get("/groups/re/tree")).json()
+    assert first["complete"]
+    r = await c.post("/process", json={"instance": {"data_source": "rows", "rows": [grpo_row(5)], "reward": 1.0},
+                                       "group_id": "re", "job_id": "re-a"})
+    assert r.status == 200, await r.text()
+    rerun = (await r.json())["trajectories"][0]
+    assert rerun["response_ids"] == grpo_row(5)["response_ids"] != grpo_row(0)["response_ids"]  # it ran again
+    tree = await (await c.get("/groups/re/tree")).json()
+    leaf = next(leaf for leaf in tree["leaves"] if leaf["job_id"] == "re-a")
+    assert rebuild(tree, leaf)[0] == rerun["prompt_ids"] + rerun["response_ids"] and leaf["reward"] == 1.0
