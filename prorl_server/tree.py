@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from prorl_server.types import (GroupTree, JobResult, MissingJob, TreeLeaf, TreeNode, mask_runs, runs_slice,
+from prorl_server.types import (GroupTree, JobResult, MissingJob, RunCursor, TreeLeaf, TreeNode, mask_runs,
                                 sampled_runs_versions)
 
 try:  # the same build and check, compiled, for groups without routed experts (prorl_server/_tree_c.c)
@@ -194,6 +194,7 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
             continue
         runs: list[tuple[int, int, Any]] = [(0, P, ctx)]
         s = 0  # generated tokens before the segment
+        cursor = RunCursor(versions)  # the version runs of the segments in turn, read once
         for i, j, sampled in segments:
             if not sampled:
                 runs.append((P + i, P + j, ctx))
@@ -202,7 +203,7 @@ def rows_of(job_id: str, result: JobResult) -> list[Row]:
                 runs += [(P + i + q, P + i + q + 1, tag) for q, tag in enumerate(tags[s:s + j - i])]
             else:
                 at = P + i
-                for v, c in runs_slice(versions, s, j - i):
+                for v, c in cursor.take(j - i):
                     runs.append((at, at + c, (v,)))
                     at += c
             s += j - i
@@ -222,13 +223,14 @@ class _Node:
     behaviour logprobs and routes a sampled run keeps (the first row that sampled it; -1 for context).
     ``children``: first token -> the children starting with it (rarely more than one: other provenance)."""
 
-    __slots__ = ("row", "start", "end", "parent", "children", "runs")
+    __slots__ = ("row", "start", "end", "parent", "children", "runs", "slot")
 
     def __init__(self, row: int, start: int, end: int, parent: Optional["_Node"],
                  runs: list[tuple[int, int, Any, int]]) -> None:
         self.row, self.start, self.end, self.parent = row, start, end, parent
         self.children: dict[int, list[_Node]] = {}
         self.runs = runs
+        self.slot = 0  # its index among its parent's children in order (a split replaces it there in O(1))
 
 
 def _row_runs(row: Row, r: int, a: int, b: int) -> list[tuple[int, int, Any, int]]:
@@ -369,6 +371,7 @@ def _build_python(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJ
             if child is None:
                 child = _Node(r, pos, n, node, _row_runs(row, r, pos, n))
                 node.children.setdefault(row.ids[pos], []).append(child)
+                child.slot = len(order[node])
                 order[node].append(child)
                 order[child] = []
                 node, pos = child, n
@@ -383,8 +386,8 @@ def _build_python(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJ
                 head = _Node(child.row, child.start, child.start + m, node, head_runs)
                 siblings = node.children[row.ids[pos]]
                 siblings[siblings.index(child)] = head
-                kids = order[node]
-                kids[kids.index(child)] = head
+                order[node][child.slot] = head
+                head.slot, child.slot = child.slot, 0
                 child.parent, child.start = head, child.start + m
                 head.children[owner.ids[child.start]] = [child]
                 order[head] = [child]
@@ -414,7 +417,9 @@ def _build_python(group_id: str, rows: Sequence[Row], missing: Sequence[MissingJ
             if by.routes is not None:
                 i = bisect.bisect_right(by.run_starts, a) - 1
                 k = by.gen_before[i] + a - by.runs[i][0]
-                routes = (routes or []) + by.routes[k:k + b - a]
+                if routes is None:
+                    routes = []
+                routes += by.routes[k:k + b - a]  # in place: a routed row has a run per token
             a, b = a - x.start, b - x.start
             if sampled and sampled[-1][1] == a:
                 sampled[-1] = (sampled[-1][0], b)
@@ -476,6 +481,7 @@ def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
     one = (version_runs[0][0],) if routes is None and len(version_runs) == 1 else None
     out: list[tuple[int, int, Optional[tuple]]] = []
     at = k = 0  # node offset after the last sampled run; generated tokens before it
+    cursor = RunCursor(version_runs)  # the version runs of the sampled runs in turn, read once
     for s, e in sampled:
         if not at <= s <= e <= L or (s == e and s != L):
             raise ValueError(f"node {node.id}'s sampled run [{s}, {e}) is out of order or leaves it")
@@ -486,11 +492,11 @@ def _node_runs(node: TreeNode) -> list[tuple[int, int, Optional[tuple]]]:
             out.append((d + s, d + e, one))
         elif routes is None:
             q = s
-            for v, c in runs_slice(version_runs, k, e - s):
+            for v, c in cursor.take(e - s):
                 out.append((d + q, d + q + c, (v,)))
                 q += c
         else:
-            versions = [v for v, c in runs_slice(version_runs, k, e - s) for _ in range(c)]
+            versions = [v for v, c in cursor.take(e - s) for _ in range(c)]
             out += [(d + s + q, d + s + q + 1, (v, json.dumps(r, separators=(",", ":"))))
                     for q, (v, r) in enumerate(zip(versions, routes[k:k + e - s]))]
         k += e - s

@@ -11,7 +11,7 @@ import itertools
 import json
 import re
 from collections import OrderedDict
-from typing import Annotated, Any, Literal, Optional, TypeVar
+from typing import Annotated, Any, Literal, Optional, Sequence, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
                       computed_field, field_validator, model_validator)
@@ -495,22 +495,34 @@ def mask_runs(mask: list[int], n: int) -> list[tuple[int, int, bool]]:
     return out
 
 
-def runs_slice(runs: list, start: int, n: int) -> list[list]:
-    """The run-length encoding ``[[value, count], ...]`` of positions ``[start, start + n)`` of the sequence
-    ``runs`` encodes (positions past its end are left out)."""
-    out: list[list] = []
-    pos = 0
-    for v, c in runs:
-        a, b = max(pos, start), min(pos + c, start + n)
-        if a < b:
-            if out and out[-1][0] == v:
-                out[-1][1] += b - a
-            else:
-                out.append([v, b - a])
-        pos += c
-        if pos >= start + n:
-            break
-    return out
+class RunCursor:
+    """Reads a run-length encoding ``[[value, count], ...]`` front to back: :meth:`take` gives the encoding of
+    the next ``n`` positions, merged (positions past its end are left out). Callers that read consecutive spans
+    (a trajectory's sampled segments, a node's sampled runs) walk the runs once in all; slicing from the start
+    for each span was quadratic in segments x version runs (a red team's one-token turns, a version each: 5.7 s
+    for a 10k-token row)."""
+
+    __slots__ = ("runs", "i", "used")
+
+    def __init__(self, runs: Sequence[Sequence[Any]]) -> None:
+        self.runs, self.i, self.used = runs, 0, 0
+
+    def take(self, n: int) -> list[list]:
+        out: list[list] = []
+        runs = self.runs
+        while n > 0 and self.i < len(runs):
+            v, c = runs[self.i]
+            k = min(c - self.used, n)
+            if k > 0:
+                if out and out[-1][0] == v:
+                    out[-1][1] += k
+                else:
+                    out.append([v, k])
+                n -= k
+                self.used += k
+            if self.used >= c:
+                self.i, self.used = self.i + 1, 0
+        return out
 
 
 #: Bounds on a routed-expert record (MoE routing replay, R3), checked where a backend's answer is read
@@ -643,10 +655,11 @@ class Trajectory(BaseModel):
         whole = _int64_bytes(self.response_ids)  # sliced per segment: one conversion, not one per segment
         response = memoryview(whole) if whole is not None else None
         k = 0  # generated tokens before this span
+        cursor = RunCursor(versions)
         for i, j, sampled in runs:
             provenance = null
             if sampled:
-                provenance = json.dumps({"v": runs_slice(versions, k, j - i),
+                provenance = json.dumps({"v": cursor.take(j - i),
                                          "r": routes[k:k + j - i] if isinstance(routes, list) else None},
                                         separators=(",", ":"), default=repr).encode()
                 k += j - i
