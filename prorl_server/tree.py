@@ -702,12 +702,20 @@ def group_tree(group_id: str, results: Sequence[tuple[str, JobResult]],
 def tree_of_results(group_id: str, ended: Sequence[tuple[str, bytes]],
                     missing: Sequence[tuple[str, str]] = ()) -> GroupTree:
     """The route's work, off the event loop: parse the ended jobs' results (``(job_id, result JSON)``), leave
-    out the filtered ones and those without trajectories (named in ``missing`` with why), then
+    out the filtered ones, those without trajectories and those that do not parse (a handler that recorded a
+    non-finite logprob: JSON holds it as null; named in ``missing`` with why), then
     :func:`group_tree`. Raises :class:`TreeInvariantError` as :func:`group_tree` does."""
     gone = [MissingJob(job_id=j, reason=r) for j, r in missing]
     results = []
     for job_id, body in ended:
-        result = JobResult.model_validate_json(body)
+        try:
+            result = JobResult.model_validate_json(body)
+        except ValueError as e:  # pydantic's ValidationError: e.g. a non-finite logprob, stored as null
+            first = e.errors()[0] if hasattr(e, "errors") else {}
+            where = ".".join(str(x) for x in first.get("loc", ()))
+            gone.append(MissingJob(job_id=job_id, reason=f"its result does not parse: {where}: "
+                                                         f"{first.get('msg', str(e))}"[:300]))
+            continue
         if result.filter:
             gone.append(MissingJob(job_id=job_id, reason=f"filtered: {result.failure_kind or 'by its handler'}"))
         elif not result.trajectories:

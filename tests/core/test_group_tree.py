@@ -721,3 +721,20 @@ async def test_a_job_id_run_again_in_its_group_gets_a_new_tree_not_the_kept_one(
     tree = await (await c.get("/groups/re/tree")).json()
     leaf = next(leaf for leaf in tree["leaves"] if leaf["job_id"] == "re-a")
     assert rebuild(tree, leaf)[0] == rerun["prompt_ids"] + rerun["response_ids"] and leaf["reward"] == 1.0
+
+
+def test_a_result_with_a_non_finite_logprob_is_named_missing_and_the_rest_of_the_tree_served():
+    """Red team (session 14, row 1): a handler recorded a NaN behaviour logprob; the server stores it as JSON
+    null, which does not parse back. The whole group's tree answered 500 internal_error every time; now that
+    job is named in `missing` with why and the others' tree is served."""
+    from prorl_server.tree import tree_of_results
+
+    good = result("a", [grpo_row(0)])
+    row = grpo_row(1)
+    row["response_logprobs"] = [float("nan")] + row["response_logprobs"][1:]
+    bad = result("b", [row])
+    assert b"null" in bad.model_dump_json().encode()
+    tree = tree_of_results("g", [("a", good.model_dump_json().encode()), ("b", bad.model_dump_json().encode())])
+    assert [leaf.job_id for leaf in tree.leaves] == ["a"] and not tree.complete
+    (gone,) = tree.missing
+    assert gone.job_id == "b" and gone.reason.startswith("its result does not parse: trajectories.0.response_logprobs")
