@@ -516,6 +516,11 @@ def build_components(settings: ServerSettings, registry: HandlerRegistry,
     elif (settings.journal or "").lower() == "auto":  # prorl-server's default, with --port 0 (the launcher's)
         log.warning("journal: off (auto needs a fixed --port; with --port 0 give --journal PATH): a crash of "
                     "this server loses the results of its jobs in flight and ones not yet delivered")
+    from prorl_server import tree
+
+    if tree._tree_c is None:  # an install without a C compiler: trees work, slower
+        log.warning("group trees: built in Python (prorl_server._tree_c is not compiled: reinstall with a C "
+                    "compiler, `pip install -e .`); GET /groups/{id}/tree is 2-10x slower")
     return Components(settings=settings, registry=registry, metrics=m, pool=pool, loop_monitor=monitor,
                       runtime=runtime, own_runtime=own_runtime, cpu_pool=cpu_pool, llm=llm, gateway=gateway,
                       services=services, pipeline=pipeline, collector=collector, journal=journal,

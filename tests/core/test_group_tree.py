@@ -559,7 +559,7 @@ def test_the_tree_route_is_authorized_like_the_job_routes():
 
 def test_the_install_builds_the_compiled_tree_module():
     """`pip install -e .` (the README's install) compiles it; without it every tree is built in Python, about
-    2x slower (benchmarks/tree_training.py). setup.py marks it optional, so only this test says it is missing."""
+    2-10x slower (benchmarks/tree_training.py). setup.py marks it optional, so only this test says it is missing."""
     assert tree_module._tree_c is not None, "prorl_server/_tree_c.c was not compiled: run `pip install -e .` again"
 
 
@@ -738,3 +738,17 @@ def test_a_result_with_a_non_finite_logprob_is_named_missing_and_the_rest_of_the
     assert [leaf.job_id for leaf in tree.leaves] == ["a"] and not tree.complete
     (gone,) = tree.missing
     assert gone.job_id == "b" and gone.reason.startswith("its result does not parse: trajectories.0.response_logprobs")
+
+
+def test_a_server_without_the_compiled_tree_module_says_so_at_start(monkeypatch, caplog):
+    """Red team (session 14, row 7): an install without a C compiler went on silently (pip shows its warning
+    only with -v); the server now says at start that its trees are built in Python."""
+    import logging
+
+    from prorl_server.app import create_app
+    from prorl_server.config import ServerSettings
+
+    monkeypatch.setattr(tree_module, "_tree_c", None)
+    with caplog.at_level(logging.WARNING, logger="prorl_server.app"):
+        create_app(ServerSettings(health_interval_s=3600))
+    assert any("prorl_server._tree_c is not compiled" in r.getMessage() for r in caplog.records)
