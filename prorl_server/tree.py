@@ -647,13 +647,34 @@ def verify_tree(tree: GroupTree, rows: Sequence[Row]) -> float:
                 for k, (a, b) in enumerate(zip(got, theirs)):
                     d = abs(a - b)
                     if not math.isfinite(d):
-                        raise fail(s + k, f"row's behaviour logprob is not finite (node "
+                        raise fail(s + k, f"row's and node's behaviour logprobs differ by a non-finite amount (node "
                                           f"{_node_at(nodes, leaf.path, s + k)})")
                     spread = max(spread, d)
     if tree.flat_tokens != sum(len(r.ids) for r in rows) or tree.tree_tokens != sum(len(x.token_ids)
                                                                                      for x in nodes):
         raise ValueError("the tree's token counts are wrong")
+    _check_numbering(tree, rows)  # after the walks, whose failures name a leaf and a position
     return spread
+
+
+def _check_numbering(tree: GroupTree, rows: Sequence[Row]) -> None:
+    """What neither check's walk along the leaves' paths covers: each node's ``id`` is its index, every node lies
+    on some leaf's path (an orphan would be counted in ``tree_tokens`` and packed by a trainer), and each leaf's
+    reward is its row's (red team, session 14). Raises ValueError or :class:`TreeInvariantError`."""
+    nodes = tree.nodes
+    for i, x in enumerate(nodes):
+        if x.id != i:
+            raise ValueError(f"node {i} has id {x.id}")
+    reached = bytearray(len(nodes))
+    for leaf, row in zip(tree.leaves, rows):
+        if leaf.reward != row.reward:
+            raise TreeInvariantError(row.job_id, row.index, 0, f"the leaf's reward {leaf.reward!r} is not its "
+                                                               f"row's {row.reward!r}")
+        for nid in leaf.path:
+            if 0 <= nid < len(nodes):
+                reached[nid] = 1
+    if 0 in reached:
+        raise ValueError(f"node {reached.index(0)} is on no leaf's path")
 
 
 def _verify_c(tree: GroupTree, rows: Sequence[Row]) -> Optional[float]:
@@ -666,6 +687,10 @@ def _verify_c(tree: GroupTree, rows: Sequence[Row]) -> Optional[float]:
     at each of them the node's generation under the row's version and the behaviour logprob."""
     crows = _c_rows(rows)
     if crows is None or any(leaf.sampled is None for leaf in tree.leaves):
+        return None
+    try:
+        _check_numbering(tree, rows)
+    except ValueError:  # TreeInvariantError too: the Python check names it, after its own walks
         return None
     for leaf, row in zip(tree.leaves, rows):
         if (leaf.job_id, leaf.trajectory_index, leaf.prompt_len, leaf.length) != (

@@ -752,3 +752,28 @@ def test_a_server_without_the_compiled_tree_module_says_so_at_start(monkeypatch,
     with caplog.at_level(logging.WARNING, logger="prorl_server.app"):
         create_app(ServerSettings(health_interval_s=3600))
     assert any("prorl_server._tree_c is not compiled" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_wrong_leaf_reward_a_node_id_off_its_index_and_an_orphan_node_are_refused(monkeypatch, compiled):
+    """Red team (session 14, row 14): neither check looked at these (both walk the leaves' paths only)."""
+    if not compiled:
+        monkeypatch.setattr(tree_module, "_tree_c", None)
+    results = [("a", result("a", [grpo_row(0)], reward=0.0)), ("b", result("b", [grpo_row(1)], reward=1.0))]
+    rows = [r for j, x in results for r in rows_of(j, x)]
+    good = build_tree("g", rows)
+    verify_tree(good, rows)
+    bad = good.model_copy(deep=True)
+    bad.leaves[1].reward = 0.0
+    with pytest.raises(TreeInvariantError, match="trajectory 0: the leaf's reward 0.0 is not its row's 1.0"):
+        verify_tree(bad, rows)
+    bad = good.model_copy(deep=True)
+    bad.nodes[1].id = 7
+    with pytest.raises(ValueError, match="node 1 has id 7"):
+        verify_tree(bad, rows)
+    bad = good.model_copy(deep=True)
+    orphan = bad.nodes[-1].model_copy(update={"id": len(bad.nodes), "parent": None, "depth": 0})
+    bad.nodes.append(orphan)
+    bad.tree_tokens += len(orphan.token_ids)
+    with pytest.raises(ValueError, match=f"node {orphan.id} is on no leaf's path"):
+        verify_tree(bad, rows)
