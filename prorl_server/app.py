@@ -217,7 +217,7 @@ async def group_tree(request: web.Request) -> web.Response:
     """``GET /groups/{group_id}/tree``: the verified prefix tree of the rows of the group's ended jobs
     (:mod:`prorl_server.tree`, issue #34); the jobs without rows (running, filtered, expired) are named in
     ``missing``. Results are parsed, the tree built, verified and serialized in a worker thread."""
-    from prorl_server.tree import TreeInvariantError, tree_of_results
+    from prorl_server.tree import TreeInvariantError, tree_json, tree_of_results
 
     group_id = request.match_info["group_id"]
     pipeline = request.app[PIPELINE]
@@ -254,7 +254,7 @@ async def group_tree(request: web.Request) -> web.Response:
 
     def build() -> tuple[bool, bytes]:
         tree = tree_of_results(group_id, ended, missing)
-        return tree.complete, tree.model_dump_json().encode()
+        return tree.complete, tree_json(tree)
 
     try:  # parsed, built, verified and serialized in a worker thread: a big group never holds the loop
         complete, body = await asyncio.to_thread(build)

@@ -724,6 +724,32 @@ def group_tree(group_id: str, results: Sequence[tuple[str, JobResult]],
     return tree
 
 
+#: What a tree without nodes and leaves serializes to between ``format_version`` and ``missing`` (pydantic writes
+#: fields in declaration order; a string field cannot hold it unescaped).
+_EMPTY_PARTS = b'"nodes":[],"leaves":[]'
+
+
+def tree_json(tree: GroupTree) -> bytes:
+    """``tree.model_dump_json()`` as bytes, byte for byte, serialized a node and a leaf at a time: one pydantic
+    call for a whole tree of tens of MB holds the GIL throughout (~6 ms per MB: a 34 MB tree held the event
+    loop 192 ms while a worker thread wrote it, a red team's finding), while between calls the loop gets its
+    turn. A single node is still one call."""
+    head = tree.model_copy(update={"nodes": [], "leaves": []}).model_dump_json().encode()
+    i = head.index(_EMPTY_PARTS)
+    parts = [head[:i], b'"nodes":[']
+    for k, x in enumerate(tree.nodes):
+        if k:
+            parts.append(b",")
+        parts.append(x.__pydantic_serializer__.to_json(x))
+    parts.append(b'],"leaves":[')
+    for k, leaf in enumerate(tree.leaves):
+        if k:
+            parts.append(b",")
+        parts.append(leaf.__pydantic_serializer__.to_json(leaf))
+    parts += [b"]", head[i + len(_EMPTY_PARTS):]]
+    return b"".join(parts)
+
+
 def tree_of_results(group_id: str, ended: Sequence[tuple[str, bytes]],
                     missing: Sequence[tuple[str, str]] = ()) -> GroupTree:
     """The route's work, off the event loop: parse the ended jobs' results (``(job_id, result JSON)``), leave
